@@ -1,0 +1,112 @@
+// Paged KV-cache blocks (ref counts, free pool, prefix caching) and recurrent-state slots.
+//
+// Invariants (asserted by check_invariants and by the property tests):
+//  - every block is either in use (ref_count > 0, in no free list) or free (ref_count 0, in exactly
+//    one of: the uncached stack, the LRU list of cached blocks);
+//  - a hash entry maps to a block whose stored tokens, parent hash and salt produced that hash;
+//  - a hash is published only for full blocks of committed tokens whose KV the forward wrote;
+//  - a request writes only into blocks it holds alone (ref_count == 1).
+#pragma once
+
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+#include "common.h"
+
+namespace pyengine {
+
+// Per-request allocation state. Plain data, owned by the Sequence (or by the test-facing map).
+struct KVAllocation {
+  std::vector<int32_t> block_table;
+  int32_t num_hashed_blocks = 0;  // watermark: blocks [0, n) are published or were prefix hits
+  uint64_t last_block_hash = 0;   // chain parent for block num_hashed_blocks
+  int64_t cache_salt = 0;         // extra key mixed into every hash of this request
+  std::vector<int32_t> state_slots;  // recurrent-state slots (hybrid models), 1 + k of them
+  bool allocated = false;
+};
+
+struct PrefixMatch {
+  std::vector<int32_t> hit_blocks;  // block ids matching the first full blocks of the prompt
+  int32_t num_hits_on_free = 0;     // of those, how many have ref 0 (claiming consumes free capacity)
+  uint64_t last_hash = 0;           // chain hash of the last hit block
+};
+
+class BlockManager {
+ public:
+  BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching,
+               int32_t num_state_slots, int32_t state_slots_per_seq);
+
+  // The one allocation formula: new blocks needed so that positions [0, end) are covered.
+  int64_t blocks_needed(const KVAllocation& alloc, int64_t end) const {
+    int64_t need = ceil_div(end, block_size_) - static_cast<int64_t>(alloc.block_table.size());
+    return need > 0 ? need : 0;
+  }
+
+  // Admission of a prompt (or a preempted request's tokens): side-effect free check and the apply.
+  // lookahead: positions beyond the tokens that the first decode/verify step may write.
+  bool can_allocate(const int32_t* tokens, int64_t num_tokens, int64_t lookahead, int64_t salt) const;
+  // Returns the number of cached (prefix-hit) tokens; always < num_tokens.
+  int64_t allocate(KVAllocation& alloc, const int32_t* tokens, int64_t num_tokens, int64_t lookahead,
+                   int64_t salt);
+
+  // A step writing positions [num_computed, num_computed + n).
+  bool can_append(const KVAllocation& alloc, int64_t num_computed, int64_t n) const {
+    return blocks_needed(alloc, num_computed + n) <= num_free_blocks();
+  }
+  void append(KVAllocation& alloc, int64_t num_computed, int64_t n);
+
+  // Publish hashes for every full block in [watermark, num_valid / B), where num_valid =
+  // min(num_computed, num_committed_tokens): KV written and tokens committed.
+  void cache_full_blocks(KVAllocation& alloc, const int32_t* tokens, int64_t num_valid);
+
+  void free(KVAllocation& alloc);
+
+  int32_t num_free_blocks() const {
+    return static_cast<int32_t>(free_uncached_.size()) + lru_size_;
+  }
+  int32_t num_blocks() const { return static_cast<int32_t>(blocks_.size()); }
+  int32_t block_size() const { return block_size_; }
+  int32_t num_free_state_slots() const { return static_cast<int32_t>(free_state_slots_.size()); }
+  int32_t state_slots_per_seq() const { return state_slots_per_seq_; }
+  bool prefix_caching() const { return enable_prefix_caching_; }
+
+  // Introspection for tests.
+  int32_t ref_count(int32_t block_id) const;
+  bool block_has_hash(int32_t block_id) const;
+  std::vector<int32_t> block_tokens(int32_t block_id) const;
+  std::vector<int32_t> hashed_block_ids() const;  // blocks the hash table points to
+  // Verifies the free-pool and hash-table invariants; tables = all live allocations.
+  void check_invariants(const std::vector<const KVAllocation*>& tables) const;
+
+ private:
+  struct Block {
+    int32_t ref_count = 0;
+    bool has_hash = false;
+    uint64_t hash = 0;
+    uint64_t parent_hash = 0;
+    int64_t salt = 0;
+    std::vector<int32_t> tokens;  // the block's tokens when hashed, for the equality check on a hit
+    int32_t lru_prev = -1, lru_next = -1;
+    bool in_lru = false;
+  };
+
+  uint64_t hash_block(uint64_t parent, const int32_t* tokens, int64_t salt) const;
+  PrefixMatch match_prefix(const int32_t* tokens, int64_t num_tokens, int64_t salt) const;
+  int32_t take_free_block();
+  void release_block(int32_t block_id);
+  void lru_push_back(int32_t id);
+  void lru_remove(int32_t id);
+
+  int32_t block_size_;
+  bool enable_prefix_caching_;
+  int32_t state_slots_per_seq_;
+  std::vector<Block> blocks_;
+  std::vector<int32_t> free_uncached_;  // stack of free blocks without a hash
+  int32_t lru_head_ = -1, lru_tail_ = -1, lru_size_ = 0;  // free cached blocks, oldest first
+  std::unordered_map<uint64_t, int32_t> hash_to_block_;
+  std::vector<int32_t> free_state_slots_;
+  int32_t num_state_slots_;
+};
+
+}  // namespace pyengine

@@ -1,0 +1,60 @@
+"""Builds pyengine and its extension pyengine._C by driving CMake (pybind11, ninja when available)."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str) -> None:
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        import pybind11
+
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(self.build_temp).resolve() / ext.name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cfg = "Debug" if self.debug else "Release"
+        args = [
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DCMAKE_BUILD_TYPE={cfg}",
+            f"-DPYENGINE_KERNELS={os.environ.get('PYENGINE_KERNELS', 'AUTO')}",
+        ]
+        if shutil.which("ninja"):
+            args.append("-GNinja")
+        subprocess.run(["cmake", str(ROOT), *args], cwd=build_dir, check=True)
+        jobs = str(os.cpu_count() or 2)
+        subprocess.run(["cmake", "--build", ".", "--parallel", jobs], cwd=build_dir, check=True)
+
+
+setup(
+    name="pyengine",
+    version="0.1.0",
+    description="A compact LLM inference engine with lossless speculative decoding",
+    packages=find_packages(include=["pyengine", "pyengine.*"]),
+    ext_modules=[CMakeExtension("pyengine._C")],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.10",
+    install_requires=[
+        "torch",
+        "numpy",
+        "gguf>=0.10",
+        "tokenizers>=0.19",
+        "safetensors",
+        "jinja2",
+        "tqdm",
+    ],
+    extras_require={"test": ["pytest", "hypothesis", "scipy", "transformers>=4.45"]},
+    zip_safe=False,
+)
