@@ -28,6 +28,8 @@ BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_p
   PE_CHECK(num_state_slots >= 0 && state_slots_per_seq >= 0, "state slot counts must be >= 0");
   PE_CHECK(state_slots_per_seq == 0 || num_state_slots >= state_slots_per_seq,
            "num_state_slots (", num_state_slots, ") < state_slots_per_seq (", state_slots_per_seq, ")");
+  block_tokens_.assign(static_cast<size_t>(blocks_.size()) * block_size, 0);
+  hash_to_block_.reserve(blocks_.size());
   free_uncached_.reserve(num_blocks);
   for (int32_t i = num_blocks - 1; i >= 0; --i) free_uncached_.push_back(i);  // pops 0, 1, 2, ...
   for (int32_t i = num_state_slots - 1; i >= 0; --i) free_state_slots_.push_back(i);
@@ -35,7 +37,13 @@ BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_p
 
 uint64_t BlockManager::hash_block(uint64_t parent, const int32_t* tokens, int64_t salt) const {
   uint64_t h = mix64(parent ^ 0x9e3779b97f4a7c15ULL) ^ mix64(static_cast<uint64_t>(salt) + 0x632be59bd9b4e019ULL);
-  for (int32_t i = 0; i < block_size_; ++i)
+  int32_t i = 0;
+  for (; i + 1 < block_size_; i += 2) {  // two tokens per mixing round
+    uint64_t pair = static_cast<uint64_t>(static_cast<uint32_t>(tokens[i])) |
+                    (static_cast<uint64_t>(static_cast<uint32_t>(tokens[i + 1])) << 32);
+    h = mix64(h ^ (pair + 0x2545f4914f6cdd1dULL * (i + 1)));
+  }
+  if (i < block_size_)
     h = mix64(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(tokens[i])) + 0x2545f4914f6cdd1dULL * (i + 1)));
   return h;
 }
@@ -55,7 +63,7 @@ PrefixMatch BlockManager::match_prefix(const int32_t* tokens, int64_t num_tokens
     const Block& b = blocks_[it->second];
     // Equality check: a 64-bit collision must never serve another prefix's KV.
     if (b.parent_hash != parent || b.salt != salt ||
-        std::memcmp(b.tokens.data(), blk, sizeof(int32_t) * block_size_) != 0)
+        std::memcmp(tokens_of(it->second), blk, sizeof(int32_t) * block_size_) != 0)
       break;
     m.hit_blocks.push_back(it->second);
     if (b.ref_count == 0) ++m.num_hits_on_free;
@@ -135,7 +143,7 @@ void BlockManager::cache_full_blocks(KVAllocation& alloc, const int32_t* tokens,
       b.hash = h;
       b.parent_hash = alloc.last_block_hash;
       b.salt = alloc.cache_salt;
-      b.tokens.assign(blk, blk + block_size_);
+      std::copy_n(blk, block_size_, block_tokens_.begin() + static_cast<size_t>(id) * block_size_);
     }
     alloc.last_block_hash = h;
   }
@@ -163,7 +171,6 @@ int32_t BlockManager::take_free_block() {
     auto it = hash_to_block_.find(b.hash);
     if (it != hash_to_block_.end() && it->second == id) hash_to_block_.erase(it);
     b.has_hash = false;
-    b.tokens.clear();
   }
   Block& b = blocks_[id];
   PE_ASSERT(b.ref_count == 0);
@@ -213,7 +220,8 @@ bool BlockManager::block_has_hash(int32_t id) const {
 
 std::vector<int32_t> BlockManager::block_tokens(int32_t id) const {
   PE_CHECK(id >= 0 && id < num_blocks(), "unknown block id ", id);
-  return blocks_[id].tokens;
+  if (!blocks_[id].has_hash) return {};
+  return std::vector<int32_t>(tokens_of(id), tokens_of(id) + block_size_);
 }
 
 std::vector<int32_t> BlockManager::hashed_block_ids() const {
@@ -246,8 +254,7 @@ void BlockManager::check_invariants(const std::vector<const KVAllocation*>& tabl
   for (const auto& kv : hash_to_block_) {
     const Block& b = blocks_[kv.second];
     PE_ASSERT(b.has_hash && b.hash == kv.first);
-    PE_ASSERT(static_cast<int32_t>(b.tokens.size()) == block_size_);
-    PE_ASSERT(hash_block(b.parent_hash, b.tokens.data(), b.salt) == kv.first);
+    PE_ASSERT(hash_block(b.parent_hash, tokens_of(kv.second), b.salt) == kv.first);
   }
   for (int32_t s : free_state_slots_) ++slot_owner[s];
   for (int32_t c : slot_owner) PE_ASSERT(c == 1);  // each slot: exactly one owner or the free pool

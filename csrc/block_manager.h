@@ -86,12 +86,12 @@ class BlockManager {
     uint64_t hash = 0;
     uint64_t parent_hash = 0;
     int64_t salt = 0;
-    std::vector<int32_t> tokens;  // the block's tokens when hashed, for the equality check on a hit
     int32_t lru_prev = -1, lru_next = -1;
     bool in_lru = false;
   };
 
   uint64_t hash_block(uint64_t parent, const int32_t* tokens, int64_t salt) const;
+  const int32_t* tokens_of(int32_t id) const { return block_tokens_.data() + static_cast<size_t>(id) * block_size_; }
   PrefixMatch match_prefix(const int32_t* tokens, int64_t num_tokens, int64_t salt) const;
   int32_t take_free_block();
   void release_block(int32_t block_id);
@@ -102,6 +102,8 @@ class BlockManager {
   bool enable_prefix_caching_;
   int32_t state_slots_per_seq_;
   std::vector<Block> blocks_;
+  std::vector<int32_t> block_tokens_;  // num_blocks x block_size: each hashed block's tokens, for
+                                      // the equality check on a hit (flat: no allocation per block)
   std::vector<int32_t> free_uncached_;  // stack of free blocks without a hash
   int32_t lru_head_ = -1, lru_tail_ = -1, lru_size_ = 0;  // free cached blocks, oldest first
   std::unordered_map<uint64_t, int32_t> hash_to_block_;

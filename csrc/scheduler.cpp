@@ -192,48 +192,64 @@ ScheduledBatch Scheduler::schedule() {
 }
 
 ScheduledBatch Scheduler::build_batch(const std::vector<Row>& rows) const {
+  // Sized once, filled through pointers: this runs every step over every scheduled token.
   ScheduledBatch b;
   const int32_t B = config_.block_size;
   const int32_t slots_per_seq = block_manager_.state_slots_per_seq();
-  int64_t num_tokens = 0;
+  const size_t n = rows.size();
+  int64_t num_tokens = 0, num_logits = 0;
   for (const Row& r : rows) {
     num_tokens += r.num_scheduled;
-    int32_t ctx = static_cast<int32_t>(r.seq->num_computed + r.num_scheduled);
-    b.max_blocks = std::max<int32_t>(b.max_blocks, static_cast<int32_t>(ceil_div(ctx, B)));
+    const Sequence& s = *r.seq;
+    num_logits += r.is_decode ? 1 + r.num_drafts : (s.num_computed + r.num_scheduled == s.num_tokens());
+    b.max_blocks = std::max<int32_t>(b.max_blocks, static_cast<int32_t>(ceil_div(s.num_computed + r.num_scheduled, B)));
   }
-  const size_t n = rows.size();
-  b.seq_ids.reserve(n);
-  b.input_ids.reserve(num_tokens);
-  b.positions.reserve(num_tokens);
-  b.slot_mapping.reserve(num_tokens);
-  b.query_start_loc.reserve(n + 1);
-  b.cu_num_draft_tokens.reserve(n + 1);
-  b.block_tables.assign(n * b.max_blocks, -1);
-  b.query_start_loc.push_back(0);
-  b.cu_num_draft_tokens.push_back(0);
+  b.seq_ids.resize(n);
+  b.input_ids.resize(num_tokens);
+  b.positions.resize(num_tokens);
+  b.slot_mapping.resize(num_tokens);
+  b.query_start_loc.resize(n + 1);
+  b.cu_num_draft_tokens.resize(n + 1);
+  b.context_lens.resize(n);
+  b.num_computed.resize(n);
+  b.num_draft_tokens.resize(n);
+  b.num_logits.resize(n);
+  b.num_accepted_prev.resize(n);
+  b.logits_indices.resize(num_logits);
+  b.state_slots.resize(n * slots_per_seq);
+  b.block_tables.resize(n * b.max_blocks);
+  int64_t* ids = b.input_ids.data();
+  int64_t* pos = b.positions.data();
+  int64_t* slots = b.slot_mapping.data();
+  int32_t* logits_idx = b.logits_indices.data();
+  int32_t q = 0, drafts = 0;
+  b.query_start_loc[0] = b.cu_num_draft_tokens[0] = 0;
   for (size_t i = 0; i < n; ++i) {
     const Row& r = rows[i];
     const Sequence& s = *r.seq;
-    const int64_t start = s.num_computed, end = s.num_computed + r.num_scheduled;
-    const int32_t q_start = b.query_start_loc.back();
-    for (int64_t p = start; p < end; ++p) {
-      b.input_ids.push_back(p < s.num_tokens() ? s.token_ids[p] : s.draft_tokens[p - s.num_tokens()]);
-      b.positions.push_back(p);
-      b.slot_mapping.push_back(static_cast<int64_t>(s.kv.block_table[p / B]) * B + p % B);
+    const int64_t start = s.num_computed, end = start + r.num_scheduled, committed = s.num_tokens();
+    const int32_t* table = s.kv.block_table.data();
+    for (int64_t p = start; p < end; ++p, ++q) {
+      ids[q] = p < committed ? s.token_ids[p] : s.draft_tokens[p - committed];
+      pos[q] = p;
+      slots[q] = static_cast<int64_t>(table[p / B]) * B + p % B;
     }
-    const int32_t ctx = static_cast<int32_t>(end);
-    std::copy_n(s.kv.block_table.begin(), ceil_div(ctx, B), b.block_tables.begin() + i * b.max_blocks);
-    b.seq_ids.push_back(s.seq_id);
-    b.query_start_loc.push_back(q_start + r.num_scheduled);
-    b.context_lens.push_back(ctx);
-    b.num_computed.push_back(static_cast<int32_t>(start));
-    b.num_draft_tokens.push_back(r.num_drafts);
-    b.cu_num_draft_tokens.push_back(b.cu_num_draft_tokens.back() + r.num_drafts);
-    int32_t logits = r.is_decode ? 1 + r.num_drafts : (end == s.num_tokens() ? 1 : 0);
-    b.num_logits.push_back(logits);
-    for (int32_t j = r.num_scheduled - logits; j < r.num_scheduled; ++j) b.logits_indices.push_back(q_start + j);
-    for (int32_t j = 0; j < slots_per_seq; ++j) b.state_slots.push_back(s.kv.state_slots[j]);
-    b.num_accepted_prev.push_back(s.num_accepted_last);
+    const int32_t ctx = static_cast<int32_t>(end), used = static_cast<int32_t>(ceil_div(ctx, B));
+    int32_t* row_table = b.block_tables.data() + i * b.max_blocks;
+    std::copy_n(table, used, row_table);
+    std::fill(row_table + used, row_table + b.max_blocks, -1);
+    const int32_t logits = r.is_decode ? 1 + r.num_drafts : (end == committed ? 1 : 0);
+    for (int32_t j = 0; j < logits; ++j) *logits_idx++ = q - logits + j;
+    drafts += r.num_drafts;
+    b.seq_ids[i] = s.seq_id;
+    b.query_start_loc[i + 1] = q;
+    b.cu_num_draft_tokens[i + 1] = drafts;
+    b.context_lens[i] = ctx;
+    b.num_computed[i] = static_cast<int32_t>(start);
+    b.num_draft_tokens[i] = r.num_drafts;
+    b.num_logits[i] = logits;
+    b.num_accepted_prev[i] = s.num_accepted_last;
+    std::copy_n(s.kv.state_slots.data(), slots_per_seq, b.state_slots.data() + i * slots_per_seq);
     b.max_query_len = std::max(b.max_query_len, r.num_scheduled);
     b.max_context_len = std::max(b.max_context_len, ctx);
   }

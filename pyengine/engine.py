@@ -1,0 +1,206 @@
+"""The decode loop: one synchronous step at a time.
+
+    propose drafts -> schedule (C++) -> forward -> verify / sample -> commit (C++) -> detokenize
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pyengine import _C
+from pyengine.config import ModelConfig
+from pyengine.model_runner import ModelRunner
+from pyengine.rejection_sampler import RejectionSampler
+from pyengine.sampler import RequestGenerators
+from pyengine.sampling_params import SamplingParams
+from pyengine.speculative import AdaptiveDraftLength, NgramProposer, Proposer, ScriptedProposer, SpeculativeConfig
+from pyengine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool
+    seed: int
+    speculative: SpeculativeConfig | None = None
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, model_config: ModelConfig, tokenizer: Tokenizer, cfg: EngineConfig) -> None:
+        self.runner, self.model_config, self.tokenizer, self.cfg = runner, model_config, tokenizer, cfg
+        spec = cfg.speculative
+        self.k = spec.num_speculative_tokens if spec else 0
+        sc = _C.SchedulerConfig()
+        sc.max_num_seqs = cfg.max_num_seqs
+        sc.max_num_batched_tokens = cfg.max_num_batched_tokens
+        sc.max_model_len = cfg.max_model_len
+        sc.block_size = cfg.block_size
+        sc.num_kv_blocks = cfg.num_kv_blocks
+        sc.enable_prefix_caching = cfg.enable_prefix_caching
+        sc.num_spec_tokens = self.k
+        self.scheduler = _C.Scheduler(sc)
+        self.proposer: Proposer | None = None
+        if spec is not None:
+            if spec.method == "ngram":
+                self.proposer = NgramProposer(spec)
+            elif spec.method == "scripted":
+                self.proposer = ScriptedProposer(spec)
+            else:
+                raise ValueError("speculative_config: draft-model speculation is not available yet")
+        # Scripted drafts are exact test fixtures: never shorten them.
+        self.draft_length = AdaptiveDraftLength(self.k) if spec is not None and spec.method != "scripted" else None
+        self.rejection_sampler = RejectionSampler()
+        self.generators = RequestGenerators(cfg.seed)
+        self.eos_token_ids = list(dict.fromkeys(tokenizer.eos_token_ids + model_config.eos_token_ids))
+        self.requests: dict[int, Request] = {}
+        self.next_id = 0
+        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self.prefill_time = self.decode_time = 0.0
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Request:
+        """Queue a request. A request that cannot run (too long) is returned finished with an error."""
+        rid = self.next_id
+        self.next_id += 1
+        req = Request(rid, prompt, list(prompt_token_ids), params, self.tokenizer.incremental_detokenizer())
+        self.requests[rid] = req
+        try:
+            if any(not 0 <= t < self.model_config.vocab_size for t in req.prompt_token_ids):
+                raise ValueError(f"request {rid}: token ids must be in [0, {self.model_config.vocab_size})")
+            self.scheduler.add_request(rid, req.prompt_token_ids, params.max_tokens, self.eos_token_ids,
+                                       params.stop_token_ids or [], params.ignore_eos, 0)
+        except ValueError as e:
+            req.finish_reason, req.error = "error", str(e)
+            return req
+        self.generators.get(rid, params.seed)
+        self.counters["prompt_tokens"] += len(req.prompt_token_ids)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that received tokens (or finished) in it."""
+        t0 = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler, self.draft_length.num_drafts() if self.draft_length else self.k)
+        batch = self.scheduler.schedule()
+        assert batch.num_rows > 0, "the scheduler made no progress with requests pending"
+        logits = self.runner.execute(batch)
+        tokens, counts = self._sample(batch, logits)
+        num_committed, reasons = self.scheduler.update(tokens, counts)
+        touched = self._commit(batch, tokens, counts, num_committed, reasons)
+        elapsed = time.perf_counter() - t0
+        num_prefill = int(batch.num_tokens - (batch.query_start_loc[batch.num_decode_rows]))
+        if num_prefill:
+            self.prefill_time += elapsed
+            self.counters["prefill_tokens"] += num_prefill
+        else:
+            self.decode_time += elapsed
+            self.counters["decode_tokens"] += int(num_committed.sum())
+        return touched
+
+    def _sample(self, batch, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        num_logits = batch.num_logits
+        rows = np.nonzero(num_logits)[0]
+        counts = np.zeros(batch.num_rows, dtype=np.int32)
+        if len(rows) == 0:
+            return np.zeros(0, dtype=np.int32), counts
+        num_drafts = batch.num_draft_tokens[rows]
+        # Draft tokens are the inputs after each verify row's first token.
+        starts = batch.query_start_loc[rows] + 1
+        offsets = np.arange(int(num_drafts.sum())) - np.repeat(np.cumsum(num_drafts) - num_drafts, num_drafts)
+        draft_ids = torch.from_numpy(batch.input_ids[np.repeat(starts, num_drafts) + offsets]).to(logits.device)
+        seq_ids = batch.seq_ids[rows].tolist()
+        params = [self.requests[s].params for s in seq_ids]
+        gens = [None if p.is_greedy else self.generators.get(s, p.seed) for s, p in zip(seq_ids, params)]
+        out = self.rejection_sampler(logits, draft_ids, torch.from_numpy(num_drafts.astype(np.int64)), None, params, gens)
+        counts[rows] = out.num_tokens.numpy()
+        return out.flat_tokens.numpy().astype(np.int32), counts
+
+    def _commit(self, batch, tokens: np.ndarray, counts: np.ndarray, num_committed: np.ndarray,
+                reasons: np.ndarray) -> list[Request]:
+        touched, off = [], 0
+        drafted = accepted = verify_rows = 0
+        for r, sid in enumerate(batch.seq_ids.tolist()):
+            c = int(counts[r])
+            if c == 0:
+                continue
+            req = self.requests[sid]
+            d = int(batch.num_draft_tokens[r])
+            if d:
+                drafted, accepted, verify_rows = drafted + d, accepted + c - 1, verify_rows + 1
+            new = tokens[off:off + int(num_committed[r])].tolist()
+            off += c
+            req.output_token_ids.extend(new)
+            self.counters["generated_tokens"] += len(new)
+            if reasons[r]:
+                req.finish_reason = _C.FINISH_REASONS[reasons[r]]
+            self._append_text(req, new)
+            touched.append(req)
+        if self.draft_length is not None:
+            self.draft_length.observe(drafted, accepted, verify_rows)
+        for req in touched:
+            if req.finished:
+                self.generators.release(req.request_id)
+        return touched
+
+    def _append_text(self, req: Request, new: list[int]) -> None:
+        before = len(req.text)
+        req.text += req.detokenizer.add(new)
+        for stop in req.params.stop or []:
+            idx = req.text.find(stop, max(0, before - len(stop) + 1))
+            if idx >= 0:  # a stop string ends the request; it is not part of the output text
+                req.text = req.text[:idx]
+                if not req.finished:
+                    req.finish_reason = "stop"
+                    self.scheduler.abort_request(req.request_id)
+                return
+
+    # ---- reporting -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        s = self.scheduler.stats()
+        drafted, accepted = s["num_draft_tokens"], s["num_accepted_tokens"]
+        out = {
+            "num_steps": s["num_steps"],
+            "num_preemptions": s["num_preemptions"],
+            "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
+            **self.counters,
+            "prefill_tokens_per_s": self.counters["prefill_tokens"] / self.prefill_time if self.prefill_time else 0.0,
+            "decode_tokens_per_s": self.counters["decode_tokens"] / self.decode_time if self.decode_time else 0.0,
+        }
+        if self.k:
+            out.update({
+                "num_draft_tokens": drafted,
+                "num_accepted_tokens": accepted,
+                "acceptance_rate": accepted / drafted if drafted else 0.0,
+                "mean_acceptance_length": s["num_verify_committed"] / s["num_verify_rows"] if s["num_verify_rows"] else 0.0,
+                "per_position_acceptance": [a / d if d else 0.0 for a, d in
+                                            zip(s["accepted_per_position"], s["drafted_per_position"])],
+            })
+        return out

@@ -1,0 +1,158 @@
+"""`LLM`: the vLLM-compatible entry point (a subset of its arguments, the same names)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from pyengine.engine import EngineConfig, LLMEngine, Request
+from pyengine.loader import load_model
+from pyengine.model_runner import ModelRunner, default_num_kv_blocks
+from pyengine.outputs import CompletionOutput, RequestOutput
+from pyengine.sampling_params import SamplingParams
+from pyengine.speculative import SpeculativeConfig
+
+Prompt = str | list[int]
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA GPU is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":  # fp32 on CPU (exact references), bf16 on GPU
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class LLM:
+    def __init__(self, model: str | None = None, device: str = "auto", dtype: str | torch.dtype = "auto", seed: int = 0,
+                 max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
+                 enable_prefix_caching: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 speculative_config: dict[str, Any] | None = None, gpu_memory_utilization: float = 0.9) -> None:
+        for name, value, opt in [("block_size", block_size, False), ("max_num_seqs", max_num_seqs, False),
+                                 ("max_model_len", max_model_len, True), ("num_kv_blocks", num_kv_blocks, True),
+                                 ("max_num_batched_tokens", max_num_batched_tokens, True)]:
+            _positive(name, value, opt)
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        if not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        torch.manual_seed(seed)
+        self.model, self.model_config, self.tokenizer = load_model(model, str(self.device), self.dtype)
+        limit = self.model_config.max_position_embeddings
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({limit})")
+        max_model_len = max_model_len or min(limit, 8192)
+        if num_kv_blocks is None:
+            num_kv_blocks = default_num_kv_blocks(self.model_config, block_size, self.dtype, self.device, max_num_seqs,
+                                                  max_model_len, gpu_memory_utilization)
+        cfg = EngineConfig(
+            max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or max(2048, 4 * max_num_seqs),
+            enable_prefix_caching=enable_prefix_caching, seed=seed, speculative=spec)
+        runner = ModelRunner(self.model, self.model_config, block_size, num_kv_blocks, self.device, self.dtype)
+        self.engine = LLMEngine(runner, self.model_config, self.tokenizer, cfg)
+
+    # ---- generation ---------------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompt_list = self._prompt_list(prompts)
+        params = self._params_list(sampling_params, len(prompt_list))
+        encoded = [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompt_list]
+        return self._run(encoded, params, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        if not self.tokenizer.has_chat_template:
+            raise ValueError("this model has no chat template; use generate() with plain prompts")
+        rendered = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=True) for conv in conversations]
+        params = self._params_list(sampling_params, len(rendered))
+        encoded = [(text, self.tokenizer.encode(text, add_special_tokens=False)) for text in rendered]
+        return self._run(encoded, params, use_tqdm)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def run_requests(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+                     on_step: Callable[[list[Request]], None] | None = None) -> list[Request]:
+        """Add requests, step until they finish; on_step sees the requests each step touched."""
+        reqs = [self.engine.add_request(ids, p, prompt=text) for (text, ids), p in zip(encoded, params)]
+        while self.engine.has_unfinished():
+            touched = self.engine.step()
+            if on_step is not None:
+                on_step(touched)
+        return reqs
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        bar = None
+        if use_tqdm and len(encoded) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(encoded), desc="Generating", unit="req")
+
+        def progress(touched: list[Request]) -> None:
+            if bar is not None:
+                bar.update(sum(r.finished for r in touched))
+
+        reqs = self.run_requests(encoded, params, progress)
+        if bar is not None:
+            bar.close()
+        return [self._output(r) for r in reqs]
+
+    @staticmethod
+    def _output(r: Request) -> RequestOutput:
+        completion = CompletionOutput(0, r.text, list(r.output_token_ids), r.finish_reason)
+        return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [completion], True, r.error)
+
+    @staticmethod
+    def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a str, a list of token ids, or a non-empty list of those")
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if not p:
+                    raise ValueError(f"prompt {i} is empty")
+            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                continue
+            else:
+                raise ValueError(f"prompt {i} must be a non-empty str or a non-empty list of int token ids")
+        return list(prompts)
+
+    @staticmethod
+    def _params_list(sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} of them")
+        return params
