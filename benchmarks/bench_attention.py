@@ -1,0 +1,139 @@
+"""Decode attention bandwidth of the paged-attention kernels against the device's copy bandwidth.
+
+Bandwidth = bytes of K/V the step must read (each row's context once) / kernel time, compared with a
+device-to-device copy measured in the same run (bytes read + written / time). Shapes: Llama-3-8B
+(32 query heads, 8 KV heads, D 128, block 16) and DeepSeek-V3 MLA (128 heads, 576/512, block 64),
+bf16. Also the cost of a verify step (q = 1 + k per row) relative to decode.
+
+    python benchmarks/bench_attention.py --out benchmarks/results/attention_h100.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+
+import torch
+
+from pyengine.attention_metadata import AttentionMetadata
+from pyengine.ops import cuda as cuda_ops
+
+
+def time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), reps=20)
+    return 2 * nbytes / ms / 1e6
+
+
+def make_meta(batch: int, ctx: int, q_len: int, block_size: int, num_blocks: int, gen) -> AttentionMetadata:
+    per_row = (ctx + block_size - 1) // block_size
+    perm = torch.randperm(num_blocks, generator=gen)[: batch * per_row]
+    tables = perm.view(batch, per_row).to(torch.int32).cuda()
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(batch * q_len, dtype=torch.int64, device="cuda"),
+        block_tables=tables,
+        query_start_loc=torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device="cuda"),
+        context_lens=torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
+        max_query_len=q_len,
+        max_context_len=ctx,
+        block_size=block_size,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/attention_h100.json")
+    ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--contexts", default="512,1024,4096,8192,32768")
+    ap.add_argument("--max-tokens", type=int, default=4 << 20, help="skip points with batch*ctx above this")
+    args = ap.parse_args()
+    batches = [int(x) for x in args.batches.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16
+    copy_bw = copy_bandwidth_gbps()
+    print(f"device-to-device copy: {copy_bw:.0f} GB/s", flush=True)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([sys.executable.split("/")[-1]] + sys.argv),
+        "torch": torch.__version__,
+        "copy_bandwidth_GBps": copy_bw,
+        "gqa": [], "mla": [], "verify": [],
+    }
+
+    # Llama-3-8B decode.
+    hq, hkv, d, bs = 32, 8, 128, 16
+    max_tok = min(args.max_tokens, max(batches) * max(contexts))
+    nblocks = max_tok // bs + 1
+    k = torch.randn(nblocks, bs, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    decode_ms = {}
+    for batch in batches:
+        for ctx in contexts:
+            if batch * ctx > max_tok:
+                continue
+            meta = make_meta(batch, ctx, 1, bs, nblocks, gen)
+            q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
+            ms = time_ms(lambda: cuda_ops.paged_attention(q, k, v, meta, d ** -0.5))
+            nbytes = batch * ctx * hkv * d * 2 * k.element_size()
+            bw = nbytes / ms / 1e6
+            decode_ms[(batch, ctx)] = ms
+            result["gqa"].append({"batch": batch, "context": ctx, "ms": ms, "GBps": bw, "fraction_of_copy": bw / copy_bw})
+            print(f"gqa  b={batch:4d} ctx={ctx:6d} {ms:8.3f} ms {bw:7.0f} GB/s {bw / copy_bw:5.2f}", flush=True)
+    # Verify steps relative to decode at batch 64, ctx 4096.
+    for k_spec in (1, 2, 3, 4, 7):
+        batch, ctx, q_len = 64, 4096, 1 + k_spec
+        if batch * ctx > max_tok or (batch, ctx) not in decode_ms:
+            continue
+        meta = make_meta(batch, ctx, q_len, bs, nblocks, gen)
+        q = torch.randn(batch * q_len, hq, d, device="cuda", dtype=dtype)
+        ms = time_ms(lambda: cuda_ops.paged_attention(q, k, v, meta, d ** -0.5))
+        rel = ms / decode_ms[(batch, ctx)]
+        result["verify"].append({"batch": batch, "context": ctx, "q_len": q_len, "ms": ms, "relative_to_decode": rel})
+        print(f"verify q={q_len} b={batch} ctx={ctx} {ms:8.3f} ms  x{rel:.2f} of decode", flush=True)
+    frac = [r["fraction_of_copy"] for r in result["gqa"] if r["batch"] == 64 and r["context"] == 4096]
+    result["decode_bandwidth_fraction"] = frac[0] if frac else None
+    del k, v
+    torch.cuda.empty_cache()
+
+    # DeepSeek-V3 MLA decode.
+    hq, bs = 128, 64
+    max_tok_mla = min(max_tok, 2 << 20)
+    nblocks = max_tok_mla // bs + 1
+    kv = torch.randn(nblocks, bs, 576, device="cuda", dtype=dtype)
+    for batch in batches:
+        for ctx in contexts:
+            if batch * ctx > max_tok_mla:
+                continue
+            meta = make_meta(batch, ctx, 1, bs, nblocks, gen)
+            q = torch.randn(batch, hq, 576, device="cuda", dtype=dtype)
+            ms = time_ms(lambda: cuda_ops.paged_attention_mla(q, kv, meta, 192 ** -0.5), reps=10)
+            nbytes = batch * ctx * 576 * kv.element_size()
+            bw = nbytes / ms / 1e6
+            result["mla"].append({"batch": batch, "context": ctx, "ms": ms, "GBps": bw, "fraction_of_copy": bw / copy_bw})
+            print(f"mla  b={batch:4d} ctx={ctx:6d} {ms:8.3f} ms {bw:7.0f} GB/s {bw / copy_bw:5.2f}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"decode_bandwidth_fraction (gqa b=64 ctx=4096): {result['decode_bandwidth_fraction']}")
+
+
+if __name__ == "__main__":
+    main()

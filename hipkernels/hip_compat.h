@@ -1,0 +1,101 @@
+// Portability header: the kernels of hipkernels/ are written once in the HIP dialect and compiled
+// with nvcc (NVIDIA, sm_90a) or hipcc (AMD, gfx90a). This header maps the few things that differ:
+// runtime types, warp size, shuffles, and the 16-bit float types (bf16 is our own storage type,
+// because ROCm 5.2's hip_bfloat16 and CUDA's __nv_bfloat16 do not share an interface).
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+#include <hip/hip_runtime.h>
+#include <hip/hip_fp16.h>
+#define PE_HIP 1
+typedef hipStream_t peStream_t;
+typedef hipError_t peError_t;
+#define peSuccess hipSuccess
+#define peGetLastError hipGetLastError
+#define peGetErrorString hipGetErrorString
+#if defined(__AMDGCN_WAVEFRONT_SIZE)
+#define PE_WARP_SIZE __AMDGCN_WAVEFRONT_SIZE
+#else
+#define PE_WARP_SIZE 64
+#endif
+#else
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#define PE_CUDA 1
+typedef cudaStream_t peStream_t;
+typedef cudaError_t peError_t;
+#define peSuccess cudaSuccess
+#define peGetLastError cudaGetLastError
+#define peGetErrorString cudaGetErrorString
+#define PE_WARP_SIZE 32
+#endif
+
+#define PE_DEVICE __device__ __forceinline__
+
+// Butterfly shuffle inside the warp (all lanes of the warp must take part).
+template <typename T>
+PE_DEVICE T pe_shfl_xor(T v, int lane_mask) {
+#if defined(PE_HIP)
+  return __shfl_xor(v, lane_mask);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+#endif
+}
+
+// 16-bit storage types. half is the vendor type; bf16 is a plain 16-bit pattern.
+typedef __half pe_half;
+struct pe_bf16 {
+  uint16_t x;
+};
+
+PE_DEVICE float pe_bf16_bits_to_float(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
+
+PE_DEVICE uint16_t pe_float_to_bf16_bits(float f) {  // round to nearest even, NaN kept quiet
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+// Eight 16-bit values in one 16-byte vector <-> eight floats.
+template <typename T>
+struct PeVec8;
+
+template <>
+struct PeVec8<pe_half> {
+  static PE_DEVICE void to_float(const uint4& v, float* f) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 h;
+      __builtin_memcpy(&h, &w[i], 4);
+      float2 p = __half22float2(h);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+  static PE_DEVICE uint16_t from_float(float f) {
+    __half h = __float2half_rn(f);
+    uint16_t b;
+    __builtin_memcpy(&b, &h, 2);
+    return b;
+  }
+};
+
+template <>
+struct PeVec8<pe_bf16> {
+  static PE_DEVICE void to_float(const uint4& v, float* f) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+  static PE_DEVICE uint16_t from_float(float f) { return pe_float_to_bf16_bits(f); }
+};
+
+// Data type codes shared by the bindings and the Python wrappers.
+enum PeDType { PE_FLOAT16 = 0, PE_BFLOAT16 = 1, PE_FLOAT32 = 2 };

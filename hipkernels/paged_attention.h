@@ -1,0 +1,59 @@
+// Paged attention over a block-table KV cache, any query length per row in one launch
+// (plain C++ interface; the kernels live in paged_attention.hip).
+//
+// Semantics (the PyTorch references in pyengine/ops/reference.py and mla_reference.py are the spec):
+// row r owns query tokens [query_start_loc[r], query_start_loc[r+1]) (q_len of them), the last q_len
+// positions of a context of context_lens[r] keys. Query i of the row attends to keys
+// [0, context_lens[r] - (q_len - 1 - i)), key j of the row living at cache slot
+// block_tables[r][j / block_size] * block_size + j % block_size.
+//   out[t, h] = softmax_j(scale * q[t, h] . K[j, h / G]) @ V[j, h / G],   G = Hq / Hkv
+//   lse[t, h] = natural-log log-sum-exp of the scaled scores; a query with no keys: out 0, lse +inf.
+// GQA: K/V caches [num_blocks, block_size, Hkv, D], D in {64, 128, 256}.
+// MLA: one latent head, cache [num_blocks, block_size, 576] = [c_kv (512) | k_pe (64)], D_qk = 576,
+//      V = the first 512 values of each K row, out [T, Hq, 512].
+// fp16/bf16 inputs, fp32 accumulation.
+//
+// Split-KV (flash-decoding) with a split size that depends only on the row itself, so that a row's
+// result never depends on the rest of the batch: rows with q_len <= kSplitMaxQueryLen split their
+// keys into chunks of split_size = kSplitBlock * ceil(ceil(ctx / kSplitBlock) / kMaxSplits) keys
+// (at most kMaxSplits chunks); partial results go to a workspace and a combine kernel merges them.
+// Other rows (prefill chunks) use one split and write the output directly.
+#pragma once
+
+#include <cstdint>
+
+constexpr int kPagedAttnSplitBlock = 512;
+constexpr int kPagedAttnMaxSplits = 16;
+constexpr int kPagedAttnSplitMaxQueryLen = 16;
+
+struct PagedAttentionParams {
+  const void* q = nullptr;  // [T, Hq, D_qk], last dim contiguous
+  int64_t q_stride_token = 0, q_stride_head = 0;  // elements
+  const void* k_cache = nullptr;  // GQA [blocks, block_size, Hkv, D_qk]; MLA [blocks, block_size, 576]
+  const void* v_cache = nullptr;  // GQA [blocks, block_size, Hkv, D_v]; MLA: ignored (V lives in K)
+  void* out = nullptr;            // [T, Hq, D_v], last dim contiguous
+  int64_t out_stride_token = 0, out_stride_head = 0;  // elements
+  float* lse = nullptr;           // [T, Hq] fp32, optional
+  // Workspace for split rows: ws_out [ws_tokens, Hq, max_splits, D_v], ws_lse [ws_tokens, Hq, max_splits]
+  float* ws_out = nullptr;
+  float* ws_lse = nullptr;
+  const int32_t* ws_start = nullptr;        // [rows]: a split row's first token index in the workspace
+  const int32_t* block_tables = nullptr;    // [rows, max_blocks_per_row]
+  const int32_t* query_start_loc = nullptr; // [rows + 1]
+  const int32_t* context_lens = nullptr;    // [rows]
+  int num_rows = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;  // 1 for MLA
+  int head_dim_qk = 0;
+  int head_dim_v = 0;
+  int block_size = 0;
+  int max_blocks_per_row = 0;
+  int max_query_len = 0;  // upper bound over rows
+  int max_splits = 1;     // workspace split dimension: min(kMaxSplits, ceil(max_ctx / kSplitBlock)), >= 1
+  float scale = 1.0f;
+  int dtype = 0;          // PeDType: 0 fp16, 1 bf16
+  bool mla = false;
+};
+
+// Returns 0 on success, -1 for an unsupported configuration, else the runtime's error code.
+int launch_paged_attention(const PagedAttentionParams& p, void* stream);

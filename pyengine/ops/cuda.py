@@ -1,0 +1,254 @@
+"""CUDA paged KV-cache ops: thin wrappers over the kernels of hipkernels/ (pyengine._C.kernels).
+
+Same signatures and semantics as pyengine.ops.reference (GQA) and pyengine.ops.mla_reference (MLA).
+The wrappers validate shapes, dtypes and devices (ValueError), make the few layouts the kernels need
+(16-byte aligned rows with a contiguous last dim, int32 metadata), own the split-KV workspace, and
+pass raw device pointers plus the current stream to the extension; the extension never sees torch.
+
+The kernels take fp16/bf16 queries and caches; other float dtypes run the PyTorch reference.
+meta.max_query_len and meta.max_context_len must be upper bounds of the rows' values.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pyengine.attention_metadata import AttentionMetadata
+
+try:
+    from pyengine import _C
+
+    _K = _C.kernels if getattr(_C, "has_kernels", False) else None
+except ImportError:  # extension not built
+    _K = None
+
+if _K is None:
+    raise ImportError("pyengine._C was built without GPU kernels (PYENGINE_KERNELS=OFF or no nvcc)")
+
+_DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_CONST = _K.paged_attention_constants()
+SPLIT_BLOCK: int = _CONST["split_block"]
+MAX_SPLITS: int = _CONST["max_splits"]
+SPLIT_MAX_QUERY_LEN: int = _CONST["split_max_query_len"]
+MLA_KV_LORA_RANK = 512
+MLA_ROPE_DIM = 64
+_PLAN_KEY = "cuda_paged_attention"
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _check_cuda(*tensors: torch.Tensor) -> None:
+    device = tensors[0].device
+    if device.type != "cuda":
+        raise ValueError(f"pyengine.ops.cuda needs CUDA tensors, got {device}")
+    for t in tensors[1:]:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device, got {device} and {t.device}")
+
+
+def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """x with a contiguous last dim, 16-byte aligned base and row strides (copies only if needed)."""
+    vec = 16 // x.element_size()
+    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s % vec == 0 for s in x.stride()[:-1]):
+        return x
+    return x.contiguous()
+
+
+def _slots(slot_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping must be [T={num_tokens}], got {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    return slot_mapping.contiguous()
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [T, Hkv, D] of token t into slot slot_mapping[t] of k_cache/v_cache
+    [num_blocks, block_size, Hkv, D]; slots < 0 are skipped."""
+    _check_cuda(key, value, k_cache, v_cache, slot_mapping)
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"k_cache/v_cache must be equal contiguous [blocks, block_size, Hkv, D], got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if k_cache.dtype not in _DTYPE_CODE or v_cache.dtype != k_cache.dtype:
+        from pyengine.ops import reference
+
+        return reference.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    num_tokens = key.shape[0]
+    expected = (num_tokens, k_cache.shape[2], k_cache.shape[3])
+    if tuple(key.shape) != expected or tuple(value.shape) != expected:
+        raise ValueError(f"key/value must be [T, Hkv, D] = {expected}, got {tuple(key.shape)} / {tuple(value.shape)}")
+    slots = _slots(slot_mapping, num_tokens)
+    if num_tokens == 0:
+        return
+    key = key.to(k_cache.dtype)
+    value = value.to(k_cache.dtype)
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    with torch.cuda.device(key.device):
+        _K.reshape_and_cache(
+            key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+            num_tokens, k_cache.shape[2], k_cache.shape[3], key.stride(0), key.stride(1),
+            value.stride(0), value.stride(1), k_cache.element_size(), _stream(key.device),
+        )
+
+
+def reshape_and_cache_mla(
+    c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write [c_kv (512) | k_pe (64)] of token t into kv_cache [num_blocks, block_size, 576] at
+    slot_mapping[t]; slots < 0 are skipped."""
+    _check_cuda(c_kv, k_pe, kv_cache, slot_mapping)
+    rank, rope = c_kv.shape[-1], k_pe.shape[-1]
+    if c_kv.dim() != 2 or k_pe.dim() != 2 or c_kv.shape[0] != k_pe.shape[0]:
+        raise ValueError(f"c_kv must be [T, 512] and k_pe [T, 64], got {tuple(c_kv.shape)} / {tuple(k_pe.shape)}")
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != rank + rope or not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache must be contiguous [blocks, block_size, {rank + rope}], got {tuple(kv_cache.shape)}")
+    if kv_cache.dtype not in _DTYPE_CODE:
+        from pyengine.ops import mla_reference
+
+        return mla_reference.reshape_and_cache_mla(c_kv, k_pe, kv_cache, slot_mapping)
+    num_tokens = c_kv.shape[0]
+    slots = _slots(slot_mapping, num_tokens)
+    if num_tokens == 0:
+        return
+    c_kv = c_kv.to(kv_cache.dtype)
+    k_pe = k_pe.to(kv_cache.dtype)
+    if c_kv.stride(-1) != 1:
+        c_kv = c_kv.contiguous()
+    if k_pe.stride(-1) != 1:
+        k_pe = k_pe.contiguous()
+    with torch.cuda.device(c_kv.device):
+        _K.reshape_and_cache_mla(
+            c_kv.data_ptr(), k_pe.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(), num_tokens, rank, rope,
+            c_kv.stride(0), k_pe.stride(0), kv_cache.element_size(), _stream(c_kv.device),
+        )
+
+
+def max_splits_for(max_context_len: int) -> int:
+    """Workspace split dimension for a step (the kernel's per-row rule never exceeds it)."""
+    return max(1, min(MAX_SPLITS, math.ceil(max(max_context_len, 0) / SPLIT_BLOCK)))
+
+
+def _plan(meta: AttentionMetadata, device: torch.device) -> dict:
+    """int32 metadata on the device and each split row's first workspace token (memoised per step)."""
+    plan = meta.cache.get(_PLAN_KEY)
+    if plan is None:
+        qsl = meta.query_start_loc.to(device=device, dtype=torch.int32).contiguous()
+        q_lens = qsl[1:] - qsl[:-1]
+        split_tokens = torch.where(q_lens <= SPLIT_MAX_QUERY_LEN, q_lens, torch.zeros_like(q_lens))
+        ws_start = (torch.cumsum(split_tokens, 0, dtype=torch.int32) - split_tokens).contiguous()
+        plan = {
+            "qsl": qsl,
+            "ctx": meta.context_lens.to(device=device, dtype=torch.int32).contiguous(),
+            "tables": meta.block_tables.to(device=device, dtype=torch.int32).contiguous(),
+            "ws_start": ws_start,
+            "ws_tokens": min(meta.num_tokens, meta.num_rows * SPLIT_MAX_QUERY_LEN),
+            "max_splits": max_splits_for(meta.max_context_len),
+            "workspace": {},
+        }
+        meta.cache[_PLAN_KEY] = plan
+    return plan
+
+
+def _launch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    return_lse: bool, num_kv_heads: int, head_dim_v: int, mla: bool,
+):
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty(num_tokens, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if return_lse else None
+    if num_tokens == 0 or meta.num_rows == 0:
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("inf"))
+        return (out, lse) if return_lse else out
+    plan = _plan(meta, q.device)
+    max_splits = plan["max_splits"]
+    ws_key = (num_heads, head_dim_v)
+    ws = plan["workspace"].get(ws_key)
+    if ws is None:
+        n = plan["ws_tokens"] * num_heads * max_splits if max_splits > 1 else 0
+        ws = (torch.empty(max(n * head_dim_v, 1), dtype=torch.float32, device=q.device),
+              torch.empty(max(n, 1), dtype=torch.float32, device=q.device))
+        plan["workspace"][ws_key] = ws
+    q = _aligned_rows(q)
+    tables = plan["tables"]
+    with torch.cuda.device(q.device):
+        _K.paged_attention(
+            q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+            out.data_ptr(), out.stride(0), out.stride(1), lse.data_ptr() if lse is not None else 0,
+            ws[0].data_ptr(), ws[1].data_ptr(), plan["ws_start"].data_ptr(), tables.data_ptr(),
+            plan["qsl"].data_ptr(), plan["ctx"].data_ptr(), meta.num_rows, num_heads, num_kv_heads,
+            head_dim, head_dim_v, meta.block_size, tables.shape[1], int(meta.max_query_len), max_splits,
+            float(scale), _DTYPE_CODE[q.dtype], mla, _stream(q.device),
+        )
+    return (out, lse) if return_lse else out
+
+
+def _check_meta(q: torch.Tensor, meta: AttentionMetadata, block_size: int) -> None:
+    if block_size != meta.block_size:
+        raise ValueError(f"cache block_size {block_size} != meta.block_size {meta.block_size}")
+    if q.shape[0] != meta.num_tokens:
+        raise ValueError(f"q has {q.shape[0]} tokens but meta.slot_mapping has {meta.num_tokens}")
+    if meta.query_start_loc.shape[0] != meta.num_rows + 1 or meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != meta.num_rows:
+        raise ValueError("meta.query_start_loc must be [R+1] and meta.block_tables [R, max_blocks]")
+    _check_cuda(q, meta.block_tables, meta.context_lens, meta.query_start_loc)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Varlen causal GQA attention of q [T, Hq, D] over k_cache/v_cache [blocks, block_size, Hkv, D]
+    -> out [T, Hq, D] (and lse [T, Hq] float32 natural log when return_lse; +inf for no keys)."""
+    _check_cuda(q, k_cache, v_cache)
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"q must be [T, Hq, D] and k_cache/v_cache equal [blocks, B, Hkv, D], got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0:
+        raise ValueError(f"q {tuple(q.shape)} does not match the cache's Hkv={num_kv_heads}, D={head_dim}")
+    _check_meta(q, meta, k_cache.shape[1])
+    if q.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or head_dim not in (64, 128, 256):
+        from pyengine.ops import reference
+
+        return reference.paged_attention(q, k_cache, v_cache, meta, scale, return_lse=return_lse)
+    return _launch(q, k_cache, v_cache, meta, scale, return_lse, num_kv_heads, head_dim, mla=False)
+
+
+def paged_attention_mla(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """MLA (absorbed) attention of q [T, Hq, 576] over the latent cache [blocks, block_size, 576]
+    (V = first 512 values of each row) -> out [T, Hq, 512] (and lse [T, Hq] when return_lse)."""
+    _check_cuda(q, kv_cache)
+    width = MLA_KV_LORA_RANK + MLA_ROPE_DIM
+    if q.dim() != 3 or q.shape[2] != width or kv_cache.dim() != 3 or kv_cache.shape[2] != width:
+        raise ValueError(f"q must be [T, Hq, {width}] and kv_cache [blocks, B, {width}], got {tuple(q.shape)} / {tuple(kv_cache.shape)}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    _check_meta(q, meta, kv_cache.shape[1])
+    if q.dtype not in (torch.float16, torch.bfloat16) or kv_cache.dtype != q.dtype:
+        from pyengine.ops import mla_reference
+
+        return mla_reference.paged_attention_mla(q, kv_cache, meta, scale, return_lse=return_lse)
+    return _launch(q, kv_cache, kv_cache, meta, scale, return_lse, 1, MLA_KV_LORA_RANK, mla=True)

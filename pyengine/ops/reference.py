@@ -1,0 +1,209 @@
+"""Pure-PyTorch paged KV-cache ops: the executable spec of the GPU kernels and the CPU fast path.
+
+Layouts (vLLM vocabulary):
+  k_cache / v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+  slot = block_id * block_size + offset; slot_mapping[t] == -1 means "do not write token t".
+
+paged_attention pads the step's rows to a dense [rows, max_query_len] x [rows, max_context_len]
+problem. The gather indices and the mask depend only on the metadata, so they are built once per
+step and memoised in meta.cache: every layer of the model then pays for two index_selects and one
+fused attention call, never a Python loop over rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pyengine.attention_metadata import AttentionMetadata
+
+_CACHE_KEY = "reference_paged_attention"
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [T, Hkv, D] of token t into slot slot_mapping[t]; slots < 0 are skipped."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        k_flat.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+        return
+    slots = slot_mapping[valid]
+    k_flat.index_copy_(0, slots, key[valid].to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, value[valid].to(v_cache.dtype))
+
+
+@dataclass
+class _StepPlan:
+    """Per-step derived tensors shared by every layer (see module docstring)."""
+
+    kv_slots: torch.Tensor  # [R, Lk] int64 cache slot per (row, key position), see _build_plan
+    q_index: torch.Tensor | None  # [R * Lq] int64 token index per (row, query position); None = identity
+    out_index: torch.Tensor | None  # [T] int64 position of token t in the flat [R * Lq] padded layout
+    mask: torch.Tensor  # [R, 1, Lq, Lk] bool, True = attend
+    num_rows: int
+    q_pad: int  # Lq
+    kv_pad: int  # Lk
+    biases: dict[tuple[int, torch.dtype], torch.Tensor]  # (group, dtype) -> additive mask [R, 1, G*Lq, Lk]
+    kv_indices: dict[int, torch.Tensor]  # num_kv_heads -> [R * Hkv * Lk] rows of cache.view(-1, D)
+
+    def kv_index(self, num_kv_heads: int) -> torch.Tensor:
+        """Gather rows of the cache seen as [slots * Hkv, D], ordered [R, Hkv, Lk]: the gathered
+        K/V come out directly in the layout attention needs, without a transpose copy."""
+        index = self.kv_indices.get(num_kv_heads)
+        if index is None:
+            heads = torch.arange(num_kv_heads, device=self.kv_slots.device)
+            index = (self.kv_slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
+            self.kv_indices[num_kv_heads] = index
+        return index
+
+    def bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive 0/-inf mask with the GQA group folded into the query axis. Float masks take
+        the fast fused CPU kernels where boolean ones are much slower."""
+        key = (group, dtype)
+        bias = self.biases.get(key)
+        if bias is None:
+            mask = self.mask if group == 1 else self.mask.repeat(1, 1, group, 1)
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self.biases[key] = bias
+        return bias
+
+
+def _build_plan(meta: AttentionMetadata, device: torch.device) -> _StepPlan:
+    block_size = meta.block_size
+    rows = meta.num_rows
+    qsl = meta.query_start_loc.to(device=device, dtype=torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    ctx = meta.context_lens.to(device=device, dtype=torch.int64)
+    lq = max(int(meta.max_query_len), 1)
+    lk = max(int(meta.max_context_len), 1)
+
+    # Key side: slot of every (row, key position) from the block table. Positions past the
+    # context re-read the row's own position 0 (written, so finite): the -inf mask then gives
+    # them weight exactly 0, whereas reading an unused page could bring NaN (and NaN * 0 = NaN).
+    pos_k = torch.arange(lk, device=device)
+    kv_valid = pos_k[None, :] < ctx[:, None]  # [R, Lk]
+    block_tables = meta.block_tables.to(device=device, dtype=torch.int64)
+    block_idx = (pos_k // block_size).clamp(max=max(block_tables.shape[1] - 1, 0))
+    if block_tables.shape[1] == 0:
+        blocks = torch.zeros(rows, lk, dtype=torch.int64, device=device)
+    else:
+        blocks = block_tables[:, block_idx]  # [R, Lk]
+    slots = blocks * block_size + (pos_k % block_size)[None, :]
+    slots = torch.where(kv_valid, slots, slots[:, :1])
+    # Rows with an empty context (no tokens this step either) have no slot of their own; any
+    # in-range slot will do since no output of theirs is kept.
+    slots = slots.clamp(min=0)
+
+    # Query side: query i of row r sits at padded position (r, i). A pure-decode batch
+    # (every row has exactly one query) is already in that layout, so no gather is needed.
+    pos_q = torch.arange(lq, device=device)
+    q_valid = pos_q[None, :] < q_lens[:, None]  # [R, Lq]
+    identity = lq == 1 and rows == meta.num_tokens and bool(q_valid.all())
+    if identity:
+        q_index = out_index = None
+    else:
+        q_index = torch.where(q_valid, qsl[:-1, None] + pos_q[None, :], torch.zeros_like(pos_q)[None, :])
+        q_index = q_index.reshape(-1)
+        row_of_tok = torch.repeat_interleave(torch.arange(rows, device=device), q_lens)
+        tok = torch.arange(int(qsl[-1]), device=device)
+        out_index = row_of_tok * lq + (tok - qsl[:-1][row_of_tok])
+
+    # Causal limit: query i of a row of q_len tokens sees keys [0, ctx - (q_len - 1 - i)).
+    limit = ctx[:, None] - (q_lens[:, None] - 1 - pos_q[None, :])  # [R, Lq]
+    mask = pos_k[None, None, :] < limit[:, :, None]  # [R, Lq, Lk]
+    # Padded queries and empty contexts would be fully masked; let them see key 0 so the
+    # softmax is well defined. Their outputs are discarded.
+    empty = ~mask.any(dim=-1, keepdim=True)
+    mask = mask | (empty & (pos_k == 0)[None, None, :])
+    return _StepPlan(
+        kv_slots=slots,
+        q_index=q_index,
+        out_index=out_index,
+        mask=mask[:, None],
+        num_rows=rows,
+        q_pad=lq,
+        kv_pad=lk,
+        biases={},
+        kv_indices={},
+    )
+
+
+def _plan(meta: AttentionMetadata, device: torch.device) -> _StepPlan:
+    plan = meta.cache.get(_CACHE_KEY)
+    if plan is None:
+        plan = _build_plan(meta, device)
+        meta.cache[_CACHE_KEY] = plan
+    return plan
+
+
+def _gather_kv(cache: torch.Tensor, plan: _StepPlan, dtype: torch.dtype) -> torch.Tensor:
+    """[R, Hkv, Lk, D] of the rows' contexts (padding positions hold finite, masked-out values)."""
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    kv = cache.view(-1, head_dim).index_select(0, plan.kv_index(num_kv_heads))
+    return kv.view(plan.num_rows, num_kv_heads, plan.kv_pad, head_dim).to(dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Varlen causal GQA attention of q [T, Hq, D] over the paged cache -> out [T, Hq, D]
+    (and lse [T, Hq] float32, natural log, when return_lse)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    # fp32 accumulation for half types; float64 stays float64 (the tests' exact oracle).
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if num_tokens == 0:
+        out = q.new_zeros(q.shape)
+        lse = torch.zeros(0, num_heads, dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+    plan = _plan(meta, q.device)
+    rows, lq = plan.num_rows, plan.q_pad
+
+    qc = q.to(compute_dtype)
+    qp = qc if plan.q_index is None else qc.index_select(0, plan.q_index)
+    # Fold the GQA group into the query axis: [R, Hkv, G * Lq, D] attends to [R, Hkv, Lk, D],
+    # so K/V are never repeated per query head.
+    qp = qp.view(rows, lq, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qp = qp.reshape(rows, num_kv_heads, group * lq, head_dim)
+    bias = plan.bias(group, compute_dtype)  # [R, 1, G*Lq, Lk]
+    k = _gather_kv(k_cache, plan, compute_dtype)
+    v = _gather_kv(v_cache, plan, compute_dtype)
+
+    lse_p = None
+    if return_lse or lq == 1:
+        # Decode: scores are tiny ([G, Lk] per kv head), plain matmuls beat SDPA's dispatch.
+        scores = torch.matmul(qp, k.transpose(-1, -2)).mul_(scale).add_(bias)
+        if return_lse:
+            lse_p = torch.logsumexp(scores, dim=-1)  # [R, Hkv, G*Lq]
+        out_p = torch.matmul(torch.softmax(scores, dim=-1), v)
+    else:
+        out_p = F.scaled_dot_product_attention(qp, k, v, attn_mask=bias, scale=scale)
+
+    def unpad(x: torch.Tensor) -> torch.Tensor:
+        # [R, Hkv, G*Lq, ...] -> [T, Hq, ...]
+        tail = x.shape[3:]
+        x = x.reshape(rows, num_kv_heads, group, lq, *tail).movedim(3, 1)
+        x = x.reshape(rows * lq, num_heads, *tail)
+        return x if plan.out_index is None else x.index_select(0, plan.out_index)
+
+    out = unpad(out_p).to(q.dtype)
+    if not return_lse:
+        return out
+    assert lse_p is not None
+    return out, unpad(lse_p[..., None])[..., 0].to(torch.float32)

@@ -1,0 +1,287 @@
+"""GPU kernels (hipkernels/ via pyengine.ops.cuda) against the PyTorch references.
+
+Rules checked: the kernel equals the reference for decode, verify (q = 1 + k), prefill chunks and
+mixed batches; causal within a row; GQA with any group size; MLA (576/512, one latent head); unused
+cache pages (NaN) are never read; permuted block tables; zero-length rows; a row's result does not
+depend on the rest of the batch (bit-identical); KV writes skip slot -1.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pyengine.attention_metadata import AttentionMetadata
+
+try:
+    from pyengine.ops import cuda as cuda_ops
+except ImportError:  # no GPU kernels in this build
+    cuda_ops = None
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or cuda_ops is None, reason="needs CUDA and the GPU kernels"),
+]
+
+DEV = "cuda"
+
+
+def make_step(rows: list[tuple[int, int]], block_size: int, seed: int = 0, extra_blocks: int = 3):
+    """rows: (context_len, q_len). Blocks come from a shuffled free list (permuted tables)."""
+    rng = random.Random(seed)
+    need = [(ctx + block_size - 1) // block_size for ctx, _ in rows]
+    free = list(range(sum(need) + extra_blocks))
+    rng.shuffle(free)
+    tables, slots, qsl = [], [], [0]
+    for (ctx, q_len), n in zip(rows, need):
+        table = [free.pop() for _ in range(n)]
+        tables.append(table)
+        for pos in range(ctx - q_len, ctx):
+            slots.append(table[pos // block_size] * block_size + pos % block_size if pos >= 0 else -1)
+        qsl.append(qsl[-1] + q_len)
+    width = max(need + [1])
+    padded = [t + [-1] * (width - len(t)) for t in tables]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEV),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=DEV).reshape(len(rows), width),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEV),
+        context_lens=torch.tensor([c for c, _ in rows], dtype=torch.int32, device=DEV),
+        max_query_len=max([q for _, q in rows] + [0]),
+        max_context_len=max([c for c, _ in rows] + [0]),
+        block_size=block_size,
+    )
+    return meta, tables, sum(need) + extra_blocks
+
+
+def fill_cache(shape, tables, rows, block_size, dtype, gen):
+    """NaN everywhere except the rows' context positions."""
+    cache = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+    flat = cache.view(shape[0] * shape[1], -1)
+    for table, (ctx, _) in zip(tables, rows):
+        if ctx == 0:
+            continue
+        pos = torch.arange(ctx)
+        slots = torch.tensor(table, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size
+        flat[slots.to(DEV)] = torch.randn(ctx, flat.shape[1], generator=gen, device=DEV).to(dtype)
+    return cache
+
+
+def has_keys(rows) -> torch.Tensor:
+    flags = []
+    for ctx, q_len in rows:
+        flags += [ctx - (q_len - 1 - i) > 0 for i in range(q_len)]
+    return torch.tensor(flags, dtype=torch.bool, device=DEV)
+
+
+def check_close(out, ref, lse, ref_lse, rows, dtype):
+    assert not torch.isnan(out).any()
+    tol = 2e-2 if dtype == torch.float16 else 5e-2
+    keys = has_keys(rows)  # queries without keys: out 0 and lse +inf (checked below, not vs the reference)
+    torch.testing.assert_close(out[keys].float(), ref[keys].float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse[keys], ref_lse[keys].float(), atol=1e-3, rtol=1e-3)
+    assert torch.isinf(lse[~keys]).all() and (lse[~keys] > 0).all()
+    assert (out[~keys] == 0).all()
+
+
+def gqa_case(rows, block_size, hkv, group, dtype, head_dim=128, seed=0):
+    from pyengine.ops import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    meta, tables, nblocks = make_step(rows, block_size, seed)
+    shape = (nblocks, block_size, hkv, head_dim)
+    k = fill_cache(shape, tables, rows, block_size, dtype, gen)
+    v = fill_cache(shape, tables, rows, block_size, dtype, gen)
+    q = torch.randn(meta.num_tokens, hkv * group, head_dim, generator=gen, device=DEV).to(dtype)
+    scale = head_dim ** -0.5
+    out, lse = cuda_ops.paged_attention(q, k, v, meta, scale, return_lse=True)
+    k0, v0 = torch.nan_to_num(k), torch.nan_to_num(v)  # the reference masks; keep it NaN-free anyway
+    ref, ref_lse = reference.paged_attention(q, k0, v0, meta, scale, return_lse=True)
+    return out, lse, ref, ref_lse
+
+
+MIXED = [(37, 1), (1, 1), (100, 5), (9, 9), (0, 0), (513, 3), (64, 2), (700, 40), (2000, 7), (5, 4), (1500, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_gqa_mixed_batch_matches_reference(group, block_size, dtype):
+    hkv = 2 if group == 8 else 4
+    out, lse, ref, ref_lse = gqa_case(MIXED, block_size, hkv, group, dtype)
+    check_close(out, ref, lse, ref_lse, MIXED, dtype)
+
+
+@pytest.mark.parametrize("q_len", range(1, 10))
+def test_gqa_verify_lengths_llama_shape(q_len):
+    rows = [(4096 + q_len, q_len), (77, q_len), (q_len, q_len)]
+    out, lse, ref, ref_lse = gqa_case(rows, 16, 8, 4, torch.bfloat16, seed=q_len)
+    check_close(out, ref, lse, ref_lse, rows, torch.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_gqa_other_head_dims(head_dim):
+    rows = [(300, 1), (1200, 4), (50, 20)]
+    out, lse, ref, ref_lse = gqa_case(rows, 16, 2, 3, torch.float16, head_dim=head_dim)
+    check_close(out, ref, lse, ref_lse, rows, torch.float16)
+
+
+def test_gqa_long_context_32k():
+    rows = [(32768, 1), (32768 - 3, 5), (20000, 2)]
+    out, lse, ref, ref_lse = gqa_case(rows, 64, 8, 4, torch.bfloat16)
+    check_close(out, ref, lse, ref_lse, rows, torch.bfloat16)
+
+
+def test_context_shorter_than_query_gives_zero_and_inf():
+    rows = [(2, 4), (0, 3), (10, 1)]  # queries 0, 1 of row 0 and all of row 1 see no keys
+    out, lse, ref, ref_lse = gqa_case(rows, 16, 2, 2, torch.float16)
+    check_close(out, ref, lse, ref_lse, rows, torch.float16)
+
+
+def mla_case(rows, block_size, heads, dtype, seed=0):
+    from pyengine.ops import mla_reference
+
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    meta, tables, nblocks = make_step(rows, block_size, seed)
+    kv = fill_cache((nblocks, block_size, 576), tables, rows, block_size, dtype, gen)
+    q = torch.randn(meta.num_tokens, heads, 576, generator=gen, device=DEV).to(dtype)
+    scale = 192 ** -0.5
+    out, lse = cuda_ops.paged_attention_mla(q, kv, meta, scale, return_lse=True)
+    ref, ref_lse = mla_reference.paged_attention_mla(q, torch.nan_to_num(kv), meta, scale, return_lse=True)
+    return out, lse, ref, ref_lse
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_mla_matches_reference(heads, block_size):
+    rows = [(40, 1), (700, 3), (0, 0), (9, 9), (2100, 6), (300, 30)]
+    out, lse, ref, ref_lse = mla_case(rows, block_size, heads, torch.bfloat16)
+    check_close(out, ref, lse, ref_lse, rows, torch.bfloat16)
+
+
+@pytest.mark.parametrize("q_len", range(1, 10))
+def test_mla_verify_lengths(q_len):
+    rows = [(1000 + q_len, q_len), (q_len, q_len)]
+    out, lse, ref, ref_lse = mla_case(rows, 64, 16, torch.float16, seed=q_len)
+    check_close(out, ref, lse, ref_lse, rows, torch.float16)
+
+
+def test_mla_long_context_32k():
+    rows = [(32768, 1), (32000, 4)]
+    out, lse, ref, ref_lse = mla_case(rows, 64, 16, torch.bfloat16)
+    check_close(out, ref, lse, ref_lse, rows, torch.bfloat16)
+
+
+def _row_alone_vs_in_batch(run):
+    """run(rows, which) -> outputs of row `which`; the row must be bit-identical in any batch."""
+    row = (3000, 3)
+    alone = run([row], 0)
+    crowd = [(10, 1), (700, 40), row, (5000, 1), (64, 9)]
+    together = run(crowd, 2)
+    assert torch.equal(alone[0], together[0]) and torch.equal(alone[1], together[1])
+
+
+def test_gqa_batch_invariant():
+    gen_seed = 7
+
+    def run(rows, which):
+        gen = torch.Generator(device=DEV).manual_seed(gen_seed)
+        meta, tables, nblocks = make_step(rows, 16, seed=len(rows))
+        shape = (nblocks, 16, 8, 128)
+        k = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=DEV)
+        v = torch.full_like(k, float("nan"))
+        ctx, q_len = rows[which]
+        data_k = torch.randn(ctx, 8, 128, generator=gen, device=DEV).to(k.dtype)
+        data_v = torch.randn(ctx, 8, 128, generator=gen, device=DEV).to(k.dtype)
+        q_row = torch.randn(q_len, 32, 128, generator=gen, device=DEV).to(k.dtype)
+        for r, (c, _) in enumerate(rows):  # every row gets some keys; row `which` gets data_k/v
+            pos = torch.arange(c)
+            slots = (torch.tensor(tables[r])[pos // 16] * 16 + pos % 16).to(DEV)
+            src_k = data_k if r == which else torch.randn(c, 8, 128, device=DEV).to(k.dtype)
+            src_v = data_v if r == which else torch.randn(c, 8, 128, device=DEV).to(k.dtype)
+            k.view(-1, 8, 128)[slots] = src_k
+            v.view(-1, 8, 128)[slots] = src_v
+        q = torch.randn(meta.num_tokens, 32, 128, device=DEV).to(k.dtype)
+        q0 = int(meta.query_start_loc[which])
+        q[q0:q0 + q_len] = q_row
+        out, lse = cuda_ops.paged_attention(q, k, v, meta, 128 ** -0.5, return_lse=True)
+        return out[q0:q0 + q_len], lse[q0:q0 + q_len]
+
+    _row_alone_vs_in_batch(run)
+
+
+def test_mla_batch_invariant():
+    def run(rows, which):
+        gen = torch.Generator(device=DEV).manual_seed(3)
+        meta, tables, nblocks = make_step(rows, 64, seed=len(rows))
+        kv = torch.full((nblocks, 64, 576), float("nan"), dtype=torch.bfloat16, device=DEV)
+        ctx, q_len = rows[which]
+        data = torch.randn(ctx, 576, generator=gen, device=DEV).to(kv.dtype)
+        q_row = torch.randn(q_len, 128, 576, generator=gen, device=DEV).to(kv.dtype)
+        for r, (c, _) in enumerate(rows):
+            pos = torch.arange(c)
+            slots = (torch.tensor(tables[r])[pos // 64] * 64 + pos % 64).to(DEV)
+            kv.view(-1, 576)[slots] = data if r == which else torch.randn(c, 576, device=DEV).to(kv.dtype)
+        q = torch.randn(meta.num_tokens, 128, 576, device=DEV).to(kv.dtype)
+        q0 = int(meta.query_start_loc[which])
+        q[q0:q0 + q_len] = q_row
+        out, lse = cuda_ops.paged_attention_mla(q, kv, meta, 192 ** -0.5, return_lse=True)
+        return out[q0:q0 + q_len], lse[q0:q0 + q_len]
+
+    _row_alone_vs_in_batch(run)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("strided", [False, True])
+def test_reshape_and_cache_skips_minus_one(dtype, strided):
+    from pyengine.ops import reference
+
+    T, H, D, nb, bs = 37, 4, 128, 12, 16
+    qkv = torch.randn(T, 3 * H, D, device=DEV).to(dtype)
+    key, value = (qkv[:, H:2 * H], qkv[:, 2 * H:]) if strided else (qkv[:, H:2 * H].contiguous(), qkv[:, 2 * H:].contiguous())
+    slots = torch.randperm(nb * bs, device=DEV)[:T]
+    slots[::5] = -1
+    k = torch.full((nb, bs, H, D), float("nan"), dtype=dtype, device=DEV)
+    v = torch.full_like(k, float("nan"))
+    k_ref, v_ref = k.clone(), v.clone()
+    cuda_ops.reshape_and_cache(key, value, k, v, slots)
+    reference.reshape_and_cache(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+    assert torch.equal(v.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+
+
+def test_reshape_and_cache_unaligned_head_dim():
+    from pyengine.ops import reference
+
+    T, H, D = 9, 2, 36  # rows not 16-byte multiples -> element path
+    key, value = torch.randn(T, H, D, device=DEV).half(), torch.randn(T, H, D, device=DEV).half()
+    slots = torch.tensor([3, -1, 0, 7, 8, 1, -1, 12, 15], device=DEV)
+    k = torch.zeros(4, 4, H, D, dtype=torch.half, device=DEV)
+    v, k_ref, v_ref = k.clone(), k.clone(), k.clone()
+    cuda_ops.reshape_and_cache(key, value, k, v, slots)
+    reference.reshape_and_cache(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reshape_and_cache_mla_skips_minus_one(dtype):
+    from pyengine.ops import mla_reference
+
+    T, nb, bs = 29, 8, 64
+    latent = torch.randn(T, 576 + 128, device=DEV).to(dtype)
+    c_kv, k_pe = latent[:, :512], latent[:, 600:664]  # strided views, as a fused projection gives
+    slots = torch.randperm(nb * bs, device=DEV)[:T]
+    slots[1::4] = -1
+    kv = torch.full((nb, bs, 576), float("nan"), dtype=dtype, device=DEV)
+    kv_ref = kv.clone()
+    cuda_ops.reshape_and_cache_mla(c_kv, k_pe, kv, slots)
+    mla_reference.reshape_and_cache_mla(c_kv, k_pe, kv_ref, slots)
+    assert torch.equal(kv.nan_to_num(7.0), kv_ref.nan_to_num(7.0))
+
+
+def test_validation_errors_are_value_errors():
+    q = torch.randn(3, 8, 128, device=DEV).half()
+    k = torch.zeros(4, 16, 3, 128, device=DEV).half()
+    meta, _, _ = make_step([(5, 3)], 16)
+    with pytest.raises(ValueError):
+        cuda_ops.paged_attention(q, k, k, meta, 0.1)
