@@ -1,0 +1,99 @@
+"""Harness for losslessness tests: run plain and speculative greedy decoding, record every step's
+batch shape, and accept a divergence only at a proven numerical near-tie."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from pyengine import LLM, SamplingParams
+from tests.utils_paged import make_meta
+
+NEAR_TIE = 1e-4
+
+
+@dataclass
+class StepRecord:
+    num_computed: np.ndarray
+    num_scheduled: np.ndarray
+    num_drafts: np.ndarray
+    num_decode_rows: int
+    committed: np.ndarray | None = None  # tokens the verifier kept per row
+
+
+@dataclass
+class RecordingScheduler:
+    """Wraps the C++ scheduler: records what each step scheduled and what was committed."""
+    inner: Any
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def schedule(self):
+        b = self.inner.schedule()
+        qsl = b.query_start_loc
+        self.steps.append(StepRecord(b.num_computed.copy(), np.diff(qsl), b.num_draft_tokens.copy(), b.num_decode_rows))
+        return b
+
+    def update(self, tokens, counts):
+        self.steps[-1].committed = np.asarray(counts).copy()
+        return self.inner.update(tokens, counts)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    # -- what the steps covered ------------------------------------------------------------------
+    def verify_rows(self) -> list[tuple[int, int, int, int]]:
+        """(num_computed, num_scheduled, drafts, committed) of every decode row that carried drafts."""
+        rows = []
+        for s in self.steps:
+            for r in range(s.num_decode_rows):
+                if s.num_drafts[r] > 0:
+                    rows.append((int(s.num_computed[r]), int(s.num_scheduled[r]), int(s.num_drafts[r]), int(s.committed[r])))
+        return rows
+
+    def had_ragged_step(self) -> bool:
+        """A step whose decode rows include both rows with drafts and rows with none."""
+        return any((s.num_drafts[:s.num_decode_rows] > 0).any() and (s.num_drafts[:s.num_decode_rows] == 0).any()
+                   for s in self.steps)
+
+    def had_mixed_step(self) -> bool:
+        """A step with verify rows (drafts) and prefill rows together."""
+        return any((s.num_drafts[:s.num_decode_rows] > 0).any() and len(s.num_drafts) > s.num_decode_rows
+                   for s in self.steps)
+
+
+def run(model: str, prompts: list[list[int]], max_tokens: int = 24, spec: dict | None = None,
+        params: SamplingParams | None = None, **llm_kw: Any) -> tuple[list[list[int]], dict, RecordingScheduler, LLM]:
+    llm = LLM(model=model, device="cpu", speculative_config=spec, **llm_kw)
+    rec = RecordingScheduler(llm.engine.scheduler)
+    llm.engine.scheduler = rec
+    params = params or SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.outputs[0].token_ids for o in outs], llm.stats(), rec, llm
+
+
+@torch.inference_mode()
+def top2_gap(llm: LLM, tokens: list[int]) -> float:
+    """Target logit gap between the best two tokens after `tokens` (a fresh contiguous forward)."""
+    from tests.utils_paged import PagedCache
+
+    cfg = llm.model_config
+    cache = PagedCache(cfg, len(tokens) // 16 + 2, 16, llm.dtype)
+    table: list[int] = []
+    cache.grow(table, len(tokens))
+    meta, pos = make_meta([(table, 0, len(tokens))], 16)
+    hidden = llm.model(torch.tensor(tokens), pos, meta, cache.kv_caches)
+    top = llm.model.compute_logits(hidden[-1:])[0].topk(2).values
+    return float(top[0] - top[1])
+
+
+def assert_lossless(llm: LLM, prompts: list[list[int]], plain: list[list[int]], spec: list[list[int]]) -> None:
+    """spec == plain token for token; a divergence passes only at a proven near-tie of the target."""
+    for prompt, a, b in zip(prompts, plain, spec):
+        if a == b:
+            continue
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        gap = top2_gap(llm, prompt + a[:i])
+        assert gap < NEAR_TIE, f"spec diverged from plain at output {i} with top-2 gap {gap:.3g}: {a} vs {b}"

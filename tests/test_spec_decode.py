@@ -1,0 +1,170 @@
+"""Greedy speculative decoding equals plain decoding, token for token, on every path: ragged drafts,
+mixed prefill + verify batches, block sizes 1..16, k up to 8 (k >= block_size), prefix caching on
+and off, preemption, and every acceptance count forced by a scripted proposer."""
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+
+from pyengine import SamplingParams
+from tests.spec_harness import assert_lossless, run
+from tests.tiny_models import VOCAB, make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny_llama"))
+    make_checkpoint("llama_gqa_untied", path)
+    return path
+
+
+def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Mixed lengths; half repeat a short pattern so prompt lookup finds matches."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        length = rng.randint(1, 40)
+        if i % 2 == 0:
+            pattern = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 5))]
+            prompts.append((pattern * 20)[:length])
+        else:
+            prompts.append([rng.randrange(3, VOCAB) for _ in range(length)])
+    return prompts
+
+
+@functools.lru_cache(maxsize=None)
+def plain_reference(path: str, n: int, max_tokens: int) -> list[list[int]]:
+    outs, _, _, _ = run(path, make_prompts(n), max_tokens=max_tokens)
+    return outs
+
+
+@pytest.mark.parametrize("batch,block_size,k,prefix", [
+    (1, 16, 1, True), (8, 1, 3, True), (8, 2, 8, False), (32, 16, 4, True), (32, 2, 5, True), (16, 4, 8, False),
+])
+def test_ngram_greedy_equals_plain(tiny: str, batch: int, block_size: int, k: int, prefix: bool) -> None:
+    prompts = make_prompts(batch)
+    plain = plain_reference(tiny, batch, 24)
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    outs, stats, rec, llm = run(tiny, prompts, spec=spec, block_size=block_size, enable_prefix_caching=prefix,
+                                max_num_batched_tokens=64)
+    assert_lossless(llm, prompts, plain, outs)
+    assert stats["num_accepted_tokens"] > 0, "speculation never accepted anything: the test proves nothing"
+    if batch > 1:
+        assert rec.had_ragged_step(), "no step mixed rows with drafts and rows without"
+
+
+def test_ngram_with_preemption_equals_plain(tiny: str) -> None:
+    prompts = make_prompts(8)
+    plain = plain_reference(tiny, 8, 24)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    outs, stats, rec, llm = run(tiny, prompts, spec=spec, block_size=4, num_kv_blocks=24)
+    assert stats["num_preemptions"] > 0
+    assert_lossless(llm, prompts, plain, outs)
+
+
+def scripted(reference: dict[int, tuple[int, list[int]]], k: int, pattern: list[int]):
+    """Drafts the true continuation for `a` tokens, then wrong tokens; a cycles through `pattern`."""
+    calls: dict[int, int] = {}
+
+    def script(seq_id: int, tokens: list[int]) -> list[int]:
+        prompt_len, ref = reference[seq_id]
+        i = calls.get(seq_id, 0)
+        calls[seq_id] = i + 1
+        a = pattern[(i + seq_id) % len(pattern)]  # offset per request: rows differ within a step
+        if a < 0:
+            return []  # a step with no drafts at all
+        done = len(tokens) - prompt_len
+        good = ref[done:done + a]
+        wrong = [(t + 1) % VOCAB for t in ref[done + len(good):done + k]] or [0]
+        return (good + wrong * k)[:k]
+
+    return script
+
+
+@pytest.mark.parametrize("block_size,k", [(4, 3), (4, 4), (2, 5), (1, 3)])
+def test_scripted_every_acceptance_count(tiny: str, block_size: int, k: int) -> None:
+    prompts = make_prompts(6, seed=1)
+    plain = run(tiny, prompts, max_tokens=40)[0]
+    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, plain))}
+    spec = {"method": "scripted", "num_speculative_tokens": k, "script": scripted(reference, k, list(range(k + 1)))}
+    outs, stats, rec, llm = run(tiny, prompts, max_tokens=40, spec=spec, block_size=block_size)
+    assert outs == plain
+    full = [(nc, n, d, c) for nc, n, d, c in rec.verify_rows() if d == k]
+    assert {c - 1 for *_, c in full} == set(range(k + 1)), "not every acceptance count 0..k occurred"
+    assert any(nc % block_size == 0 for nc, *_ in full), "no verify step started at a block boundary"
+    assert any((nc + n - 1) // block_size - nc // block_size >= 1 for nc, n, *_ in full), "none crossed a boundary"
+
+
+def test_regression_k_plus_one_crosses_several_block_boundaries(tiny: str) -> None:
+    prompts = make_prompts(4, seed=2)
+    plain = run(tiny, prompts, max_tokens=40)[0]
+    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, plain))}
+    spec = {"method": "scripted", "num_speculative_tokens": 7, "script": scripted(reference, 7, [7])}
+    outs, _, rec, _ = run(tiny, prompts, max_tokens=40, spec=spec, block_size=2)
+    assert outs == plain
+    assert any((nc + n - 1) // 2 - nc // 2 >= 3 for nc, n, *_ in rec.verify_rows())
+
+
+def test_regression_step_without_drafts_right_after_an_accepted_run(tiny: str) -> None:
+    prompts = make_prompts(6, seed=3)
+    plain = run(tiny, prompts, max_tokens=32)[0]
+    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, plain))}
+    # all accepted, then no drafts at all, then partial, then none again
+    spec = {"method": "scripted", "num_speculative_tokens": 3, "script": scripted(reference, 3, [3, -1, 1, -1])}
+    outs, _, rec, _ = run(tiny, prompts, max_tokens=32, spec=spec, block_size=4)
+    assert outs == plain
+    assert rec.had_ragged_step()
+
+
+def test_regression_mixed_prefill_and_verify_batch(tiny: str) -> None:
+    prompts = make_prompts(8, seed=4)
+    plain = run(tiny, prompts, max_tokens=24)[0]
+    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, plain))}
+    spec = {"method": "scripted", "num_speculative_tokens": 3, "script": scripted(reference, 3, [2, 3, 0])}
+    # a small budget keeps later prompts prefilling (in chunks) while earlier ones verify
+    outs, _, rec, _ = run(tiny, prompts, max_tokens=24, spec=spec, block_size=4, max_num_batched_tokens=12,
+                          max_num_seqs=8)
+    assert outs == plain
+    assert rec.had_mixed_step(), "no step mixed prefill chunks with verify rows"
+
+
+def test_regression_stop_inside_an_accepted_run(tiny: str) -> None:
+    prompts = make_prompts(4, seed=5)
+    plain = run(tiny, prompts, max_tokens=30)[0]
+    stop_id = plain[0][5]  # the 6th token of the first request stops it
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])
+    plain_stop = run(tiny, prompts, params=params)[0]
+    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, plain))}
+    spec = {"method": "scripted", "num_speculative_tokens": 8, "script": scripted(reference, 8, [8])}
+    outs, _, _, llm = run(tiny, prompts, params=params, spec=spec, block_size=4)
+    assert outs == plain_stop
+    assert outs[0][-1] == stop_id and len(outs[0]) <= 6
+
+
+def test_regression_preemption_of_a_request_with_pending_drafts(tiny: str) -> None:
+    prompts = make_prompts(8, seed=6)
+    plain = run(tiny, prompts, max_tokens=32)[0]
+    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, plain))}
+    spec = {"method": "scripted", "num_speculative_tokens": 4, "script": scripted(reference, 4, [4, 2, 0])}
+    outs, stats, _, _ = run(tiny, prompts, max_tokens=32, spec=spec, block_size=4, num_kv_blocks=22)
+    assert stats["num_preemptions"] > 0
+    assert outs == plain
+
+
+def test_smollm2_ngram_greedy_equals_plain(smollm2_path: str) -> None:
+    from pyengine import LLM
+
+    text = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+            "Rewrite the two functions above with type hints, keeping the names:\n")
+    plain_llm = LLM(device="cpu", max_model_len=512)
+    tok = plain_llm.tokenizer
+    prompts = [tok.encode(text), tok.encode("The quick brown fox jumps over the lazy dog. The quick brown"),
+               tok.encode("Once upon a time")]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    outs, stats, _, llm = run(None, prompts, spec=spec, params=params, max_model_len=512)
+    assert_lossless(llm, prompts, plain, outs)
+    assert stats["num_accepted_tokens"] > 0
