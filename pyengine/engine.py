@@ -12,6 +12,7 @@ import torch
 
 from pyengine import _C
 from pyengine.config import ModelConfig
+from pyengine.draft_model import DraftModelProposer
 from pyengine.model_runner import ModelRunner
 from pyengine.rejection_sampler import RejectionSampler
 from pyengine.sampler import RequestGenerators
@@ -50,7 +51,8 @@ class EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, model_config: ModelConfig, tokenizer: Tokenizer, cfg: EngineConfig) -> None:
+    def __init__(self, runner: ModelRunner, model_config: ModelConfig, tokenizer: Tokenizer, cfg: EngineConfig,
+                 draft_model: tuple | None = None) -> None:
         self.runner, self.model_config, self.tokenizer, self.cfg = runner, model_config, tokenizer, cfg
         spec = cfg.speculative
         self.k = spec.num_speculative_tokens if spec else 0
@@ -62,6 +64,8 @@ class LLMEngine:
         sc.num_kv_blocks = cfg.num_kv_blocks
         sc.enable_prefix_caching = cfg.enable_prefix_caching
         sc.num_spec_tokens = self.k
+        # A draft model writes k - 1 positions past the verify tokens before the next append.
+        sc.drafter_lookahead = self.k if spec is not None and spec.method == "draft_model" else 0
         self.scheduler = _C.Scheduler(sc)
         self.proposer: Proposer | None = None
         if spec is not None:
@@ -69,8 +73,9 @@ class LLMEngine:
                 self.proposer = NgramProposer(spec)
             elif spec.method == "scripted":
                 self.proposer = ScriptedProposer(spec)
-            else:
-                raise ValueError("speculative_config: draft-model speculation is not available yet")
+            else:  # draft_model; draft_model = (model, ModelConfig) preloaded by LLM, else loaded here
+                self.proposer = DraftModelProposer(spec, runner, lambda sid: self.requests[sid], cfg.seed,
+                                                   cfg.max_model_len, draft=draft_model)
         # Scripted drafts are exact test fixtures: never shorten them.
         self.draft_length = AdaptiveDraftLength(self.k) if spec is not None and spec.method != "scripted" else None
         self.rejection_sampler = RejectionSampler()
@@ -139,9 +144,13 @@ class LLMEngine:
         seq_ids = batch.seq_ids[rows].tolist()
         params = [self.requests[s].params for s in seq_ids]
         gens = [None if p.is_greedy else self.generators.get(s, p.seed) for s, p in zip(seq_ids, params)]
-        out = self.rejection_sampler(logits, draft_ids, torch.from_numpy(num_drafts.astype(np.int64)), None, params, gens)
-        counts[rows] = out.num_tokens.numpy()
-        return out.flat_tokens.numpy().astype(np.int32), counts
+        # q of each draft (draft models); None: one-hot drafters (ngram, scripted)
+        get_q = getattr(self.proposer, "draft_probs", None)
+        draft_probs = get_q(seq_ids, num_drafts.tolist()) if get_q is not None and num_drafts.any() else None
+        out = self.rejection_sampler(logits, draft_ids, torch.from_numpy(num_drafts.astype(np.int64)), draft_probs,
+                                     params, gens)
+        counts[rows] = out.num_tokens.cpu().numpy()
+        return out.flat_tokens.cpu().numpy().astype(np.int32), counts
 
     def _commit(self, batch, tokens: np.ndarray, counts: np.ndarray, num_committed: np.ndarray,
                 reasons: np.ndarray) -> list[Request]:

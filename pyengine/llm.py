@@ -5,6 +5,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from pyengine.draft_model import kv_budget_config
 from pyengine.engine import EngineConfig, LLMEngine, Request
 from pyengine.loader import load_model
 from pyengine.model_runner import ModelRunner, default_num_kv_blocks
@@ -62,19 +63,24 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.device)
         torch.manual_seed(seed)
         self.model, self.model_config, self.tokenizer = load_model(model, str(self.device), self.dtype)
+        draft = None  # draft model: loaded before the KV budget, which then covers both caches
+        if spec is not None and spec.method == "draft_model":
+            draft_model, draft_config, _ = load_model(spec.model, str(self.device), self.dtype)
+            draft = (draft_model, draft_config)
         limit = self.model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({limit})")
         max_model_len = max_model_len or min(limit, 8192)
         if num_kv_blocks is None:
-            num_kv_blocks = default_num_kv_blocks(self.model_config, block_size, self.dtype, self.device, max_num_seqs,
+            kv_config = self.model_config if draft is None else kv_budget_config(self.model_config, draft[1])
+            num_kv_blocks = default_num_kv_blocks(kv_config, block_size, self.dtype, self.device, max_num_seqs,
                                                   max_model_len, gpu_memory_utilization)
         cfg = EngineConfig(
             max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(2048, 4 * max_num_seqs),
             enable_prefix_caching=enable_prefix_caching, seed=seed, speculative=spec)
         runner = ModelRunner(self.model, self.model_config, block_size, num_kv_blocks, self.device, self.dtype)
-        self.engine = LLMEngine(runner, self.model_config, self.tokenizer, cfg)
+        self.engine = LLMEngine(runner, self.model_config, self.tokenizer, cfg, draft_model=draft)
 
     # ---- generation ---------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -1,0 +1,112 @@
+"""Plain vs ngram vs draft-model speculation on SmolLM2: grounded prompts (edit code, copy with
+changes, extract from a passage) and open prompts, at several batch sizes. Greedy, fixed token
+counts. Prints one JSON document last.
+
+    python benchmarks/bench_spec.py --batch-sizes 1 8 32 --max-tokens 96 [--draft-model PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from pyengine import LLM, SamplingParams
+from pyengine.engine import LLMEngine
+from pyengine.speculative import SpeculativeConfig
+
+CODE = '''def mean(values):
+    total = 0
+    for v in values:
+        total = total + v
+    return total / len(values)
+
+
+def variance(values):
+    m = mean(values)
+    total = 0
+    for v in values:
+        total = total + (v - m) * (v - m)
+    return total / len(values)
+'''
+PASSAGE = ("The lighthouse on Gull Rock was built in 1874 by the harbour board. Its keeper, Ada Morrow, "
+           "kept a log of every ship that passed for thirty-one years. In 1905 a storm destroyed the lower "
+           "gallery, and the light was rebuilt with a steel frame. The log books are now kept in the town "
+           "museum, where visitors can read the entry for the night of the storm.")
+GROUNDED = [
+    f"Here is some Python code:\n\n{CODE}\nRewrite this code exactly, but rename the variable `total` to `acc`. "
+    "Output only the code.",
+    f"Copy the following paragraph, replacing the word 'log' with 'diary' everywhere:\n\n{PASSAGE}",
+    f"{PASSAGE}\n\nQuote, word for word, the sentences of the passage that mention a year.",
+]
+OPEN = ["Write a short story about a dragon who learns to cook.", "What are the benefits of regular exercise?",
+        "Describe a sunset over the ocean to someone who has never seen one."]
+
+
+def run(llm: LLM, spec: SpeculativeConfig | None, prompts: list[str], batch: int, max_tokens: int) -> dict:
+    base = llm.engine
+    llm.engine = LLMEngine(base.runner, base.model_config, base.tokenizer, dataclasses.replace(base.cfg, speculative=spec))
+    texts = [prompts[i % len(prompts)] for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.chat([[{"role": "user", "content": t}] for t in texts], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    stats = llm.stats()
+    llm.engine = base
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"tokens_per_s": round(generated / wall, 2), "wall_s": round(wall, 3), "generated_tokens": generated,
+            "mean_acceptance_length": round(stats.get("mean_acceptance_length", 1.0), 3),
+            "acceptance_rate": round(stats.get("acceptance_rate", 0.0), 3),
+            "outputs": [o.outputs[0].token_ids for o in outs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--num-spec-tokens", type=int, default=4)
+    ap.add_argument("--draft-model", help="a draft model (same tokenizer); omitted: draft-model rows are skipped")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(device="cpu", max_model_len=2048, max_num_seqs=max(args.batch_sizes))
+    methods: dict[str, SpeculativeConfig | None] = {
+        "plain": None,
+        "ngram": SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": args.num_spec_tokens,
+                                              "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
+    }
+    if args.draft_model:
+        methods["draft"] = SpeculativeConfig.from_dict({"model": args.draft_model,
+                                                        "num_speculative_tokens": args.num_spec_tokens})
+    run(llm, None, OPEN, 1, 8)  # warm-up
+    results: dict[str, dict] = {}
+    for kind, prompts in (("grounded", GROUNDED), ("open", OPEN)):
+        for batch in args.batch_sizes:
+            row: dict[str, dict] = {}
+            for name, spec in methods.items():
+                row[name] = run(llm, spec, prompts, batch, args.max_tokens)
+            plain, reference = row["plain"], row["plain"]["outputs"]
+            for r in row.values():
+                r["speedup"] = round(r["tokens_per_s"] / plain["tokens_per_s"], 3)
+                r["identical_to_plain"] = r.pop("outputs") == reference  # greedy: must hold
+            results[f"{kind}_batch_{batch}"] = row
+            print(f"{kind} batch {batch}: " + ", ".join(f"{n} {r['tokens_per_s']} tok/s x{r['speedup']}"
+                                                        for n, r in row.items()), file=sys.stderr)
+    print(json.dumps({
+        "benchmark": "spec", "model": "SmolLM2-135M-Instruct Q4_1 (fp32 on CPU)", "max_tokens": args.max_tokens,
+        "num_spec_tokens": args.num_spec_tokens, "threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus", "date": datetime.date.today().isoformat(),
+        "command": "python " + " ".join(sys.argv), "results": results,
+        "draft_model": args.draft_model or "none given: no draft model smaller than SmolLM2-135M ships here",
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
