@@ -1,0 +1,151 @@
+"""pyengine vs HF transformers `generate` on the CPU: SmolLM2-135M-Instruct (the default GGUF), fp32.
+
+Both engines load the same GGUF file (HF: AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)),
+get the same prompt token ids (raw prompts, no chat template, tokenized once by pyengine) and
+generate exactly --max-tokens tokens per prompt, greedily (pyengine: ignore_eos=True; HF:
+min_new_tokens=max_new_tokens). HF batches are left-padded. Prefix caching is off in pyengine so
+that repeated runs of the same prompts get no reuse HF does not have.
+
+Throughput = generated tokens / wall time of the whole generate call (prefill included), best of
+--repeats runs after one untimed warm-up per engine and batch size. Prints JSON last.
+
+    python benchmarks/bench_cpu.py [--max-tokens 64] [--batch-sizes 1 16] [--threads 2] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pyengine import LLM, SamplingParams  # noqa: E402
+from pyengine.loader import default_model_path  # noqa: E402
+
+PROMPTS = [
+    "The history of the Roman Empire begins",
+    "Here is a recipe for a simple tomato soup:",
+    "In computer science, a hash table is",
+    "The three primary colours are",
+    "Once upon a time, in a small village by the sea,",
+    "Photosynthesis is the process by which plants",
+    "The best way to learn a new language is",
+    "Water boils at 100 degrees Celsius because",
+    "A good night's sleep helps you",
+    "The capital of Japan is Tokyo, and the capital of France is",
+    "To write a function in Python that reverses a list,",
+    "The moon orbits the Earth roughly every",
+    "Mount Everest, the highest mountain in the world,",
+    "The main ingredients of bread are",
+    "When I opened the door, I saw",
+    "Electric cars are becoming popular because",
+]
+
+
+def best_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, result
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "loadavg_at_start": None if load is None else [round(x, 2) for x in load]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (both engines)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per engine and batch size; best is kept")
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args()
+    if args.max_tokens < 1 or args.repeats < 1 or min(args.batch_sizes) < 1 or max(args.batch_sizes) > len(PROMPTS):
+        ap.error(f"need --max-tokens >= 1, --repeats >= 1 and batch sizes in 1..{len(PROMPTS)}")
+    torch.set_num_threads(args.threads)
+    info = machine()
+    n = args.max_tokens
+    path = default_model_path()
+
+    llm = LLM(path, device="cpu", dtype="float32", enable_prefix_caching=False)
+    tok = llm.tokenizer
+    ids = [tok.encode(p) for p in PROMPTS]
+
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                           dtype=torch.float32).eval()
+    pad_id = tok.eos_token_ids[0] if tok.eos_token_ids else 0
+
+    def run_pyengine(batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+        outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    @torch.inference_mode()
+    def run_hf(batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+        width = max(len(p) for p in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = hf.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_tokens,
+                          min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id)
+        return out[:, width:].tolist()
+
+    result: dict[str, Any] = {}
+    for bs in args.batch_sizes:
+        batch = ids[:bs]
+        row: dict[str, Any] = {"batch_size": bs, "new_tokens_per_prompt": n,
+                               "prompt_tokens": sum(len(p) for p in batch)}
+        for name, fn in (("pyengine", run_pyengine), ("hf", run_hf)):
+            fn(batch, 4)  # warm-up (allocators, oneDNN primitives), untimed
+            seconds, tokens = best_time(lambda: fn(batch, n), args.repeats)
+            assert [len(t) for t in tokens] == [n] * bs, f"{name} did not generate exactly {n} tokens per prompt"
+            row[f"{name}_s"] = round(seconds, 4)
+            row[f"{name}_tok_s"] = round(bs * n / seconds, 2)
+            row[f"{name}_tokens"] = tokens
+        row["ratio"] = round(row["pyengine_tok_s"] / row["hf_tok_s"], 3)
+        # Informational: how far the two fp32 greedy continuations agree (first divergence per prompt).
+        agree = []
+        for a, b in zip(row.pop("pyengine_tokens"), row.pop("hf_tokens")):
+            agree.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), n))
+        row["greedy_prefix_agreement_mean"] = round(sum(agree) / len(agree) / n, 3)
+        result[f"batch_{bs}"] = row
+        print(json.dumps({f"batch_{bs}": row}), file=sys.stderr)
+
+    result.update({
+        "model": os.path.basename(path),
+        "dtype": "float32",
+        "metric": "generated tokens / wall time of the whole generate call (prefill included), best of "
+                  f"{args.repeats} after a warm-up; greedy, exactly {n} new tokens per prompt",
+        "machine": info,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "benchmarks/bench_cpu.py", *sys.argv[1:]]),
+        "transformers": transformers.__version__,
+    })
+    text = json.dumps(result, indent=1)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
