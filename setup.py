@@ -55,6 +55,6 @@ setup(
         "jinja2",
         "tqdm",
     ],
-    extras_require={"test": ["pytest", "hypothesis", "scipy", "transformers>=4.45"]},
+    extras_require={"test": ["pytest", "hypothesis", "scipy", "transformers>=4.45", "accelerate"]},
     zip_safe=False,
 )

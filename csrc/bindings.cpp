@@ -21,10 +21,10 @@ namespace {
 using IntArray = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
 
 // A numpy view of a vector owned by `owner` (kept alive by numpy's base reference).
-template <typename T>
-py::array view(const std::vector<T>& v, py::handle owner, std::vector<py::ssize_t> shape = {}) {
+template <typename Vec>
+py::array view(const Vec& v, py::handle owner, std::vector<py::ssize_t> shape = {}) {
   if (shape.empty()) shape = {static_cast<py::ssize_t>(v.size())};
-  return py::array_t<T>(shape, v.data(), owner);
+  return py::array_t<typename Vec::value_type>(shape, v.data(), owner);
 }
 
 // Test- and tool-facing BlockManager: the core keyed by request id.

@@ -22,6 +22,7 @@ BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_p
       enable_prefix_caching_(enable_prefix_caching),
       state_slots_per_seq_(state_slots_per_seq),
       blocks_(num_blocks > 0 ? num_blocks : 0),
+      hash_to_block_(num_blocks > 0 ? num_blocks : 0),
       num_state_slots_(num_state_slots) {
   PE_CHECK(num_blocks > 0, "num_blocks must be positive, got ", num_blocks);
   PE_CHECK(block_size > 0, "block_size must be positive, got ", block_size);
@@ -29,7 +30,6 @@ BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_p
   PE_CHECK(state_slots_per_seq == 0 || num_state_slots >= state_slots_per_seq,
            "num_state_slots (", num_state_slots, ") < state_slots_per_seq (", state_slots_per_seq, ")");
   block_tokens_.assign(static_cast<size_t>(blocks_.size()) * block_size, 0);
-  hash_to_block_.reserve(blocks_.size());
   free_uncached_.reserve(num_blocks);
   for (int32_t i = num_blocks - 1; i >= 0; --i) free_uncached_.push_back(i);  // pops 0, 1, 2, ...
   for (int32_t i = num_state_slots - 1; i >= 0; --i) free_state_slots_.push_back(i);
@@ -58,14 +58,14 @@ PrefixMatch BlockManager::match_prefix(const int32_t* tokens, int64_t num_tokens
   for (int64_t i = 0; i < max_hits; ++i) {
     const int32_t* blk = tokens + i * block_size_;
     uint64_t h = hash_block(parent, blk, salt);
-    auto it = hash_to_block_.find(h);
-    if (it == hash_to_block_.end()) break;
-    const Block& b = blocks_[it->second];
+    const int32_t id = hash_to_block_.find(h);
+    if (id < 0) break;
+    const Block& b = blocks_[id];
     // Equality check: a 64-bit collision must never serve another prefix's KV.
     if (b.parent_hash != parent || b.salt != salt ||
-        std::memcmp(tokens_of(it->second), blk, sizeof(int32_t) * block_size_) != 0)
+        std::memcmp(tokens_of(id), blk, sizeof(int32_t) * block_size_) != 0)
       break;
-    m.hit_blocks.push_back(it->second);
+    m.hit_blocks.push_back(id);
     if (b.ref_count == 0) ++m.num_hits_on_free;
     parent = h;
   }
@@ -128,8 +128,8 @@ void BlockManager::append(KVAllocation& alloc, int64_t num_computed, int64_t n) 
 }
 
 void BlockManager::cache_full_blocks(KVAllocation& alloc, const int32_t* tokens, int64_t num_valid) {
-  if (!enable_prefix_caching_ || !alloc.allocated) return;
   const int64_t full = std::min<int64_t>(num_valid / block_size_, alloc.block_table.size());
+  if (!enable_prefix_caching_ || !alloc.allocated || full <= alloc.num_hashed_blocks) return;
   for (int64_t i = alloc.num_hashed_blocks; i < full; ++i) {
     const int32_t* blk = tokens + i * block_size_;
     uint64_t h = hash_block(alloc.last_block_hash, blk, alloc.cache_salt);
@@ -138,7 +138,7 @@ void BlockManager::cache_full_blocks(KVAllocation& alloc, const int32_t* tokens,
     PE_ASSERT(!b.has_hash && b.ref_count == 1);
     // Another block may already hold the same content (recomputed after a partial hit): keep the
     // first; this one stays unhashed and returns to the plain free pool later.
-    if (hash_to_block_.emplace(h, id).second) {
+    if (hash_to_block_.insert(h, id)) {
       b.has_hash = true;
       b.hash = h;
       b.parent_hash = alloc.last_block_hash;
@@ -168,8 +168,7 @@ int32_t BlockManager::take_free_block() {
     id = lru_head_;  // evict the least recently used cached block
     lru_remove(id);
     Block& b = blocks_[id];
-    auto it = hash_to_block_.find(b.hash);
-    if (it != hash_to_block_.end() && it->second == id) hash_to_block_.erase(it);
+    hash_to_block_.erase(b.hash, id);
     b.has_hash = false;
   }
   Block& b = blocks_[id];
@@ -226,7 +225,7 @@ std::vector<int32_t> BlockManager::block_tokens(int32_t id) const {
 
 std::vector<int32_t> BlockManager::hashed_block_ids() const {
   std::vector<int32_t> ids;
-  for (const auto& kv : hash_to_block_) ids.push_back(kv.second);
+  hash_to_block_.for_each([&](uint64_t, int32_t id) { ids.push_back(id); });
   std::sort(ids.begin(), ids.end());
   return ids;
 }
@@ -251,11 +250,14 @@ void BlockManager::check_invariants(const std::vector<const KVAllocation*>& tabl
   }
   for (int32_t id : free_uncached_) PE_ASSERT(blocks_[id].ref_count == 0 && !blocks_[id].has_hash);
   PE_ASSERT(used + num_free_blocks() == num_blocks());
-  for (const auto& kv : hash_to_block_) {
-    const Block& b = blocks_[kv.second];
-    PE_ASSERT(b.has_hash && b.hash == kv.first);
-    PE_ASSERT(hash_block(b.parent_hash, tokens_of(kv.second), b.salt) == kv.first);
-  }
+  size_t hashed = 0;
+  for (const Block& b : blocks_) hashed += b.has_hash;
+  PE_ASSERT(hashed == hash_to_block_.size());  // has_hash <=> the table points at the block
+  hash_to_block_.for_each([&](uint64_t h, int32_t id) {
+    const Block& b = blocks_[id];
+    PE_ASSERT(b.has_hash && b.hash == h);
+    PE_ASSERT(hash_block(b.parent_hash, tokens_of(id), b.salt) == h);
+  });
   for (int32_t s : free_state_slots_) ++slot_owner[s];
   for (int32_t c : slot_owner) PE_ASSERT(c == 1);  // each slot: exactly one owner or the free pool
 }

@@ -9,9 +9,9 @@
 #pragma once
 
 #include <cstdint>
-#include <unordered_map>
 #include <vector>
 
+#include "block_hash_table.h"
 #include "common.h"
 
 namespace pyengine {
@@ -59,6 +59,10 @@ class BlockManager {
   // Publish hashes for every full block in [watermark, num_valid / B), where num_valid =
   // min(num_computed, num_committed_tokens): KV written and tokens committed.
   void cache_full_blocks(KVAllocation& alloc, const int32_t* tokens, int64_t num_valid);
+  // Cheap test callers use to skip the call on the step path (most steps fill no block).
+  bool has_new_full_block(const KVAllocation& alloc, int64_t num_valid) const {
+    return enable_prefix_caching_ && num_valid / block_size_ > alloc.num_hashed_blocks;
+  }
 
   void free(KVAllocation& alloc);
 
@@ -106,7 +110,7 @@ class BlockManager {
                                       // the equality check on a hit (flat: no allocation per block)
   std::vector<int32_t> free_uncached_;  // stack of free blocks without a hash
   int32_t lru_head_ = -1, lru_tail_ = -1, lru_size_ = 0;  // free cached blocks, oldest first
-  std::unordered_map<uint64_t, int32_t> hash_to_block_;
+  BlockHashTable hash_to_block_;
   std::vector<int32_t> free_state_slots_;
   int32_t num_state_slots_;
 };

@@ -51,6 +51,7 @@ void Scheduler::add_request(int64_t seq_id, std::vector<int32_t> prompt, int64_t
   auto seq = std::make_unique<Sequence>();
   seq->seq_id = seq_id;
   seq->token_ids = std::move(prompt);
+  seq->token_ids.reserve(len + max_tokens);  // commits never reallocate on the step path
   seq->num_prompt_tokens = len;
   seq->max_tokens = max_tokens;
   seq->eos_token_ids = std::move(eos_token_ids);
@@ -256,18 +257,26 @@ ScheduledBatch Scheduler::build_batch(const std::vector<Row>& rows) const {
   return b;
 }
 
-bool Scheduler::append_token(Sequence& seq, int32_t token) {
-  seq.token_ids.push_back(token);
-  auto has = [token](const std::vector<int32_t>& v) { return std::find(v.begin(), v.end(), token) != v.end(); };
-  if ((!seq.ignore_eos && has(seq.eos_token_ids)) || has(seq.stop_token_ids)) {
-    finish(seq, FinishReason::kStop);
-    return true;
+int32_t Scheduler::commit_tokens(Sequence& seq, const int32_t* tokens, int32_t n) {
+  // Accepted tokens count one by one: a stop inside the run ends it there and drops the rest.
+  const int64_t room = std::min(seq.max_tokens - seq.num_output_tokens(),
+                                static_cast<int64_t>(config_.max_model_len) - seq.num_tokens());
+  const int32_t limit = static_cast<int32_t>(std::min<int64_t>(n, room));
+  int32_t m = limit;
+  FinishReason reason = limit < n || limit == room ? FinishReason::kLength : FinishReason::kNone;
+  auto in = [](const std::vector<int32_t>& v, int32_t t) { return std::find(v.begin(), v.end(), t) != v.end(); };
+  if (!seq.stop_token_ids.empty() || (!seq.ignore_eos && !seq.eos_token_ids.empty())) {
+    for (int32_t j = 0; j < limit; ++j) {
+      if ((!seq.ignore_eos && in(seq.eos_token_ids, tokens[j])) || in(seq.stop_token_ids, tokens[j])) {
+        m = j + 1;
+        reason = FinishReason::kStop;
+        break;
+      }
+    }
   }
-  if (seq.num_output_tokens() >= seq.max_tokens || seq.num_tokens() >= config_.max_model_len) {
-    finish(seq, FinishReason::kLength);
-    return true;
-  }
-  return false;
+  seq.token_ids.insert(seq.token_ids.end(), tokens, tokens + m);
+  if (reason != FinishReason::kNone) finish(seq, reason);
+  return m;
 }
 
 void Scheduler::finish(Sequence& seq, FinishReason reason) {
@@ -330,15 +339,14 @@ UpdateResult Scheduler::update(const int32_t* tokens, int64_t num_tokens, const 
     seq.num_computed += r.is_decode ? c : r.num_scheduled;
     seq.num_accepted_last = r.is_decode ? c : 1;
     seq.draft_tokens.clear();
-    int32_t committed = 0;
-    bool stopped = false;
-    for (int32_t j = 0; j < c && !stopped; ++j, ++committed) stopped = append_token(seq, tokens[off + j]);
+    const int32_t committed = commit_tokens(seq, tokens + off, c);
+    const bool stopped = seq.status == SeqStatus::kFinished;
     off += c;
     res.num_committed.push_back(committed);
     res.finish_reason.push_back(static_cast<int8_t>(seq.finish_reason));
-    if (!stopped)
-      block_manager_.cache_full_blocks(seq.kv, seq.token_ids.data(),
-                                       std::min(seq.num_computed, seq.num_tokens()));
+    const int64_t num_valid = std::min(seq.num_computed, seq.num_tokens());
+    if (!stopped && block_manager_.has_new_full_block(seq.kv, num_valid))
+      block_manager_.cache_full_blocks(seq.kv, seq.token_ids.data(), num_valid);
   }
   for (const Row& r : in_flight_)
     if (r.seq->status == SeqStatus::kFinished) seqs_.erase(r.seq->seq_id);
