@@ -14,7 +14,7 @@ import pytest
 
 from pyengine import LLM, SamplingParams
 from pyengine.outputs import RequestOutput
-from tests.test_models_hf import _make_checkpoint
+from tests.tiny_models import make_checkpoint
 from tests.utils_paged import greedy_generate
 
 MAX_TOKENS = 10
@@ -34,7 +34,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = str(tmp_path_factory.mktemp("tiny_llama_gqa_untied"))
-    _make_checkpoint("llama_gqa_untied", path)  # the same checkpoint test_models_hf checks against HF
+    make_checkpoint("llama_gqa_untied", path)  # the same checkpoint test_models_hf checks against HF
     return path
 
 
