@@ -48,6 +48,7 @@ class EngineConfig:
     enable_prefix_caching: bool
     seed: int
     speculative: SpeculativeConfig | None = None
+    num_state_slots: int = 0  # hybrid models: recurrent-state slot pool (1 + k per request)
 
 
 class LLMEngine:
@@ -64,6 +65,7 @@ class LLMEngine:
         sc.num_kv_blocks = cfg.num_kv_blocks
         sc.enable_prefix_caching = cfg.enable_prefix_caching
         sc.num_spec_tokens = self.k
+        sc.num_state_slots = cfg.num_state_slots
         # A draft model writes k - 1 positions past the verify tokens before the next append.
         sc.drafter_lookahead = self.k if spec is not None and spec.method == "draft_model" else 0
         self.scheduler = _C.Scheduler(sc)
@@ -140,13 +142,14 @@ class LLMEngine:
         # Draft tokens are the inputs after each verify row's first token.
         starts = batch.query_start_loc[rows] + 1
         offsets = np.arange(int(num_drafts.sum())) - np.repeat(np.cumsum(num_drafts) - num_drafts, num_drafts)
-        draft_ids = torch.from_numpy(batch.input_ids[np.repeat(starts, num_drafts) + offsets]).to(logits.device)
         seq_ids = batch.seq_ids[rows].tolist()
         params = [self.requests[s].params for s in seq_ids]
         gens = [None if p.is_greedy else self.generators.get(s, p.seed) for s, p in zip(seq_ids, params)]
         # q of each draft (draft models); None: one-hot drafters (ngram, scripted)
         get_q = getattr(self.proposer, "draft_probs", None)
         draft_probs = get_q(seq_ids, num_drafts.tolist()) if get_q is not None and num_drafts.any() else None
+        # Left on the CPU: the verifier moves them where it works (the CPU for all-greedy batches).
+        draft_ids = torch.from_numpy(batch.input_ids[np.repeat(starts, num_drafts) + offsets])
         out = self.rejection_sampler(logits, draft_ids, torch.from_numpy(num_drafts.astype(np.int64)), draft_probs,
                                      params, gens)
         counts[rows] = out.num_tokens.cpu().numpy()

@@ -49,7 +49,8 @@ class LLM:
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str | torch.dtype = "auto", seed: int = 0,
                  max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 speculative_config: dict[str, Any] | None = None, gpu_memory_utilization: float = 0.9) -> None:
+                 speculative_config: dict[str, Any] | None = None, gpu_memory_utilization: float = 0.9,
+                 enforce_eager: bool = False) -> None:
         for name, value, opt in [("block_size", block_size, False), ("max_num_seqs", max_num_seqs, False),
                                  ("max_model_len", max_model_len, True), ("num_kv_blocks", num_kv_blocks, True),
                                  ("max_num_batched_tokens", max_num_batched_tokens, True)]:
@@ -75,11 +76,28 @@ class LLM:
             kv_config = self.model_config if draft is None else kv_budget_config(self.model_config, draft[1])
             num_kv_blocks = default_num_kv_blocks(kv_config, block_size, self.dtype, self.device, max_num_seqs,
                                                   max_model_len, gpu_memory_utilization)
+        # ---- hybrid (recurrent-state) models: a state slot pool; no prefix caching ----
+        num_state_slots = 0
+        if hasattr(self.model, "state_shapes"):
+            if spec is not None and spec.method == "draft_model":
+                raise ValueError(f"{self.model_config.architecture}: draft-model speculation is not supported for "
+                                 "recurrent-state models (use ngram)")
+            # Recurrent state is not checkpointed per KV block, so a prefix hit would skip the state of
+            # the cached tokens: prefix caching is forced off for these models.
+            enable_prefix_caching = False
+            num_state_slots = max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+        # ---- end hybrid ----
         cfg = EngineConfig(
             max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(2048, 4 * max_num_seqs),
-            enable_prefix_caching=enable_prefix_caching, seed=seed, speculative=spec)
-        runner = ModelRunner(self.model, self.model_config, block_size, num_kv_blocks, self.device, self.dtype)
+            enable_prefix_caching=enable_prefix_caching, seed=seed, speculative=spec,
+            num_state_slots=num_state_slots)
+        # enforce_eager (vLLM's name): no CUDA graphs; decode/verify steps are captured otherwise (GPU only).
+        runner = ModelRunner(self.model, self.model_config, block_size, num_kv_blocks, self.device, self.dtype,
+                             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                             max_query_len=1 + (spec.num_speculative_tokens if spec else 0),
+                             cuda_graphs=not enforce_eager and self.device.type == "cuda",
+                             num_state_slots=num_state_slots)
         self.engine = LLMEngine(runner, self.model_config, self.tokenizer, cfg, draft_model=draft)
 
     # ---- generation ---------------------------------------------------------------------------------

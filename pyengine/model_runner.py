@@ -37,13 +37,35 @@ def default_num_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dty
 
 class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, block_size: int, num_kv_blocks: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_query_len: int = 1, cuda_graphs: bool = False,
+                 num_state_slots: int = 0) -> None:
         self.model, self.config, self.block_size = model, config, block_size
         self.device, self.dtype = device, dtype
         shape = (num_kv_blocks, block_size, config.num_key_value_heads, config.head_dim)
         # Unwritten slots are never read: attention reads only positions below each row's context.
         self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
                           for _ in range(config.num_hidden_layers)]
+        # ---- CUDA graphs (pyengine/cuda_graph_runner.py): decode/verify steps; the rest eager ----
+        self.graph_runner = None
+        if cuda_graphs and max_model_len is not None:
+            from pyengine.cuda_graph_runner import CudaGraphRunner, graphs_supported
+
+            ok, _ = graphs_supported(model, config, dtype, device)
+            if ok:
+                self.graph_runner = CudaGraphRunner(model, self.kv_caches, block_size, device, max_num_seqs,
+                                                    max_query_len, max_model_len + max_query_len + block_size)
+
+        # ---- recurrent state (hybrid models, pyengine/state_cache.py): only when the model declares it ----
+        self.state_cache = None
+        if hasattr(model, "state_shapes"):
+            from pyengine.state_cache import StateCache
+
+            if num_state_slots <= 0:
+                raise ValueError(f"{config.architecture} keeps recurrent state: num_state_slots must be > 0")
+            self.state_cache = StateCache(model.state_shapes(max_query_len - 1), num_state_slots, dtype, device)
+            self.graph_runner = None  # captured steps would not carry the state metadata
+        # ---- end recurrent state ----
 
     def _tensor(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(array))
@@ -65,9 +87,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch) -> torch.Tensor:
         """Forward over every scheduled token; returns logits [len(logits_indices), vocab] fp32."""
+        if self.graph_runner is not None:
+            key = self.graph_runner.bucket_for(batch)
+            if key is not None:
+                return self.graph_runner.execute(batch, key)
         meta = self.build_metadata(batch)
         input_ids = self._tensor(batch.input_ids)
         positions = self._tensor(batch.positions)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        if self.state_cache is None:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        else:  # hybrid: per-row state slots, accepted counts and query lengths (decode rows first)
+            state = self.state_cache.prepare(batch, meta.query_start_loc)
+            hidden = self.model(input_ids, positions, meta, self.kv_caches, state=state)
         index = self._tensor(batch.logits_indices, torch.int64)
         return self.model.compute_logits(hidden.index_select(0, index))

