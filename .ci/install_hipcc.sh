@@ -6,4 +6,4 @@ SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends hipcc >/dev/null
-hipcc --version | head -n 1
+hipcc --version | sed -n 1p  # sed reads everything: no SIGPIPE under pipefail
