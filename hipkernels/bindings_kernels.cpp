@@ -12,6 +12,8 @@
 
 namespace py = pybind11;
 
+void register_ssm_kernels(py::module_& k);  // bindings_ssm.cpp (recurrent-state kernels)
+
 namespace {
 
 template <typename T>
@@ -29,6 +31,7 @@ void check(int rc, const char* what) {
 
 void register_kernels(py::module_& m) {
   py::module_ k = m.def_submodule("kernels", "GPU kernels (raw device pointers and streams)");
+  register_ssm_kernels(k);
 
   k.def(
       "reshape_and_cache",

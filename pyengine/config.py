@@ -5,6 +5,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+HYBRID_ARCHITECTURES = ("Mamba2ForCausalLM",)
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -32,6 +35,10 @@ class ModelConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
         arch = str(archs[0])
+        if arch in HYBRID_ARCHITECTURES:  # SSM hyper-parameters: pyengine/models/mamba2.py
+            from pyengine.models.mamba2 import mamba2_model_config
+
+            return mamba2_model_config(cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads

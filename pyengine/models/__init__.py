@@ -6,11 +6,13 @@ from torch import nn
 
 from pyengine.config import ModelConfig
 from pyengine.models.llama import LlamaForCausalLM
+from pyengine.models.mamba2 import Mamba2ForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,  # qkv bias, flagged by config.attention_bias
     "Qwen3ForCausalLM": LlamaForCausalLM,  # per-head q/k RMSNorm, flagged by config.qk_norm
+    "Mamba2ForCausalLM": Mamba2ForCausalLM,  # recurrent state: runner-owned StateCache
 }
 
 

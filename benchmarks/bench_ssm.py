@@ -1,0 +1,137 @@
+"""Bandwidth of the recurrent-state kernels (hipkernels/ssm_state.hip) against the device's copy
+bandwidth measured in the same run, side by side with the same computation in PyTorch eager.
+
+Shapes: Mamba2-2.7B-like (80 heads x 64 head dim x 128 state, 1 group; conv dim 5120, W = 4), bf16
+activations, fp32 SSM state; batch 1..256; k = 0 (T = 1) and k = 3 (T = 4, verify). Bytes counted
+= what the step must move: the read slot plus T written slots of state (SSM: fp32 H*P*N each;
+conv: W - 1 rows read, W - 2 + T written) plus inputs and outputs.
+
+    python benchmarks/bench_ssm.py --out benchmarks/results/ssm_h100.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from pyengine.ops import ssm_cuda
+
+H, P, N, G = 80, 64, 128, 1
+CONV_DIM, W = 5120, 4
+
+
+def time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def rows(batch: int, k: int):
+    T = 1 + k
+    idx = torch.arange(batch * T, dtype=torch.int32, device="cuda").view(batch, T)
+    acc = torch.randint(1, T + 1, (batch,), dtype=torch.int32, device="cuda")
+    qsl = torch.arange(0, batch * T + 1, T, dtype=torch.int32, device="cuda")
+    return idx, acc, qsl, T
+
+
+def eager_ssu(state, x, dt, A, B, C, D, dt_bias, idx, acc, T):
+    """Vectorised PyTorch eager of selective_state_update (every row T tokens)."""
+    R = idx.shape[0]
+    s = state[idx.gather(1, (acc.long() - 1)[:, None])[:, 0].long()]
+    x, dt, B, C = x.view(R, T, H, P).float(), dt.view(R, T, H).float(), B.view(R, T, G, N).float(), C.view(R, T, G, N).float()
+    ys = []
+    for t in range(T):
+        d = F.softplus(dt[:, t] + dt_bias)
+        bh, ch = B[:, t].repeat_interleave(H // G, 1), C[:, t].repeat_interleave(H // G, 1)
+        s = s * torch.exp(A * d)[..., None, None] + (d[..., None] * bh)[:, :, None, :] * x[:, t, ..., None]
+        state[idx[:, t].long()] = s
+        ys.append((s * ch[:, :, None, :]).sum(-1) + D[:, None] * x[:, t])
+    return torch.stack(ys, 1)
+
+
+def eager_conv(x, conv_state, w, b, idx, acc, T):
+    R = idx.shape[0]
+    lines = idx[:, 0].long()
+    off = (acc.long() - 1)
+    rows_ = off[:, None] + torch.arange(W - 1, device="cuda")[None]
+    hist = conv_state[lines[:, None], rows_]  # [R, W-1, dim]
+    seq = torch.cat([hist, x.view(R, T, -1)], 1).float()
+    y = F.silu((seq.unfold(1, W, 1) * w.float()).sum(-1) + b.float())
+    conv_state[lines, :W - 2 + T] = seq[:, 1:].to(conv_state.dtype)
+    return y
+
+
+def bench(batch: int, k: int, copy_gbps: float) -> dict:
+    idx, acc, qsl, T = rows(batch, k)
+    ntok, slots = batch * T, batch * T
+    bf = torch.bfloat16
+    state = torch.randn(slots, H, P, N, device="cuda")
+    x, z = torch.randn(ntok, H, P, device="cuda", dtype=bf), None
+    dt = torch.randn(ntok, H, device="cuda", dtype=bf)
+    B, C = (torch.randn(ntok, G, N, device="cuda", dtype=bf) for _ in range(2))
+    A, D, bias = -torch.rand(H, device="cuda"), torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+    ssu_bytes = batch * (1 + T) * H * P * N * 4 + ntok * (2 * H * P + H + 2 * G * N) * 2
+    k_ms = time_ms(lambda: ssm_cuda.selective_state_update(state, x, dt, A, B, C, D, z, bias, qsl, idx, acc))
+    e_ms = time_ms(lambda: eager_ssu(state, x, dt, A, B, C, D, bias, idx, acc, T), reps=5)
+    conv_state = torch.randn(slots, W - 1 + k, CONV_DIM, device="cuda", dtype=bf)
+    xc = torch.randn(ntok, CONV_DIM, device="cuda", dtype=bf)
+    w, b = torch.randn(CONV_DIM, W, device="cuda", dtype=bf), torch.randn(CONV_DIM, device="cuda", dtype=bf)
+    conv_bytes = batch * CONV_DIM * ((W - 1) + (W - 2 + T)) * 2 + ntok * CONV_DIM * 2 * 2
+    kc_ms = time_ms(lambda: ssm_cuda.causal_conv1d_update(xc, conv_state, w, b, qsl, idx, acc))
+    ec_ms = time_ms(lambda: eager_conv(xc, conv_state, w, b, idx, acc, T), reps=5)
+    gbps = lambda nbytes, ms: nbytes / ms / 1e6  # noqa: E731
+    return {
+        "batch": batch, "k": k,
+        "ssu_kernel_ms": k_ms, "ssu_kernel_gbps": gbps(ssu_bytes, k_ms), "ssu_kernel_frac_copy": gbps(ssu_bytes, k_ms) / copy_gbps,
+        "ssu_eager_ms": e_ms, "ssu_eager_gbps": gbps(ssu_bytes, e_ms),
+        "conv_kernel_ms": kc_ms, "conv_kernel_gbps": gbps(conv_bytes, kc_ms), "conv_kernel_frac_copy": gbps(conv_bytes, kc_ms) / copy_gbps,
+        "conv_eager_ms": ec_ms, "conv_eager_gbps": gbps(conv_bytes, ec_ms),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--batches", default="1,4,16,64,128,256")
+    args = ap.parse_args()
+    copy_gbps = copy_bandwidth_gbps()
+    results = []
+    for k in (0, 3):
+        for batch in map(int, args.batches.split(",")):
+            r = bench(batch, k, copy_gbps)
+            results.append(r)
+            print(f"k={k} batch={batch:4d}  ssu {r['ssu_kernel_gbps']:7.0f} GB/s ({r['ssu_kernel_frac_copy']:.2f} of copy, "
+                  f"eager {r['ssu_eager_gbps']:6.0f})  conv {r['conv_kernel_gbps']:7.0f} GB/s "
+                  f"({r['conv_kernel_frac_copy']:.2f}, eager {r['conv_eager_gbps']:6.0f})", flush=True)
+    doc = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "copy_gbps": copy_gbps, "shapes": {"H": H, "P": P, "N": N, "G": G, "conv_dim": CONV_DIM, "W": W},
+           "results": results, "note": "end-to-end Mamba2-2.7B decode tokens/s: not measured yet"}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    json.dump({"copy_gbps": copy_gbps}, sys.stdout)
+    print()
+
+
+if __name__ == "__main__":
+    main()

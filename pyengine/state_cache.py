@@ -1,0 +1,87 @@
+"""Recurrent-state pool of hybrid models (Mamba2 layers): conv and SSM state tensors indexed by slot.
+
+The scheduler owns the slots (SchedulerConfig.num_state_slots; each request holds 1 + k of them,
+admission charges KV blocks and slots together); this pool owns the tensors. Per Mamba layer:
+    conv[layer] [num_slots, W - 1 + k, conv_dim]   model dtype; a window read at offset a - 1
+    ssm[layer]  [num_slots, H, P, N]              fp32; slot idx[n, a - 1] holds the valid state
+Semantics of slots and offsets: pyengine/ops/ssm_reference.py.
+
+Every decode row (with or without drafts) runs the one speculative path (T = 1 + drafts tokens,
+read at slot / offset a - 1); prefill rows start from zeros (num_computed == 0) or from the state
+their previous chunk left at offset 0 (a = 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StateMetadata:
+    """One step's view of the pool, read by every Mamba layer (rows ordered decode rows first)."""
+    conv: list[torch.Tensor | None]  # per layer (None for attention layers)
+    ssm: list[torch.Tensor | None]
+    state_idx: torch.Tensor  # [R, 1 + k] int32 slots, PAD = -1
+    num_accepted: torch.Tensor  # [R] int32: a, tokens the row's previous step committed (1 after prefill)
+    has_initial_state: torch.Tensor  # [R] bool: prefill rows with num_computed > 0 (decode rows: True)
+    query_start_loc: torch.Tensor  # [R + 1] int32
+    num_decode_rows: int
+    num_decode_tokens: int
+
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query_start_loc, state_idx, num_accepted) of the decode/verify rows."""
+        nd = self.num_decode_rows
+        return self.query_start_loc[:nd + 1], self.state_idx[:nd], self.num_accepted[:nd]
+
+    def prefill_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query_start_loc from 0, state_idx, num_accepted, has_initial_state) of the prefill rows."""
+        nd = self.num_decode_rows
+        return (self.query_start_loc[nd:] - self.num_decode_tokens, self.state_idx[nd:], self.num_accepted[nd:],
+                self.has_initial_state[nd:])
+
+
+class StateCache:
+    def __init__(self, shapes: list[tuple[tuple[int, ...], tuple[int, ...]] | None], num_slots: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        """shapes: per layer, (conv row shape [W - 1 + k, conv_dim], ssm shape [H, P, N]) or None."""
+        self.num_slots, self.device = num_slots, device
+        # Zero-filled: a prefill from scratch never reads the pool, but a reference run that
+        # inspects a slot never sees uninitialised memory.
+        self.conv = [None if s is None else torch.zeros((num_slots, *s[0]), dtype=dtype, device=device) for s in shapes]
+        self.ssm = [None if s is None else torch.zeros((num_slots, *s[1]), dtype=torch.float32, device=device)
+                    for s in shapes]
+
+    def bytes_per_slot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.conv + self.ssm if t is not None)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+    def prepare(self, batch, query_start_loc: torch.Tensor) -> StateMetadata:  # batch: _C.ScheduledBatch
+        nd = int(batch.num_decode_rows)
+        init = np.asarray(batch.num_computed) > 0
+        init[:nd] = True
+        return StateMetadata(
+            conv=self.conv, ssm=self.ssm,
+            state_idx=self._tensor(np.asarray(batch.state_slots, dtype=np.int32).reshape(batch.num_rows, -1)),
+            num_accepted=self._tensor(np.maximum(np.asarray(batch.num_accepted_prev, dtype=np.int32), 1)),
+            has_initial_state=self._tensor(init),
+            query_start_loc=query_start_loc,
+            num_decode_rows=nd,
+            num_decode_tokens=int(batch.query_start_loc[nd]),
+        )
+
+    @classmethod
+    def scratch(cls, model, query_start_loc: torch.Tensor, dtype: torch.dtype, device: torch.device) -> StateMetadata:
+        """A throw-away pool for a standalone forward (no engine): every row a prefill from zeros."""
+        rows = int(query_start_loc.shape[0]) - 1
+        cache = cls(model.state_shapes(0), rows, dtype, device)
+        return StateMetadata(
+            conv=cache.conv, ssm=cache.ssm,
+            state_idx=torch.arange(rows, dtype=torch.int32, device=device)[:, None],
+            num_accepted=torch.ones(rows, dtype=torch.int32, device=device),
+            has_initial_state=torch.zeros(rows, dtype=torch.bool, device=device),
+            query_start_loc=query_start_loc, num_decode_rows=0, num_decode_tokens=0,
+        )

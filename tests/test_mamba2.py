@@ -1,0 +1,145 @@
+"""Mamba2 on CPU: HF transformers' logits and greedy tokens on a tiny random model, and lossless
+speculative decoding through the engine's recurrent-state pool (every decode row on the one
+speculative path; rows with and without drafts, prefill chunks and verify rows in one batch)."""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+import transformers
+
+from pyengine import LLM, SamplingParams
+from pyengine.loader import load_model
+from pyengine.state_cache import StateCache
+from tests.spec_harness import assert_lossless, run
+from tests.test_spec_decode import make_prompts, scripted
+from tests.tiny_models import VOCAB, write_tokenizer
+from tests.utils_paged import make_meta
+
+MAMBA2 = dict(vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=2, conv_kernel=4,
+              expand=2, num_hidden_layers=2, chunk_size=8, tie_word_embeddings=False, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0)
+
+
+def make_mamba2_checkpoint(path: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    hf = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**MAMBA2)).eval()
+    with torch.no_grad():  # well separated logits for greedy; decays in a realistic range
+        for name, p in hf.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 4.0)))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p) * 0.5)
+            elif "norm" in name or name.endswith(".D"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("out_proj.weight"):  # small mixer output: near-bigram greedy loops, so
+                p.normal_(0.0, 0.01)  # prompt lookup finds matches; the state still moves the logits
+            else:
+                p.normal_(0.0, 0.2)
+    hf.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def tiny_mamba2(tmp_path_factory) -> tuple[str, torch.nn.Module]:
+    path = str(tmp_path_factory.mktemp("tiny_mamba2"))
+    return path, make_mamba2_checkpoint(path)
+
+
+@torch.inference_mode()
+def test_logits_match_hf(tiny_mamba2) -> None:
+    path, hf = tiny_mamba2
+    model, config, _ = load_model(path, "cpu", torch.float32)
+    assert config.architecture == "Mamba2ForCausalLM"
+    seqs = [[5, 9, 33, 2, 71, 14, 14, 8, 60, 3, 17, 40, 41, 90, 11, 7, 23, 5, 9, 33], [4], list(range(10, 29))]
+    flat = torch.tensor([t for s in seqs for t in s])
+    meta, pos = make_meta([([0, 1], 0, len(s)) for s in seqs], 16)  # two rows of > chunk_size tokens: chunks cross
+    ours = model.compute_logits(model(flat, pos, meta, []))
+    want = torch.cat([hf(torch.tensor([s])).logits[0] for s in seqs])
+    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_match_hf_generate(tiny_mamba2) -> None:
+    path, hf = tiny_mamba2
+    prompts = [[5, 9, 33, 2, 71, 14], [40], [8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 12]]
+    llm = LLM(model=path, device="cpu", max_model_len=128, block_size=4, max_num_batched_tokens=8)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    hf.generation_config.eos_token_id = None  # like ignore_eos: EOS neither stops nor is suppressed
+    for prompt, out in zip(prompts, outs):
+        gen = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+        assert out.outputs[0].token_ids == gen[0, len(prompt):].tolist()
+
+
+def test_hybrid_model_gets_a_state_pool_and_no_prefix_caching(tiny_mamba2) -> None:
+    path, _ = tiny_mamba2
+    llm = LLM(model=path, device="cpu", max_model_len=64, max_num_seqs=4, enable_prefix_caching=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert llm.engine.cfg.enable_prefix_caching is False
+    assert llm.engine.cfg.num_state_slots == 4 * (1 + 3)
+    cache = llm.engine.runner.state_cache
+    assert isinstance(cache, StateCache) and cache.num_slots == 16
+    assert cache.conv[0].shape == (16, 4 - 1 + 3, 128 + 2 * 2 * 16) and cache.ssm[0].shape == (16, 8, 16, 16)
+    assert cache.ssm[0].dtype == torch.float32
+
+
+@functools.lru_cache(maxsize=None)
+def plain(path: str, n: int, max_tokens: int, seed: int = 0) -> tuple[list[list[int]], ...]:
+    prompts = make_prompts(n, seed)
+    return tuple(run(path, prompts, max_tokens=max_tokens, block_size=4, max_model_len=128)[0])
+
+
+def plain_from(path: str, prompts: list[list[int]]) -> list[list[int]]:
+    return run(path, prompts, max_tokens=24, block_size=4, max_model_len=128)[0]
+
+
+def test_ngram_greedy_equals_plain_batch8_ragged(tiny_mamba2) -> None:
+    path, _ = tiny_mamba2
+    # Prompts that end in the model's own greedy continuation: rows that fell into a loop get
+    # prompt-lookup hits, the others none (ragged steps).
+    prompts = [p + out[:16] for p, out in zip(make_prompts(8), plain(path, 8, 24))]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    outs, stats, rec, llm = run(path, prompts, max_tokens=24, spec=spec, block_size=4, max_model_len=128,
+                                max_num_batched_tokens=32)
+    assert_lossless(llm, prompts, plain_from(path, prompts), outs)
+    assert stats["num_accepted_tokens"] > 0, "speculation never accepted anything: the test proves nothing"
+    assert rec.had_ragged_step(), "no step mixed rows with drafts and rows without"
+
+
+@pytest.mark.parametrize("name,pattern,budget", [
+    ("every_acceptance_count", [0, 1, 2, 3], 64),
+    ("no_drafts_right_after_an_accepted_run", [3, -1, 1, -1, 2], 64),
+    ("mixed_prefill_and_verify", [2, 3, 0], 12),
+])
+def test_scripted_equals_plain(tiny_mamba2, name: str, pattern: list[int], budget: int) -> None:
+    path, _ = tiny_mamba2
+    k = 3
+    prompts = make_prompts(8, seed=1)
+    ref = list(plain(path, 8, 24, 1))
+    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, ref))}
+    spec = {"method": "scripted", "num_speculative_tokens": k, "script": scripted(reference, k, pattern)}
+    outs, _, rec, _ = run(path, prompts, max_tokens=24, spec=spec, block_size=4, max_model_len=128,
+                          max_num_batched_tokens=budget)
+    assert outs == ref
+    full = [c for _, _, d, c in rec.verify_rows() if d == k]
+    if name == "every_acceptance_count":
+        assert {c - 1 for c in full} == set(range(k + 1)), "not every acceptance count 0..k occurred"
+    if name == "no_drafts_right_after_an_accepted_run":
+        assert rec.had_ragged_step()
+        assert any(c == k + 1 for c in full)
+    if name == "mixed_prefill_and_verify":
+        assert rec.had_mixed_step(), "no step mixed prefill chunks with verify rows"
+
+
+def test_scripted_with_preemption_equals_plain(tiny_mamba2) -> None:
+    path, _ = tiny_mamba2
+    prompts = make_prompts(8, seed=1)
+    ref = list(plain(path, 8, 24, 1))
+    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, ref))}
+    spec = {"method": "scripted", "num_speculative_tokens": 3, "script": scripted(reference, 3, [3, 1, -1])}
+    outs, stats, _, _ = run(path, prompts, max_tokens=24, spec=spec, block_size=4, max_model_len=128,
+                            num_kv_blocks=math.ceil(128 / 4) + 8)
+    assert stats["num_preemptions"] > 0
+    assert outs == ref
