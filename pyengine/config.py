@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-HYBRID_ARCHITECTURES = ("Mamba2ForCausalLM",)
+HYBRID_ARCHITECTURES = ("Mamba2ForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM")
 
 
 @dataclass
@@ -35,6 +35,14 @@ class ModelConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
         arch = str(archs[0])
+        if arch == "BambaForCausalLM":  # Mamba2 + attention hybrid: pyengine/models/bamba.py
+            from pyengine.models.bamba import bamba_model_config
+
+            return bamba_model_config(cfg)
+        if arch == "NemotronHForCausalLM":  # Mamba2 / attention / MLP blocks: pyengine/models/nemotron_h.py
+            from pyengine.models.nemotron_h import nemotron_h_model_config
+
+            return nemotron_h_model_config(cfg)
         if arch in HYBRID_ARCHITECTURES:  # SSM hyper-parameters: pyengine/models/mamba2.py
             from pyengine.models.mamba2 import mamba2_model_config
 

@@ -5,14 +5,18 @@ import torch
 from torch import nn
 
 from pyengine.config import ModelConfig
+from pyengine.models.bamba import BambaForCausalLM
 from pyengine.models.llama import LlamaForCausalLM
 from pyengine.models.mamba2 import Mamba2ForCausalLM
+from pyengine.models.nemotron_h import NemotronHForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,  # qkv bias, flagged by config.attention_bias
     "Qwen3ForCausalLM": LlamaForCausalLM,  # per-head q/k RMSNorm, flagged by config.qk_norm
     "Mamba2ForCausalLM": Mamba2ForCausalLM,  # recurrent state: runner-owned StateCache
+    "BambaForCausalLM": BambaForCausalLM,  # Mamba2 + attention hybrid (pyengine/models/bamba.py)
+    "NemotronHForCausalLM": NemotronHForCausalLM,  # M / * / - block pattern, no MoE (nemotron_h.py)
 }
 
 

@@ -1,0 +1,156 @@
+"""Bamba (Mamba2 + attention hybrid) on CPU: HF transformers' logits and greedy tokens on a tiny random
+model (attention layers with partial RoPE and GQA between Mamba2 layers), and lossless speculative
+decoding through the engine's paged KV cache + recurrent-state pool together."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from pyengine import LLM, SamplingParams
+from pyengine.loader import load_model
+from pyengine.models.bamba import rope_permutation
+from pyengine.state_cache import StateCache
+from tests.spec_harness import assert_lossless, run
+from tests.test_mamba2 import plain, plain_from
+from tests.test_spec_decode import make_prompts, scripted
+from tests.tiny_models import VOCAB, write_tokenizer
+from tests.utils_paged import PagedCache, make_meta
+
+# 4 layers: mamba, attention, mamba, attention (attention first and last is covered by the pattern test).
+BAMBA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+             mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, max_position_embeddings=256,
+             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def make_bamba_checkpoint(path: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    hf = transformers.BambaForCausalLM(transformers.BambaConfig(**{**BAMBA, **overrides})).eval()
+    with torch.no_grad():  # as tests/test_mamba2.py: well separated logits, realistic decays
+        for name, p in hf.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 4.0)))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p) * 0.5)
+            elif "norm" in name or name.endswith(".D"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
+                p.normal_(0.0, 0.02)  # small mixer outputs: near-bigram greedy loops (ngram hits)
+            else:
+                p.normal_(0.0, 0.2)
+    hf.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def tiny_bamba(tmp_path_factory) -> tuple[str, torch.nn.Module]:
+    path = str(tmp_path_factory.mktemp("tiny_bamba"))
+    return path, make_bamba_checkpoint(path)
+
+
+def test_rope_permutation_pairs() -> None:
+    for d, r in [(16, 8), (16, 16), (64, 32), (8, 2)]:
+        perm = rope_permutation(d, r).tolist()
+        assert sorted(perm) == list(range(d))
+        for j in range(r // 2):  # HF's rotate_half pair (j, j + r/2) sits at our (j, j + d/2)
+            assert (perm[j], perm[j + d // 2]) == (j, j + r // 2)
+
+
+SEQS = [[5, 9, 33, 2, 71, 14, 14, 8, 60, 3, 17, 40, 41, 90, 11, 7, 23, 5, 9, 33], [4], list(range(10, 29))]
+
+
+@torch.inference_mode()
+def forward_logits(path: str, seqs: list[list[int]]) -> tuple[torch.Tensor, object]:
+    model, config, _ = load_model(path, "cpu", torch.float32)
+    cache = PagedCache(config, 32, 4, torch.float32)  # NaN-filled, shuffled blocks
+    rows = []
+    for s in seqs:
+        table: list[int] = []
+        cache.grow(table, len(s))
+        rows.append((table, 0, len(s)))
+    meta, pos = make_meta(rows, 4)
+    flat = torch.tensor([t for s in seqs for t in s])
+    return model.compute_logits(model(flat, pos, meta, cache.kv_caches)), config
+
+
+@torch.inference_mode()
+def test_logits_match_hf(tiny_bamba) -> None:
+    path, hf = tiny_bamba
+    ours, config = forward_logits(path, SEQS)  # rows of > chunk_size tokens: SSM chunks cross
+    assert config.architecture == "BambaForCausalLM" and config.attn_layer_indices == (1, 3)
+    assert config.rotary_dim == 8  # partial_rotary_factor 0.5 of head_dim 16
+    want = torch.cat([hf(torch.tensor([s])).logits[0] for s in SEQS])
+    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("attn", [[0], [0, 1, 2]])
+def test_logits_match_hf_layer_patterns(tmp_path, attn: list[int]) -> None:
+    """Attention first / consecutive attention layers / a trailing Mamba layer; tied embeddings."""
+    hf = make_bamba_checkpoint(str(tmp_path), seed=3, attn_layer_indices=attn, tie_word_embeddings=len(attn) == 1)
+    ours, _ = forward_logits(str(tmp_path), SEQS[:2])
+    want = torch.cat([hf(torch.tensor([s])).logits[0] for s in SEQS[:2]])
+    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_match_hf_generate(tiny_bamba) -> None:
+    path, hf = tiny_bamba
+    prompts = [[5, 9, 33, 2, 71, 14], [40], [8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 12]]
+    llm = LLM(model=path, device="cpu", max_model_len=128, block_size=4, max_num_batched_tokens=8)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    hf.generation_config.eos_token_id = None  # like ignore_eos
+    for prompt, out in zip(prompts, outs):
+        gen = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+        assert out.outputs[0].token_ids == gen[0, len(prompt):].tolist()
+
+
+def test_state_pool_only_for_mamba_layers(tiny_bamba) -> None:
+    path, _ = tiny_bamba
+    llm = LLM(model=path, device="cpu", max_model_len=64, max_num_seqs=4, enable_prefix_caching=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert llm.engine.cfg.enable_prefix_caching is False
+    assert llm.engine.cfg.num_state_slots == 4 * (1 + 3)
+    cache = llm.engine.runner.state_cache
+    assert isinstance(cache, StateCache) and cache.num_slots == 16
+    assert cache.conv[1] is None and cache.ssm[3] is None  # attention layers
+    assert cache.conv[0].shape == (16, 4 - 1 + 3, 128 + 2 * 2 * 16) and cache.ssm[2].shape == (16, 8, 16, 16)
+    # The runner allocates KV for every layer (the Mamba layers' pairs are unused): see bamba.py.
+    assert len(llm.engine.runner.kv_caches) == 4 and llm.engine.runner.kv_caches[1][0].shape[2:] == (2, 16)
+
+
+def test_ngram_greedy_equals_plain_batch8_ragged(tiny_bamba) -> None:
+    path, _ = tiny_bamba
+    prompts = [p + out[:16] for p, out in zip(make_prompts(8), plain(path, 8, 24))]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    outs, stats, rec, llm = run(path, prompts, max_tokens=24, spec=spec, block_size=4, max_model_len=128,
+                                max_num_batched_tokens=32)
+    assert_lossless(llm, prompts, plain_from(path, prompts), outs)
+    assert stats["num_accepted_tokens"] > 0, "speculation never accepted anything: the test proves nothing"
+    assert rec.had_ragged_step(), "no step mixed rows with drafts and rows without"
+
+
+@pytest.mark.parametrize("name,pattern,budget", [
+    ("every_acceptance_count", [0, 1, 2, 3], 64),
+    ("no_drafts_right_after_an_accepted_run", [3, -1, 1, -1, 2], 64),
+    ("mixed_prefill_and_verify", [2, 3, 0], 12),
+])
+def test_scripted_equals_plain(tiny_bamba, name: str, pattern: list[int], budget: int) -> None:
+    path, _ = tiny_bamba
+    k = 3
+    prompts = make_prompts(8, seed=1)
+    ref = list(plain(path, 8, 24, 1))
+    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, ref))}
+    spec = {"method": "scripted", "num_speculative_tokens": k, "script": scripted(reference, k, pattern)}
+    outs, _, rec, _ = run(path, prompts, max_tokens=24, spec=spec, block_size=4, max_model_len=128,
+                          max_num_batched_tokens=budget)
+    assert outs == ref
+    full = [c for _, _, d, c in rec.verify_rows() if d == k]
+    if name == "every_acceptance_count":
+        assert {c - 1 for c in full} == set(range(k + 1)), "not every acceptance count 0..k occurred"
+    if name == "no_drafts_right_after_an_accepted_run":
+        assert rec.had_ragged_step()
+        assert any(c == k + 1 for c in full)
+    if name == "mixed_prefill_and_verify":
+        assert rec.had_mixed_step(), "no step mixed prefill chunks with verify rows"
