@@ -50,20 +50,76 @@ PE_DEVICE void store8(T* dst, const float* f) {
   *reinterpret_cast<uint4*>(dst) = v;
 }
 
+// Asynchronous 16-byte global -> shared copies. On NVIDIA (sm_80 and later) these are cp.async
+// (zero-filled when the source is not valid, so that no byte of an unused page is read); the
+// portable fallback (HIP, older targets) copies synchronously through registers, and the barrier
+// that follows each wait makes the stores visible exactly as with cp.async.
+#if defined(PE_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define PE_PA_CP_ASYNC 1
+#endif
+
+PE_DEVICE void pa_copy16(void* smem, const void* gmem, bool valid) {
+#if defined(PE_PA_CP_ASYNC)
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+#else
+  *reinterpret_cast<uint4*>(smem) = valid ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+
+PE_DEVICE void pa_copy_commit() {
+#if defined(PE_PA_CP_ASYNC)
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+PE_DEVICE void pa_copy_wait() {
+#if defined(PE_PA_CP_ASYNC)
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Blocks per SM to ask the register allocator for: 3 (at most 168 registers) where the queries and
+// accumulators of a thread need at most 128 registers per key in flight, else no cap (spills).
+template <int DQK, int DV, int LPT, int MT, int U>
+constexpr int kMinBlocks() {
+  return ((DQK / 8 + LPT - 1) / LPT + (DV / 8 + LPT - 1) / LPT) * MT * 8 * U <= 128 ? 3 : 1;
+}
+
 // T: pe_half or pe_bf16. DQK/DV: head dims. LPT: lanes per key. MT: query-head pairs per block.
-// U: keys per group per iteration. SHARED_KV: V is the first DV values of K (MLA).
-template <typename T, int DQK, int DV, int LPT, int MT, int U, bool SHARED_KV>
-__global__ void __launch_bounds__(kThreads) paged_attention_kernel(PagedAttentionParams p) {
+// U: keys per group per tile. SHARED_KV: V is the first DV values of K (MLA). STAGES: depth of the
+// shared-memory K/V pipeline.
+//
+// Keys are processed in tiles of KT = NG * U keys (NG = kThreads / LPT groups); the block copies
+// tile t + STAGES - 1 into shared memory (cp.async) while it computes tile t from shared memory,
+// with the block-table entries of the tile after that already loaded into registers, so that the
+// memory system always has STAGES - 1 tiles of the block in flight whatever the arithmetic costs.
+// Group g takes keys g, g + NG, ... of a tile; its LPT lanes split the head dim in 16-byte vectors.
+// The arithmetic of a query-head pair depends only on (LPT, U, the row), never on MT or the batch.
+template <typename T, int DQK, int DV, int LPT, int MT, int U, bool SHARED_KV, int STAGES>
+__global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>())) paged_attention_kernel(PagedAttentionParams p) {
   constexpr int NV_K = DQK / 8;                    // 16-byte vectors per K row
   constexpr int NV_V = DV / 8;
   constexpr int VPL_K = (NV_K + LPT - 1) / LPT;    // vectors per lane
   constexpr int VPL_V = (NV_V + LPT - 1) / LPT;
   constexpr int NG = kThreads / LPT;               // key groups per block
+  constexpr int KT = NG * U;                       // keys per tile
+  constexpr int ROW_V = SHARED_KV ? 0 : DV;        // V elements staged per key
+  constexpr int TILE_ELEMS = KT * (DQK + ROW_V);   // 16-bit elements per stage
+  constexpr int PIPE_BYTES = STAGES * TILE_ELEMS * 2;
+  constexpr int MERGE_BYTES = NG * MT * DV * 4;
+  constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
   static_assert(DQK % 8 == 0 && DV % 8 == 0 && LPT <= 32 && (LPT & (LPT - 1)) == 0, "layout");
   static_assert(!SHARED_KV || NV_V <= NV_K, "V must be a prefix of K");
+  static_assert(SMEM_BYTES + NG * MT * 8 <= 48 * 1024, "static shared memory");
+  static_assert(STAGES >= 2, "pipeline");
 
   __shared__ float s_ml[NG][MT][2];
-  __shared__ __align__(16) float s_acc[NG][MT][DV];
+  __shared__ __align__(16) unsigned char s_raw[SMEM_BYTES];
+  T* s_kv = reinterpret_cast<T*>(s_raw);                         // [STAGES][KT][DQK] then [STAGES][KT][DV]
+  float (*s_acc)[MT][DV] = reinterpret_cast<float (*)[MT][DV]>(s_raw);  // after the key loop
 
   const int Hkv = p.num_kv_heads;
   const int Hq = p.num_q_heads;
@@ -99,6 +155,62 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(PagedAttentio
   const int m_last = min(m_begin + MT, m_count) - 1;
   const int k_begin = split * split_size;
   const int k_end = min(min(ctx, k_begin + split_size), ctx - (q_len - 1 - m_last / G));
+  const int ntiles = k_end > k_begin ? (k_end - k_begin + KT - 1) / KT : 0;
+
+  const T* kcache = static_cast<const T*>(p.k_cache);
+  const T* vcache = static_cast<const T*>(SHARED_KV ? p.k_cache : p.v_cache);
+  const int32_t* btab = p.block_tables + (int64_t)row * p.max_blocks_per_row;
+  const int bs = p.block_size;
+  const int64_t k_slot_stride = (int64_t)Hkv * DQK;
+  const int64_t v_slot_stride = (int64_t)Hkv * DV;
+
+  // Copy layout: TPK threads per key of a tile; thread tid copies 16-byte vectors sub, sub + TPK, ...
+  // of the K row (then of the V row) of key tid / TPK, so it needs one block-table entry per tile.
+  constexpr int TPK = kThreads / KT;
+  static_assert(kThreads % KT == 0, "copy layout");
+  constexpr int CV_K = (NV_K + TPK - 1) / TPK;
+  constexpr int CV_V = SHARED_KV ? 0 : (NV_V + TPK - 1) / TPK;
+  const int my_kt = tid / TPK;
+  const int sub = tid - my_kt * TPK;
+  const bool bs_pow2 = (bs & (bs - 1)) == 0;
+  const int bs_shift = __ffs(bs) - 1;
+  // Block-table entry of this thread's key of tile t (-1: outside [k_begin, k_end), never read).
+  auto load_block = [&](int t) -> int {
+    const int key = k_begin + t * KT + my_kt;
+    if (t >= ntiles || key >= k_end) return -1;
+    return btab[bs_pow2 ? key >> bs_shift : key / bs];
+  };
+  auto issue = [&](int t, int blk) {
+    if (t < ntiles) {
+      T* stage = s_kv + (t % STAGES) * TILE_ELEMS;
+      const int key = k_begin + t * KT + my_kt;
+      const bool valid = blk >= 0;
+      const int within = bs_pow2 ? key & (bs - 1) : key - (key / bs) * bs;
+      const int64_t slot = valid ? (int64_t)blk * bs + within : 0;
+      const T* ksrc = kcache + slot * k_slot_stride + (int64_t)kvh * DQK;
+      T* kdst = stage + my_kt * DQK;
+#pragma unroll
+      for (int i = 0; i < CV_K; ++i) {
+        const int v = sub + TPK * i;
+        if (NV_K % TPK == 0 || v < NV_K) pa_copy16(kdst + v * 8, ksrc + v * 8, valid);
+      }
+      if (!SHARED_KV) {
+        const T* vsrc = vcache + slot * v_slot_stride + (int64_t)kvh * DV;
+        T* vdst = stage + KT * DQK + my_kt * DV;
+#pragma unroll
+        for (int i = 0; i < CV_V; ++i) {
+          const int v = sub + TPK * i;
+          if (NV_V % TPK == 0 || v < NV_V) pa_copy16(vdst + v * 8, vsrc + v * 8, valid);
+        }
+      }
+    }
+    pa_copy_commit();
+  };
+
+  // Start the pipeline before the query loads so that they overlap.
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s, load_block(s));
+  int nblk = load_block(STAGES - 1);
 
   // Queries in registers, pre-scaled into the base-2 domain.
   const float qscale = p.scale * kLog2e;
@@ -133,103 +245,88 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(PagedAttentio
       for (int j = 0; j < 8; ++j) acc[mm][i][j] = 0.f;
   }
 
-  const T* kcache = static_cast<const T*>(p.k_cache);
-  const T* vcache = static_cast<const T*>(SHARED_KV ? p.k_cache : p.v_cache);
-  const int32_t* btab = p.block_tables + (int64_t)row * p.max_blocks_per_row;
-  const int bs = p.block_size;
-  const int64_t k_slot_stride = (int64_t)Hkv * DQK;
-  const int64_t v_slot_stride = (int64_t)Hkv * DV;
+  for (int t = 0; t < ntiles; ++t) {
+    pa_copy_wait<STAGES - 2>();  // tile t has landed (this thread's copies) ...
+    __syncthreads();             // ... everyone's, and everyone is done with tile t - 1
+    issue(t + STAGES - 1, nblk);
+    nblk = load_block(t + STAGES);
 
-  for (int base = k_begin; base < k_end; base += NG * U) {
-    uint4 kr[U][VPL_K];
-    uint4 vr[U][SHARED_KV ? 1 : VPL_V];
-    int key[U];
-    // Issue every load of this iteration first.
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      key[u] = base + group + NG * u;
-      const bool valid = key[u] < k_end;
-      int64_t slot = 0;
-      if (valid) {
-        const int blk = btab[key[u] / bs];
-        slot = (int64_t)blk * bs + (key[u] - (key[u] / bs) * bs);
-      }
-      const T* kp = kcache + slot * k_slot_stride + (int64_t)kvh * DQK;
-#pragma unroll
-      for (int i = 0; i < VPL_K; ++i) {
-        const int v = lane + LPT * i;
-        if (valid && v < NV_K) kr[u][i] = *reinterpret_cast<const uint4*>(kp + v * 8);
-        else kr[u][i] = make_uint4(0u, 0u, 0u, 0u);
-      }
-      if (!SHARED_KV) {
-        const T* vp = vcache + slot * v_slot_stride + (int64_t)kvh * DV;
-#pragma unroll
-        for (int i = 0; i < (SHARED_KV ? 1 : VPL_V); ++i) {
-          const int v = lane + LPT * i;
-          if (valid && v < NV_V) vr[u][i] = *reinterpret_cast<const uint4*>(vp + v * 8);
-          else vr[u][i] = make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
-    }
+    const T* sk = s_kv + (t % STAGES) * TILE_ELEMS;
+    const T* sv = SHARED_KV ? sk : sk + KT * DQK;
+    constexpr int V_ROW = SHARED_KV ? DQK : DV;
+    const int tile_base = k_begin + t * KT;
     // Scores.
     float s[U][MT];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      const int kt = group + NG * u;
+      const int key = tile_base + kt;
       float sc[MT];
 #pragma unroll
       for (int mm = 0; mm < MT; ++mm) sc[mm] = 0.f;
 #pragma unroll
       for (int i = 0; i < VPL_K; ++i) {
-        float kf[8];
-        PeVec8<T>::to_float(kr[u][i], kf);
+        const int v = lane + LPT * i;
+        if (NV_K % LPT == 0 || v < NV_K) {
+          float kf[8];
+          PeVec8<T>::to_float(*reinterpret_cast<const uint4*>(sk + kt * DQK + v * 8), kf);
 #pragma unroll
-        for (int mm = 0; mm < MT; ++mm)
+          for (int mm = 0; mm < MT; ++mm)
 #pragma unroll
-          for (int j = 0; j < 8; ++j) sc[mm] = fmaf(qf[mm][i][j], kf[j], sc[mm]);
+            for (int j = 0; j < 8; ++j) sc[mm] = fmaf(qf[mm][i][j], kf[j], sc[mm]);
+        }
       }
 #pragma unroll
       for (int mm = 0; mm < MT; ++mm) {
 #pragma unroll
         for (int off = LPT / 2; off > 0; off >>= 1) sc[mm] += pe_shfl_xor(sc[mm], off);
-        s[u][mm] = key[u] < lim[mm] && key[u] < k_end ? sc[mm] : neg_inf();
+        s[u][mm] = key < lim[mm] && key < k_end ? sc[mm] : neg_inf();
       }
     }
-    // Online softmax: probabilities and rescale of the running sums.
+    // Online softmax; the running sums are rescaled only when the running max moves.
     float pr[U][MT];
 #pragma unroll
     for (int mm = 0; mm < MT; ++mm) {
       float mnew = mx[mm];
 #pragma unroll
       for (int u = 0; u < U; ++u) mnew = fmaxf(mnew, s[u][mm]);
+      if (mnew != mx[mm]) {  // uniform over the group: every lane holds the same reduced scores
+        const float alpha = exp2f(mx[mm] - mnew);  // 0 when mx was -inf (acc and l are 0 then)
+        l[mm] *= alpha;
+#pragma unroll
+        for (int i = 0; i < VPL_V; ++i)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[mm][i][j] *= alpha;
+        mx[mm] = mnew;
+      }
       const bool any = mnew != neg_inf();
-      const float alpha = any ? exp2f(mx[mm] - mnew) : 1.f;
       float psum = 0.f;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         pr[u][mm] = any ? exp2f(s[u][mm] - mnew) : 0.f;
         psum += pr[u][mm];
       }
-      l[mm] = l[mm] * alpha + psum;
-      mx[mm] = mnew;
-#pragma unroll
-      for (int i = 0; i < VPL_V; ++i)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[mm][i][j] *= alpha;
+      l[mm] += psum;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      const int kt = group + NG * u;
 #pragma unroll
       for (int i = 0; i < VPL_V; ++i) {
-        float vf[8];
-        if (SHARED_KV) PeVec8<T>::to_float(kr[u][i], vf);
-        else PeVec8<T>::to_float(vr[u][SHARED_KV ? 0 : i], vf);
+        const int v = lane + LPT * i;
+        if (NV_V % LPT == 0 || v < NV_V) {
+          float vf[8];
+          PeVec8<T>::to_float(*reinterpret_cast<const uint4*>(sv + kt * V_ROW + v * 8), vf);
 #pragma unroll
-        for (int mm = 0; mm < MT; ++mm)
+          for (int mm = 0; mm < MT; ++mm)
 #pragma unroll
-          for (int j = 0; j < 8; ++j) acc[mm][i][j] = fmaf(pr[u][mm], vf[j], acc[mm][i][j]);
+            for (int j = 0; j < 8; ++j) acc[mm][i][j] = fmaf(pr[u][mm], vf[j], acc[mm][i][j]);
+        }
       }
     }
   }
+  pa_copy_wait<0>();
+  __syncthreads();  // the pipeline buffers become the merge buffer
 
   // Merge the key groups of the block.
 #pragma unroll
@@ -327,22 +424,41 @@ __global__ void __launch_bounds__(kThreads) paged_attention_combine_kernel(Paged
   if (v == 0 && p.lse != nullptr) p.lse[(int64_t)t * p.num_q_heads + h] = L > 0.f ? (M + log2f(L)) * kLn2 : pos_inf();
 }
 
+constexpr int kStages = 5;
+
 template <typename T, int DQK, int DV, int LPT, int MT, int U, bool SHARED_KV>
 void launch_main(const PagedAttentionParams& p, peStream_t s) {
   const int G = p.num_q_heads / p.num_kv_heads;
   const int m_tiles = (p.max_query_len * G + MT - 1) / MT;
   const dim3 grid((unsigned)p.max_splits, (unsigned)m_tiles, (unsigned)(p.num_rows * p.num_kv_heads));
-  paged_attention_kernel<T, DQK, DV, LPT, MT, U, SHARED_KV><<<grid, kThreads, 0, s>>>(p);
+  paged_attention_kernel<T, DQK, DV, LPT, MT, U, SHARED_KV, kStages><<<grid, kThreads, 0, s>>>(p);
 }
 
+// (LPT, U) fix the order of the arithmetic; they depend on the head dim and the group size only
+// (the model), never on the batch. Each tile stages 8-9 KB of K/V per pipeline stage.
 template <typename T, int D>
 void launch_gqa(const PagedAttentionParams& p, peStream_t s, int mt) {
-  constexpr int LPT = D / 8;
-  switch (mt) {
-    case 1: launch_main<T, D, D, LPT, 1, 4, false>(p, s); break;
-    case 2: launch_main<T, D, D, LPT, 2, 4, false>(p, s); break;
-    case 4: launch_main<T, D, D, LPT, 4, 4, false>(p, s); break;
-    default: launch_main<T, D, D, LPT, 8, 2, false>(p, s); break;
+  if constexpr (D == 64) {
+    switch (mt) {
+      case 1: launch_main<T, D, D, 8, 1, 2, false>(p, s); break;
+      case 2: launch_main<T, D, D, 8, 2, 2, false>(p, s); break;
+      case 4: launch_main<T, D, D, 8, 4, 2, false>(p, s); break;
+      default: launch_main<T, D, D, 8, 8, 2, false>(p, s); break;
+    }
+  } else if constexpr (D == 128) {
+    switch (mt) {
+      case 1: launch_main<T, D, D, 16, 1, 2, false>(p, s); break;
+      case 2: launch_main<T, D, D, 16, 2, 2, false>(p, s); break;
+      case 4: launch_main<T, D, D, 16, 4, 2, false>(p, s); break;
+      default: launch_main<T, D, D, 16, 8, 2, false>(p, s); break;
+    }
+  } else {
+    switch (mt) {
+      case 1: launch_main<T, D, D, 16, 1, 1, false>(p, s); break;
+      case 2: launch_main<T, D, D, 16, 2, 1, false>(p, s); break;
+      case 4: launch_main<T, D, D, 16, 4, 1, false>(p, s); break;
+      default: launch_main<T, D, D, 32, 8, 2, false>(p, s); break;
+    }
   }
 }
 
