@@ -17,7 +17,7 @@ from pyengine.model_runner import ModelRunner
 from pyengine.rejection_sampler import RejectionSampler
 from pyengine.sampler import RequestGenerators
 from pyengine.sampling_params import SamplingParams
-from pyengine.speculative import AdaptiveDraftLength, NgramProposer, Proposer, ScriptedProposer, SpeculativeConfig
+from pyengine.speculative import DraftLengthPolicy, NgramProposer, Proposer, ScriptedProposer, SpeculativeConfig
 from pyengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -79,7 +79,7 @@ class LLMEngine:
                 self.proposer = DraftModelProposer(spec, runner, lambda sid: self.requests[sid], cfg.seed,
                                                    cfg.max_model_len, draft=draft_model)
         # Scripted drafts are exact test fixtures: never shorten them.
-        self.draft_length = AdaptiveDraftLength(self.k) if spec is not None and spec.method != "scripted" else None
+        self.draft_length = DraftLengthPolicy(self.k) if spec is not None and spec.method != "scripted" else None
         self.rejection_sampler = RejectionSampler()
         self.generators = RequestGenerators(cfg.seed)
         self.eos_token_ids = list(dict.fromkeys(tokenizer.eos_token_ids + model_config.eos_token_ids))
@@ -114,8 +114,10 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Run one step; returns the requests that received tokens (or finished) in it."""
         t0 = time.perf_counter()
+        num_drafts = 0
         if self.proposer is not None:
-            self.proposer.propose(self.scheduler, self.draft_length.num_drafts() if self.draft_length else self.k)
+            num_drafts = self.draft_length.num_drafts(self.scheduler.num_running) if self.draft_length else self.k
+            self.proposer.propose(self.scheduler, num_drafts)
         batch = self.scheduler.schedule()
         assert batch.num_rows > 0, "the scheduler made no progress with requests pending"
         logits = self.runner.execute(batch)
@@ -130,6 +132,12 @@ class LLMEngine:
         else:
             self.decode_time += elapsed
             self.counters["decode_tokens"] += int(num_committed.sum())
+        if self.draft_length is not None:
+            rows = batch.num_decode_rows
+            if num_drafts:
+                self.draft_length.observe_rows(batch.num_draft_tokens[:rows], counts[:rows])
+            if not num_prefill:
+                self.draft_length.observe_step(int(batch.num_tokens), elapsed)
         return touched
 
     def _sample(self, batch, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -158,15 +166,11 @@ class LLMEngine:
     def _commit(self, batch, tokens: np.ndarray, counts: np.ndarray, num_committed: np.ndarray,
                 reasons: np.ndarray) -> list[Request]:
         touched, off = [], 0
-        drafted = accepted = verify_rows = 0
         for r, sid in enumerate(batch.seq_ids.tolist()):
             c = int(counts[r])
             if c == 0:
                 continue
             req = self.requests[sid]
-            d = int(batch.num_draft_tokens[r])
-            if d:
-                drafted, accepted, verify_rows = drafted + d, accepted + c - 1, verify_rows + 1
             new = tokens[off:off + int(num_committed[r])].tolist()
             off += c
             req.output_token_ids.extend(new)
@@ -175,8 +179,6 @@ class LLMEngine:
                 req.finish_reason = _C.FINISH_REASONS[reasons[r]]
             self._append_text(req, new)
             touched.append(req)
-        if self.draft_length is not None:
-            self.draft_length.observe(drafted, accepted, verify_rows)
         for req in touched:
             if req.finished:
                 self.generators.release(req.request_id)

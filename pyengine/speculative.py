@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import numpy as np
+
 from pyengine import _C
 
 # script(request_id, committed_token_ids) -> drafts: forces any acceptance pattern in tests.
@@ -83,23 +85,66 @@ class ScriptedProposer:
             scheduler.set_draft_tokens(seq_id, drafts)
 
 
-class AdaptiveDraftLength:
-    """Proposes fewer drafts while recent acceptance is poor, so speculation never costs much more
-    than it saves: the draft length follows an exponential average of accepted drafts per step,
-    and drops to 0 (with a periodic probe) when almost nothing is accepted."""
+class DraftLengthPolicy:
+    """How many drafts to propose each step: the length with the best expected goodput.
 
-    def __init__(self, k: int, probe_every: int = 8) -> None:
-        self.k, self.probe_every = k, probe_every
-        self.avg_accepted = float(k)  # optimistic start
+        goodput(k) = (R + R_d * sum_{j<k} P_j) / T(R + R_d * k)
+
+    R decode rows, R_d of them with drafts (the proposer may find none for a row); P_j the chance
+    that drafts 0..j are all accepted (decayed counts from recent verify rows); T(n) = a + b n the
+    step time for n tokens fed, a least-squares line through recent decode-only steps. Where
+    speculation does not pay (poor acceptance, or a batch large enough that verify tokens cost
+    real compute) the best length is 0, so speculation never costs much more than it saves; a
+    probe at full length every `probe_every` steps keeps the acceptance estimate fresh.
+    """
+
+    def __init__(self, k: int, probe_every: int = 32, decay: float = 0.95) -> None:
+        self.k, self.probe_every, self.decay = k, probe_every, decay
+        self.accepted = [1.0] * k  # decayed counts; start optimistic: P_j = 1
+        self.drafted = [1.0] * k
+        self.rows = self.rows_with_drafts = 1.0
+        self.fit_sums = [0.0] * 5  # decayed sums of 1, n, t, n*n, n*t over decode-only steps
         self.steps = 0
 
-    def num_drafts(self) -> int:
+    def num_drafts(self, num_rows: int) -> int:
         self.steps += 1
-        if self.avg_accepted < 0.3:
-            return self.k if self.steps % self.probe_every == 0 else 0
-        return max(1, min(self.k, int(self.avg_accepted + 1.5)))
+        if self.steps <= 8:  # warm-up: alternate so the time line sees two token counts
+            return self.k if self.steps % 2 else 0
+        if self.steps % self.probe_every == 0:
+            return self.k
+        line = self._time_line()
+        if line is None:
+            return self.k
+        a, b = line
+        rows = max(num_rows, 1)
+        with_drafts = rows * self.rows_with_drafts / self.rows
+        best_k, best, expected = 0, rows / (a + b * rows), 0.0
+        for j in range(self.k):
+            expected += self.accepted[j] / self.drafted[j]
+            goodput = (rows + with_drafts * expected) / (a + b * (rows + with_drafts * (j + 1)))
+            if goodput > best:
+                best_k, best = j + 1, goodput
+        return best_k
 
-    def observe(self, drafted: int, accepted: int, rows: int) -> None:
-        if rows == 0 or drafted == 0:
-            return
-        self.avg_accepted = 0.7 * self.avg_accepted + 0.3 * (accepted / rows)
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A decode-only step: n tokens fed took `seconds`."""
+        for i, v in enumerate((1.0, num_tokens, seconds, num_tokens * num_tokens, num_tokens * seconds)):
+            self.fit_sums[i] = self.decay * self.fit_sums[i] + v
+
+    def observe_rows(self, num_drafts: np.ndarray, num_committed: np.ndarray) -> None:
+        """The decode rows of a step that proposed drafts: drafts verified and tokens committed."""
+        self.rows = self.decay * self.rows + len(num_drafts)
+        self.rows_with_drafts = self.decay * self.rows_with_drafts + float((num_drafts > 0).sum())
+        for j in range(self.k):
+            had = num_drafts > j
+            self.drafted[j] = self.decay * self.drafted[j] + float(had.sum())
+            self.accepted[j] = self.decay * self.accepted[j] + float((had & (num_committed - 1 > j)).sum())
+
+    def _time_line(self) -> tuple[float, float] | None:
+        s1, sn, st, snn, snt = self.fit_sums
+        var = s1 * snn - sn * sn
+        if s1 < 4 or var <= 1e-9 * max(snn * s1, 1.0):
+            return None
+        b = max((s1 * snt - sn * st) / var, 0.0)
+        a = max((st - b * sn) / s1, 1e-9)
+        return a, b
