@@ -79,7 +79,8 @@ class LLMEngine:
                 self.proposer = DraftModelProposer(spec, runner, lambda sid: self.requests[sid], cfg.seed,
                                                    cfg.max_model_len, draft=draft_model)
         # Scripted drafts are exact test fixtures: never shorten them.
-        self.draft_length = DraftLengthPolicy(self.k) if spec is not None and spec.method != "scripted" else None
+        adaptive = spec is not None and spec.adaptive_draft_length and spec.method != "scripted"
+        self.draft_length = DraftLengthPolicy(self.k) if adaptive else None
         self.rejection_sampler = RejectionSampler()
         self.generators = RequestGenerators(cfg.seed)
         self.eos_token_ids = list(dict.fromkeys(tokenizer.eos_token_ids + model_config.eos_token_ids))

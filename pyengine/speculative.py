@@ -24,12 +24,14 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     model: str | None = None
     script: DraftScript | None = None
+    adaptive_draft_length: bool = True  # False: always propose up to k (tests pin every path)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "script"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "script",
+                 "adaptive_draft_length"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} (known: {sorted(known)})")
@@ -41,7 +43,11 @@ class SpeculativeConfig:
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an int in 1..32, got {k!r}")
-        cfg = cls(method=method, num_speculative_tokens=k, model=d.get("model"), script=d.get("script"))
+        adaptive = d.get("adaptive_draft_length", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive_draft_length must be a bool, got {adaptive!r}")
+        cfg = cls(method=method, num_speculative_tokens=k, model=d.get("model"), script=d.get("script"),
+                  adaptive_draft_length=adaptive)
         if method == "ngram":
             cfg.prompt_lookup_max = int(d.get("prompt_lookup_max", 4))
             cfg.prompt_lookup_min = int(d.get("prompt_lookup_min", min(2, cfg.prompt_lookup_max)))
@@ -98,7 +104,7 @@ class DraftLengthPolicy:
     probe at full length every `probe_every` steps keeps the acceptance estimate fresh.
     """
 
-    def __init__(self, k: int, probe_every: int = 32, decay: float = 0.95) -> None:
+    def __init__(self, k: int, probe_every: int = 48, decay: float = 0.95) -> None:
         self.k, self.probe_every, self.decay = k, probe_every, decay
         self.accepted = [1.0] * k  # decayed counts; start optimistic: P_j = 1
         self.drafted = [1.0] * k
@@ -108,7 +114,7 @@ class DraftLengthPolicy:
 
     def num_drafts(self, num_rows: int) -> int:
         self.steps += 1
-        if self.steps <= 8:  # warm-up: alternate so the time line sees two token counts
+        if self.steps <= 4:  # warm-up: alternate so the time line sees two token counts
             return self.k if self.steps % 2 else 0
         if self.steps % self.probe_every == 0:
             return self.k
@@ -143,7 +149,7 @@ class DraftLengthPolicy:
     def _time_line(self) -> tuple[float, float] | None:
         s1, sn, st, snn, snt = self.fit_sums
         var = s1 * snn - sn * sn
-        if s1 < 4 or var <= 1e-9 * max(snn * s1, 1.0):
+        if s1 < 2 or var <= 1e-9 * max(snn * s1, 1.0):
             return None
         b = max((s1 * snt - sn * st) / var, 0.0)
         a = max((st - b * sn) / s1, 1e-9)

@@ -79,7 +79,7 @@ def plain_reference(target: str, n: int, max_tokens: int = 24) -> list[list[int]
 def run_draft(models: SimpleNamespace, draft: str, batch: int, k: int, block_size: int, prefix: bool,
               max_tokens: int = 24, **kw):
     prompts = make_prompts(batch)
-    spec = {"model": getattr(models, draft), "num_speculative_tokens": k}
+    spec = {"adaptive_draft_length": False, "model": getattr(models, draft), "num_speculative_tokens": k}
     kw.setdefault("max_num_batched_tokens", 64)  # admits prompts over several steps: prefix hits, mixed batches
     outs, st, rec, llm = run(models.target, prompts, max_tokens=max_tokens, spec=spec, block_size=block_size,
                              enable_prefix_caching=prefix, **kw)
@@ -140,7 +140,7 @@ def test_random_sampling_self_draft(models) -> None:
     token budget trims drafts (ragged rows, fewer drafts than proposed). The same seed gives the
     same tokens."""
     prompts = [p[:6] for p in make_prompts(8, seed=3)]  # short: all 8 decode together
-    spec = {"model": models.target, "num_speculative_tokens": 5}
+    spec = {"adaptive_draft_length": False, "model": models.target, "num_speculative_tokens": 5}
     params = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, max_tokens=20, ignore_eos=True)
     kw = dict(spec=spec, params=params, block_size=4, max_num_batched_tokens=16)
     first, st, rec, _ = run(models.target, prompts, **kw)
@@ -151,7 +151,7 @@ def test_random_sampling_self_draft(models) -> None:
 
 def test_greedy_rows_of_a_mixed_batch_stay_exact(models) -> None:
     prompts = make_prompts(8)
-    spec = {"model": models.perturbed, "num_speculative_tokens": 3}
+    spec = {"adaptive_draft_length": False, "model": models.perturbed, "num_speculative_tokens": 3}
     mixed = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) if i % 2 else
              SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True) for i in range(8)]
     outs = LLM(model=models.target, device="cpu", speculative_config=spec, block_size=4).generate(

@@ -185,7 +185,7 @@ def test_spec_equals_plain_tiny_gpu(tmp_path, dtype: str) -> None:
     prompts = make_prompts(16)
     plain_llm = LLM(model=str(tmp_path), device="cuda", dtype=dtype, num_kv_blocks=512)
     plain = greedy(plain_llm, prompts, 24)
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     for block_size in (16, 2):
         llm = LLM(model=str(tmp_path), device="cuda", dtype=dtype, num_kv_blocks=2048, block_size=block_size,
                   speculative_config=spec, max_num_batched_tokens=64)
@@ -203,7 +203,7 @@ def test_spec_equals_plain_smollm2_bf16(gguf: str) -> None:
     plain = greedy(plain_llm, prompts, 48)
     for batch in (1, len(prompts)):
         llm = LLM(model=gguf, device="cuda", num_kv_blocks=KV_BLOCKS,
-                  speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+                  speculative_config={"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 4})
         out = greedy(llm, prompts[:batch], 48)
         s = llm.stats()
         assert s["num_draft_tokens"] > 0

@@ -76,7 +76,7 @@ def test_greedy_tokens_match_hf_generate(tiny_mamba2) -> None:
 def test_hybrid_model_gets_a_state_pool_and_no_prefix_caching(tiny_mamba2) -> None:
     path, _ = tiny_mamba2
     llm = LLM(model=path, device="cpu", max_model_len=64, max_num_seqs=4, enable_prefix_caching=True,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+              speculative_config={"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 3})
     assert llm.engine.cfg.enable_prefix_caching is False
     assert llm.engine.cfg.num_state_slots == 4 * (1 + 3)
     cache = llm.engine.runner.state_cache
@@ -100,7 +100,7 @@ def test_ngram_greedy_equals_plain_batch8_ragged(tiny_mamba2) -> None:
     # Prompts that end in the model's own greedy continuation: rows that fell into a loop get
     # prompt-lookup hits, the others none (ragged steps).
     prompts = [p + out[:16] for p, out in zip(make_prompts(8), plain(path, 8, 24))]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     outs, stats, rec, llm = run(path, prompts, max_tokens=24, spec=spec, block_size=4, max_model_len=128,
                                 max_num_batched_tokens=32)
     assert_lossless(llm, prompts, plain_from(path, prompts), outs)

@@ -73,7 +73,7 @@ def test_greedy_tokens_match_hf(tiny_nemotron_h) -> None:
 def test_ngram_greedy_equals_plain_batch8_ragged(tiny_nemotron_h) -> None:
     path, _ = tiny_nemotron_h
     prompts = [p + out[:16] for p, out in zip(make_prompts(8), plain(path, 8, 24))]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     outs, stats, rec, llm = run(path, prompts, max_tokens=24, spec=spec, block_size=4, max_model_len=128,
                                 max_num_batched_tokens=32)
     assert_lossless(llm, prompts, plain_from(path, prompts), outs)

@@ -46,7 +46,7 @@ def plain_reference(path: str, n: int, max_tokens: int) -> list[list[int]]:
 def test_ngram_greedy_equals_plain(tiny: str, batch: int, block_size: int, k: int, prefix: bool) -> None:
     prompts = make_prompts(batch)
     plain = plain_reference(tiny, batch, 24)
-    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     outs, stats, rec, llm = run(tiny, prompts, spec=spec, block_size=block_size, enable_prefix_caching=prefix,
                                 max_num_batched_tokens=64)
     assert_lossless(llm, prompts, plain, outs)
@@ -58,7 +58,7 @@ def test_ngram_greedy_equals_plain(tiny: str, batch: int, block_size: int, k: in
 def test_ngram_with_preemption_equals_plain(tiny: str) -> None:
     prompts = make_prompts(8)
     plain = plain_reference(tiny, 8, 24)
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     outs, stats, rec, llm = run(tiny, prompts, spec=spec, block_size=4, num_kv_blocks=24)
     assert stats["num_preemptions"] > 0
     assert_lossless(llm, prompts, plain, outs)
@@ -164,7 +164,7 @@ def test_smollm2_ngram_greedy_equals_plain(smollm2_path: str) -> None:
                tok.encode("Once upon a time")]
     params = SamplingParams(temperature=0, max_tokens=32)
     plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params, use_tqdm=False)]
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    spec = {"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     outs, stats, _, llm = run(None, prompts, spec=spec, params=params, max_model_len=512)
     assert_lossless(llm, prompts, plain, outs)
     assert stats["num_accepted_tokens"] > 0

@@ -155,6 +155,44 @@ def _gather_kv(cache: torch.Tensor, plan: _StepPlan, dtype: torch.dtype) -> torc
     return kv.view(plan.num_rows, num_kv_heads, plan.kv_pad, head_dim).to(dtype)
 
 
+_SPLIT_KEY = "reference_paged_attention_split"
+
+
+def _split_by_query_length(meta: AttentionMetadata) -> list[tuple[torch.Tensor, AttentionMetadata]] | None:
+    """Single-query rows and the other rows as two sub-batches, or None for a uniform batch.
+
+    The dense layout pads every row to the longest query: one verify row of 1 + k tokens (or a
+    prefill chunk) would make every decode row in the step pay for 1 + k queries. Built once per
+    step and shared by every layer, like the plan."""
+    parts = meta.cache.get(_SPLIT_KEY, False)
+    if parts is not False:
+        return parts
+    qsl = meta.query_start_loc.to(torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    single = q_lens == 1
+    parts = None
+    if bool(single.any()) and not bool(single.all()):
+        parts = []
+        for rows in (torch.nonzero(single).flatten(), torch.nonzero(~single).flatten()):
+            lens = q_lens[rows]
+            row_of_tok = torch.repeat_interleave(torch.arange(len(rows), device=rows.device), lens)
+            starts = torch.cumsum(lens, 0) - lens
+            tokens = qsl[rows][row_of_tok] + torch.arange(int(lens.sum()), device=rows.device) - starts[row_of_tok]
+            ctx = meta.context_lens[rows]
+            sub = AttentionMetadata(
+                slot_mapping=meta.slot_mapping[tokens],
+                block_tables=meta.block_tables[rows],
+                query_start_loc=torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)]).to(meta.query_start_loc.dtype),
+                context_lens=ctx,
+                max_query_len=int(lens.max()),
+                max_context_len=int(ctx.max()),
+                block_size=meta.block_size,
+            )
+            parts.append((tokens, sub))
+    meta.cache[_SPLIT_KEY] = parts
+    return parts
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -173,6 +211,17 @@ def paged_attention(
     if num_tokens == 0:
         out = q.new_zeros(q.shape)
         lse = torch.zeros(0, num_heads, dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+    parts = _split_by_query_length(meta)
+    if parts is not None:
+        out = q.new_empty(q.shape)
+        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+        for tokens, sub in parts:
+            res = paged_attention(q.index_select(0, tokens), k_cache, v_cache, sub, scale, return_lse)
+            if return_lse:
+                out[tokens], lse[tokens] = res
+            else:
+                out[tokens] = res
         return (out, lse) if return_lse else out
     plan = _plan(meta, q.device)
     rows, lq = plan.num_rows, plan.q_pad
