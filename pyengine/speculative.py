@@ -104,8 +104,10 @@ class DraftLengthPolicy:
     probe at full length every `probe_every` steps keeps the acceptance estimate fresh.
     """
 
-    def __init__(self, k: int, probe_every: int = 48, decay: float = 0.95) -> None:
-        self.k, self.probe_every, self.decay = k, probe_every, decay
+    def __init__(self, k: int, probe_every: int = 48, decay: float = 0.95, margin: float = 0.05) -> None:
+        # margin: speculate only for an expected gain above it; the model omits the proposal and
+        # verification overheads, so near break-even plain decoding is the safer choice
+        self.k, self.probe_every, self.decay, self.margin = k, probe_every, decay, margin
         self.accepted = [1.0] * k  # decayed counts; start optimistic: P_j = 1
         self.drafted = [1.0] * k
         self.rows = self.rows_with_drafts = 1.0
@@ -114,17 +116,20 @@ class DraftLengthPolicy:
 
     def num_drafts(self, num_rows: int) -> int:
         self.steps += 1
-        if self.steps <= 4:  # warm-up: alternate so the time line sees two token counts
-            return self.k if self.steps % 2 else 0
+        rows = max(num_rows, 1)
+        # Probes (and the warm-up that gives the time line two token counts) stay cheap where
+        # verify tokens cost compute: about k extra tokens per step whatever the batch size.
+        probe = max(1, min(self.k, round(self.k / rows)))
+        if self.steps <= 4:
+            return probe if self.steps % 2 else 0
         if self.steps % self.probe_every == 0:
-            return self.k
+            return probe
         line = self._time_line()
         if line is None:
-            return self.k
+            return probe
         a, b = line
-        rows = max(num_rows, 1)
         with_drafts = rows * self.rows_with_drafts / self.rows
-        best_k, best, expected = 0, rows / (a + b * rows), 0.0
+        best_k, best, expected = 0, (1.0 + self.margin) * rows / (a + b * rows), 0.0
         for j in range(self.k):
             expected += self.accepted[j] / self.drafted[j]
             goodput = (rows + with_drafts * expected) / (a + b * (rows + with_drafts * (j + 1)))
