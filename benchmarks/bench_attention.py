@@ -12,34 +12,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 
 import torch
 
 from pyengine.attention_metadata import AttentionMetadata
 from pyengine.ops import cuda as cuda_ops
-
-
-def time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), reps=20)
-    return 2 * nbytes / ms / 1e6
+from gpu_timing import copy_bandwidth_gbps, time_ms  # noqa: E402  (benchmarks/ is on sys.path)
 
 
 def make_meta(batch: int, ctx: int, q_len: int, block_size: int, num_blocks: int, gen) -> AttentionMetadata:

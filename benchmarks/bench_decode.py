@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pyengine import LLM, SamplingParams  # noqa: E402
 from pyengine.config import ModelConfig  # noqa: E402
+from gpu_timing import copy_bandwidth_gbps, time_ms  # noqa: E402  (benchmarks/ is on sys.path)
 
 SMOLLM2_HF = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
@@ -41,28 +42,6 @@ LLAMA8B_HF = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, 
 def sync_time() -> float:
     torch.cuda.synchronize()
     return time.perf_counter()
-
-
-def time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), reps=20)
-    del src, dst
-    return 2 * nbytes / ms / 1e6
 
 
 class NullDetokenizer:

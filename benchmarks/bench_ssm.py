@@ -13,37 +13,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
 from pyengine.ops import ssm_cuda
+from gpu_timing import copy_bandwidth_gbps, time_ms  # noqa: E402  (benchmarks/ is on sys.path)
 
 H, P, N, G = 80, 64, 128, 1
 CONV_DIM, W = 5120, 4
-
-
-def time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src))
-    return 2 * nbytes / ms / 1e6
 
 
 def rows(batch: int, k: int):

@@ -8,6 +8,7 @@
 
 #include "kv_cache_write.h"
 #include "paged_attention.h"
+#include "binding_utils.h"
 #include "runtime.h"
 
 namespace py = pybind11;
@@ -16,16 +17,8 @@ void register_ssm_kernels(py::module_& k);  // bindings_ssm.cpp (recurrent-state
 
 namespace {
 
-template <typename T>
-T* ptr(std::uintptr_t p) {
-  return reinterpret_cast<T*>(p);
-}
-
-void check(int rc, const char* what) {
-  if (rc == 0) return;
-  if (rc < 0) throw std::invalid_argument(std::string(what) + ": unsupported configuration");
-  throw std::runtime_error(std::string(what) + ": " + pe_error_string(rc));
-}
+using pyengine_bindings::check;
+using pyengine_bindings::ptr;
 
 }  // namespace
 

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "binding_utils.h"
 #include "runtime.h"
 #include "ssm_state.h"
 
@@ -14,16 +15,8 @@ namespace py = pybind11;
 
 namespace {
 
-template <typename T>
-T* ptr(std::uintptr_t p) {
-  return reinterpret_cast<T*>(p);
-}
-
-void check(int rc, const char* what) {
-  if (rc == 0) return;
-  if (rc < 0) throw std::invalid_argument(std::string(what) + ": unsupported configuration");
-  throw std::runtime_error(std::string(what) + ": " + pe_error_string(rc));
-}
+using pyengine_bindings::check;
+using pyengine_bindings::ptr;
 
 CausalConv1dParams conv_params(std::uintptr_t x, std::uintptr_t y, std::uintptr_t conv_state, std::uintptr_t weight,
                                std::uintptr_t bias, std::uintptr_t query_start_loc, std::uintptr_t state_idx,

@@ -1,0 +1,32 @@
+"""GPU timing shared by the benchmarks: CUDA-event medians and the device copy bandwidth that
+results are reported against (measured in the same run)."""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+
+def time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn() over reps runs, timed with CUDA events after a warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read and written (random data)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), reps=20)
+    del src, dst
+    return 2 * nbytes / ms / 1e6
