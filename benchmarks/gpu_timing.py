@@ -28,5 +28,4 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), reps=20)
-    del src, dst
     return 2 * nbytes / ms / 1e6

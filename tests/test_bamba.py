@@ -11,9 +11,7 @@ from pyengine import LLM, SamplingParams
 from pyengine.loader import load_model
 from pyengine.models.bamba import rope_permutation
 from pyengine.state_cache import StateCache
-from tests.spec_harness import assert_lossless, run
-from tests.test_mamba2 import plain, plain_from
-from tests.test_spec_decode import make_prompts, scripted
+from tests.hybrid_spec_checks import SCRIPTED_CASES, check_ngram_ragged, check_scripted
 from tests.tiny_models import VOCAB, write_tokenizer
 from tests.utils_paged import PagedCache, make_meta
 
@@ -121,36 +119,9 @@ def test_state_pool_only_for_mamba_layers(tiny_bamba) -> None:
 
 
 def test_ngram_greedy_equals_plain_batch8_ragged(tiny_bamba) -> None:
-    path, _ = tiny_bamba
-    prompts = [p + out[:16] for p, out in zip(make_prompts(8), plain(path, 8, 24))]
-    spec = {"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    outs, stats, rec, llm = run(path, prompts, max_tokens=24, spec=spec, block_size=4, max_model_len=128,
-                                max_num_batched_tokens=32)
-    assert_lossless(llm, prompts, plain_from(path, prompts), outs)
-    assert stats["num_accepted_tokens"] > 0, "speculation never accepted anything: the test proves nothing"
-    assert rec.had_ragged_step(), "no step mixed rows with drafts and rows without"
+    check_ngram_ragged(tiny_bamba[0])
 
 
-@pytest.mark.parametrize("name,pattern,budget", [
-    ("every_acceptance_count", [0, 1, 2, 3], 64),
-    ("no_drafts_right_after_an_accepted_run", [3, -1, 1, -1, 2], 64),
-    ("mixed_prefill_and_verify", [2, 3, 0], 12),
-])
+@pytest.mark.parametrize("name,pattern,budget", SCRIPTED_CASES)
 def test_scripted_equals_plain(tiny_bamba, name: str, pattern: list[int], budget: int) -> None:
-    path, _ = tiny_bamba
-    k = 3
-    prompts = make_prompts(8, seed=1)
-    ref = list(plain(path, 8, 24, 1))
-    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, ref))}
-    spec = {"method": "scripted", "num_speculative_tokens": k, "script": scripted(reference, k, pattern)}
-    outs, _, rec, _ = run(path, prompts, max_tokens=24, spec=spec, block_size=4, max_model_len=128,
-                          max_num_batched_tokens=budget)
-    assert outs == ref
-    full = [c for _, _, d, c in rec.verify_rows() if d == k]
-    if name == "every_acceptance_count":
-        assert {c - 1 for c in full} == set(range(k + 1)), "not every acceptance count 0..k occurred"
-    if name == "no_drafts_right_after_an_accepted_run":
-        assert rec.had_ragged_step()
-        assert any(c == k + 1 for c in full)
-    if name == "mixed_prefill_and_verify":
-        assert rec.had_mixed_step(), "no step mixed prefill chunks with verify rows"
+    check_scripted(tiny_bamba[0], name, pattern, budget)

@@ -3,7 +3,6 @@ speculative decoding through the engine's recurrent-state pool (every decode row
 speculative path; rows with and without drafts, prefill chunks and verify rows in one batch)."""
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -13,7 +12,8 @@ import transformers
 from pyengine import LLM, SamplingParams
 from pyengine.loader import load_model
 from pyengine.state_cache import StateCache
-from tests.spec_harness import assert_lossless, run
+from tests.hybrid_spec_checks import SCRIPTED_CASES, check_ngram_ragged, check_scripted, plain
+from tests.spec_harness import run
 from tests.test_spec_decode import make_prompts, scripted
 from tests.tiny_models import VOCAB, write_tokenizer
 from tests.utils_paged import make_meta
@@ -85,52 +85,15 @@ def test_hybrid_model_gets_a_state_pool_and_no_prefix_caching(tiny_mamba2) -> No
     assert cache.ssm[0].dtype == torch.float32
 
 
-@functools.lru_cache(maxsize=None)
-def plain(path: str, n: int, max_tokens: int, seed: int = 0) -> tuple[list[list[int]], ...]:
-    prompts = make_prompts(n, seed)
-    return tuple(run(path, prompts, max_tokens=max_tokens, block_size=4, max_model_len=128)[0])
-
-
-def plain_from(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    return run(path, prompts, max_tokens=24, block_size=4, max_model_len=128)[0]
 
 
 def test_ngram_greedy_equals_plain_batch8_ragged(tiny_mamba2) -> None:
-    path, _ = tiny_mamba2
-    # Prompts that end in the model's own greedy continuation: rows that fell into a loop get
-    # prompt-lookup hits, the others none (ragged steps).
-    prompts = [p + out[:16] for p, out in zip(make_prompts(8), plain(path, 8, 24))]
-    spec = {"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    outs, stats, rec, llm = run(path, prompts, max_tokens=24, spec=spec, block_size=4, max_model_len=128,
-                                max_num_batched_tokens=32)
-    assert_lossless(llm, prompts, plain_from(path, prompts), outs)
-    assert stats["num_accepted_tokens"] > 0, "speculation never accepted anything: the test proves nothing"
-    assert rec.had_ragged_step(), "no step mixed rows with drafts and rows without"
+    check_ngram_ragged(tiny_mamba2[0])
 
 
-@pytest.mark.parametrize("name,pattern,budget", [
-    ("every_acceptance_count", [0, 1, 2, 3], 64),
-    ("no_drafts_right_after_an_accepted_run", [3, -1, 1, -1, 2], 64),
-    ("mixed_prefill_and_verify", [2, 3, 0], 12),
-])
+@pytest.mark.parametrize("name,pattern,budget", SCRIPTED_CASES)
 def test_scripted_equals_plain(tiny_mamba2, name: str, pattern: list[int], budget: int) -> None:
-    path, _ = tiny_mamba2
-    k = 3
-    prompts = make_prompts(8, seed=1)
-    ref = list(plain(path, 8, 24, 1))
-    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, ref))}
-    spec = {"method": "scripted", "num_speculative_tokens": k, "script": scripted(reference, k, pattern)}
-    outs, _, rec, _ = run(path, prompts, max_tokens=24, spec=spec, block_size=4, max_model_len=128,
-                          max_num_batched_tokens=budget)
-    assert outs == ref
-    full = [c for _, _, d, c in rec.verify_rows() if d == k]
-    if name == "every_acceptance_count":
-        assert {c - 1 for c in full} == set(range(k + 1)), "not every acceptance count 0..k occurred"
-    if name == "no_drafts_right_after_an_accepted_run":
-        assert rec.had_ragged_step()
-        assert any(c == k + 1 for c in full)
-    if name == "mixed_prefill_and_verify":
-        assert rec.had_mixed_step(), "no step mixed prefill chunks with verify rows"
+    check_scripted(tiny_mamba2[0], name, pattern, budget)
 
 
 def test_scripted_with_preemption_equals_plain(tiny_mamba2) -> None:

@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
-from pyengine.attention_metadata import AttentionMetadata
 from pyengine.loader import load_model
 from tests.tiny_models import _COMMON, CASES, VOCAB, make_checkpoint
 from tests.utils_paged import greedy_generate, make_meta

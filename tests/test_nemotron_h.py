@@ -9,7 +9,7 @@ import transformers
 from pyengine import LLM, SamplingParams
 from tests.spec_harness import assert_lossless, run
 from tests.test_bamba import SEQS, forward_logits
-from tests.test_mamba2 import plain, plain_from
+from tests.hybrid_spec_checks import plain, plain_from
 from tests.test_spec_decode import make_prompts, scripted
 from tests.tiny_models import VOCAB, write_tokenizer
 

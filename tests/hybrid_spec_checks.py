@@ -1,0 +1,58 @@
+"""Losslessness checks shared by the recurrent-state (hybrid) model tests: Mamba2, Bamba and
+NemotronH run the same speculative paths through the state pool."""
+from __future__ import annotations
+
+import functools
+
+from tests.spec_harness import assert_lossless, run
+from tests.test_spec_decode import make_prompts, scripted
+
+SCRIPTED_CASES = [
+    ("every_acceptance_count", [0, 1, 2, 3], 64),
+    ("no_drafts_right_after_an_accepted_run", [3, -1, 1, -1, 2], 64),
+    ("mixed_prefill_and_verify", [2, 3, 0], 12),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def plain(path: str, n: int, max_tokens: int, seed: int = 0) -> tuple[list[list[int]], ...]:
+    prompts = make_prompts(n, seed)
+    return tuple(run(path, prompts, max_tokens=max_tokens, block_size=4, max_model_len=128)[0])
+
+
+def plain_from(path: str, prompts: list[list[int]]) -> list[list[int]]:
+    return run(path, prompts, max_tokens=24, block_size=4, max_model_len=128)[0]
+
+
+def check_ngram_ragged(path: str) -> None:
+    """ngram spec == plain at batch 8, block size 4, k = 3, with ragged steps."""
+    # Prompts that end in the model's own greedy continuation: rows that fell into a loop get
+    # prompt-lookup hits, the others none (ragged steps).
+    prompts = [p + out[:16] for p, out in zip(make_prompts(8), plain(path, 8, 24))]
+    spec = {"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    outs, stats, rec, llm = run(path, prompts, max_tokens=24, spec=spec, block_size=4, max_model_len=128,
+                                max_num_batched_tokens=32)
+    assert_lossless(llm, prompts, plain_from(path, prompts), outs)
+    assert stats["num_accepted_tokens"] > 0, "speculation never accepted anything: the test proves nothing"
+    assert rec.had_ragged_step(), "no step mixed rows with drafts and rows without"
+
+
+def check_scripted(path: str, name: str, pattern: list[int], budget: int) -> None:
+    """Scripted drafts force acceptance patterns; the output must equal plain decoding."""
+    k = 3
+    prompts = make_prompts(8, seed=1)
+    ref = list(plain(path, 8, 24, 1))
+    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, ref))}
+    spec = {"method": "scripted", "num_speculative_tokens": k, "script": scripted(reference, k, pattern)}
+    outs, _, rec, _ = run(path, prompts, max_tokens=24, spec=spec, block_size=4, max_model_len=128,
+                          max_num_batched_tokens=budget)
+    assert outs == ref
+    full = [c for _, _, d, c in rec.verify_rows() if d == k]
+    if name == "every_acceptance_count":
+        assert {c - 1 for c in full} == set(range(k + 1)), "not every acceptance count 0..k occurred"
+    if name == "no_drafts_right_after_an_accepted_run":
+        assert rec.had_ragged_step()
+        assert any(c == k + 1 for c in full)
+    if name == "mixed_prefill_and_verify":
+        assert rec.had_mixed_step(), "no step mixed prefill chunks with verify rows"
