@@ -57,7 +57,8 @@ def test_padded_decode_equals_eager(tiny: str, n: int) -> None:
 def test_padded_verify_equals_plain(tiny: str, n: int) -> None:
     prompts = make_prompts(2 * n)[::2]  # the repeating-pattern prompts: prompt lookup finds drafts
     plain, _, _, _ = run(tiny, prompts, max_tokens=24, max_num_seqs=8)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
     _, _, _, llm = run(tiny, prompts[:1], max_tokens=1, spec=spec, max_num_seqs=8)
     g = _attach(llm, 4)
     seen = []
