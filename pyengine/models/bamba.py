@@ -205,11 +205,9 @@ class BambaForCausalLM(nn.Module):
 
 
 def load_hf_weights(model: nn.Module, targets: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                    weights: Iterable[tuple[str, torch.Tensor]], tied: bool, qk_perm: torch.Tensor, d: int,
-                    preset: Iterable[torch.Tensor] = ()) -> None:
+                    weights: Iterable[tuple[str, torch.Tensor]], tied: bool, qk_perm: torch.Tensor, d: int) -> None:
     """Copy HF-named tensors into `targets` (name -> (parameter, destination view [out, in])); q/k rows
-    permuted per head by qk_perm; every target and every parameter of `model` (but `preset` ones, set by
-    the model itself) must be covered."""
+    permuted per head by qk_perm; every target and every parameter of `model` must be covered."""
     seen: set[str] = set()
     for name, tensor in weights:
         if (name == "lm_head.weight" and tied) or name.endswith("rotary_emb.inv_freq"):
@@ -228,7 +226,7 @@ def load_hf_weights(model: nn.Module, targets: dict[str, tuple[torch.Tensor, tor
     missing = sorted(set(targets) - seen)
     if missing:
         raise ValueError(f"checkpoint does not cover {missing[:4]}{' ...' if len(missing) > 4 else ''}")
-    covered = {id(p) for p, _ in targets.values()} | {id(p) for p in preset}
+    covered = {id(p) for p, _ in targets.values()}
     for pname, p in model.named_parameters():
         if id(p) not in covered and p.numel():
             raise ValueError(f"checkpoint does not cover parameter {pname}")

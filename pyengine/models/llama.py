@@ -63,7 +63,10 @@ def _inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    """Pre-norm attention then (optionally) a pre-norm SwiGLU MLP, each added to the residual.
+    Hybrid models reuse the attention half on its own (mlp=False: no MLP parameters)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, mlp: bool = True) -> None:
         super().__init__()
         hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         hidden, inter = config.hidden_size, config.intermediate_size
@@ -80,9 +83,9 @@ class LlamaDecoderLayer(nn.Module):
         # Qwen3: q_norm and k_norm stacked per head so one rms_norm + one mul covers q and k.
         self.qk_norm = param(hq + hkv, d) if config.qk_norm else None
         self.o_proj = param(hq * d, hidden)
-        self.post_attention_layernorm = param(hidden)
-        self.gate_up_proj = param(hidden, 2 * inter)
-        self.down_proj = param(inter, hidden)
+        self.post_attention_layernorm = param(hidden) if mlp else None
+        self.gate_up_proj = param(hidden, 2 * inter) if mlp else None
+        self.down_proj = param(inter, hidden) if mlp else None
         self.intermediate_size = inter
 
     def forward(
@@ -93,6 +96,11 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         kv_cache: KVCache,
     ) -> torch.Tensor:
+        return self.mlp(self.attention(h, cos, sin, meta, kv_cache))
+
+    def attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                  kv_cache: KVCache) -> torch.Tensor:
+        """h + attention(norm(h)): writes this step's K/V, then reads the paged context."""
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.rms_norm(h, (h.shape[-1],), self.input_layernorm, self.eps)
@@ -110,7 +118,10 @@ class LlamaDecoderLayer(nn.Module):
         ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
         assert isinstance(attn, torch.Tensor)
-        h = h + linear(attn.reshape(t, hq * d), self.o_proj)
+        return h + linear(attn.reshape(t, hq * d), self.o_proj)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """h + SwiGLU(norm(h))."""
         x = F.rms_norm(h, (h.shape[-1],), self.post_attention_layernorm, self.eps)
         gate_up = linear(x, self.gate_up_proj)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)

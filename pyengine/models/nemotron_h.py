@@ -2,14 +2,12 @@
 blocks "M" Mamba2 (the shared Mamba2Mixer), "*" attention (GQA, no RoPE, no MLP) and "-" MLP
 (up -> relu^2 -> down). MoE blocks ("E") are not supported.
 
-An attention block reuses pyengine/models/llama.py's LlamaDecoderLayer with a zero MLP of width 1
-(silu(0) * 0 @ 0 adds exactly zero; a [T, 2] x [2, 1] matmul of overhead) and cos = 1, sin = 0 (no
-rotation); its MLP norm is set to ones. Mamba2 dt is clamped below at time_step_min, as HF does. KV cache: as in bamba.py, the
+An attention block is the attention half of pyengine/models/llama.py's LlamaDecoderLayer (built
+without an MLP) with cos = 1, sin = 0 (no rotation). Mamba2 dt is clamped below at time_step_min, as HF does. KV cache: as in bamba.py, the
 runner allocates a pair per layer and only attention layers use theirs (waste on M and - blocks).
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -97,16 +95,10 @@ class NemotronHForCausalLM(nn.Module):
     def __init__(self, config: NemotronHModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
-        attn_cfg = dataclasses.replace(config, intermediate_size=1)  # a zero MLP, see module docstring
         blocks = {"linear_attention": lambda: NemotronHMambaBlock(config, dtype),
-                  "full_attention": lambda: LlamaDecoderLayer(attn_cfg, dtype), "mlp": lambda: NemotronHMLPBlock(config, dtype)}
+                  "full_attention": lambda: LlamaDecoderLayer(config, dtype, mlp=False),
+                  "mlp": lambda: NemotronHMLPBlock(config, dtype)}
         self.layers = nn.ModuleList(blocks[t]() for t in config.layer_types)
-        for layer in self.layers:
-            if isinstance(layer, LlamaDecoderLayer):
-                with torch.no_grad():
-                    layer.post_attention_layernorm.fill_(1.0)  # feeds the zero MLP only
-                    layer.gate_up_proj.zero_()
-                    layer.down_proj.zero_()
         self.embeddings = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
         self.norm_f = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = None if config.tie_word_embeddings else nn.Parameter(
@@ -128,7 +120,7 @@ class NemotronHForCausalLM(nn.Module):
             if isinstance(layer, NemotronHMambaBlock):
                 h = layer(h, state, state.conv[i], state.ssm[i])
             elif isinstance(layer, LlamaDecoderLayer):
-                h = layer(h, ones, zeros, meta, kv_caches[i])  # no RoPE
+                h = layer.attention(h, ones, zeros, meta, kv_caches[i])  # no RoPE
             else:
                 h = layer(h)
         return F.rms_norm(h, (h.shape[-1],), self.norm_f, self.config.rms_norm_eps)
@@ -147,7 +139,6 @@ class NemotronHForCausalLM(nn.Module):
         mixer_names = {"in_proj.weight": "in_proj", "in_proj.bias": "in_proj_bias", "conv1d.weight": "conv_weight",
                        "conv1d.bias": "conv_bias", "dt_bias": "dt_bias", "A_log": "A_log", "D": "D",
                        "norm.weight": "norm", "out_proj.weight": "out_proj", "out_proj.bias": "out_proj_bias"}
-        covered_elsewhere: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             if isinstance(layer, LlamaDecoderLayer):
@@ -157,7 +148,6 @@ class NemotronHForCausalLM(nn.Module):
                 t[p + "mixer.k_proj.weight"] = (layer.qkv_proj, qkv.narrow(0, hq * d, hkv * d))
                 t[p + "mixer.v_proj.weight"] = (layer.qkv_proj, qkv.narrow(0, (hq + hkv) * d, hkv * d))
                 t[p + "mixer.o_proj.weight"] = (layer.o_proj, layer.o_proj.t())
-                covered_elsewhere += [layer.post_attention_layernorm, layer.gate_up_proj, layer.down_proj]  # __init__
                 continue
             t[p + "norm.weight"] = (layer.norm, layer.norm)
             if isinstance(layer, NemotronHMLPBlock):
@@ -170,4 +160,4 @@ class NemotronHForCausalLM(nn.Module):
                         t[p + "mixer." + hf] = (param, param)
         # Checkpoints name the trunk backbone.* (NVIDIA's files, and transformers' save_pretrained) or model.*
         renamed = (("model." + n[len("backbone."):] if n.startswith("backbone.") else n, w) for n, w in weights)
-        load_hf_weights(self, t, renamed, self.lm_head is None, torch.arange(d), d, preset=covered_elsewhere)
+        load_hf_weights(self, t, renamed, self.lm_head is None, torch.arange(d), d)
