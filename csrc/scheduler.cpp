@@ -175,7 +175,6 @@ ScheduledBatch Scheduler::schedule() {
     seq->num_computed = cached;
     seq->num_accepted_last = 1;
     seq->status = SeqStatus::kRunning;
-    seq->arrival = next_arrival_++;
     waiting_.pop_front();
     running_.push_back(seq);
     int64_t chunk = std::min(seq->num_tokens() - cached, budget);

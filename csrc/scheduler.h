@@ -142,7 +142,6 @@ class Scheduler {
   std::vector<Sequence*> running_;  // admission order: preemption takes from the back
   std::vector<Row> in_flight_;      // rows of the last schedule(), until update()
   bool step_in_flight_ = false;
-  int64_t next_arrival_ = 0;
   SchedulerStats stats_;
 };
 

@@ -33,7 +33,6 @@ struct Sequence {
   SeqStatus status = SeqStatus::kWaiting;
   FinishReason finish_reason = FinishReason::kNone;
   KVAllocation kv;
-  int64_t arrival = 0;  // admission order; preemption takes the newest first
 
   int64_t num_tokens() const { return static_cast<int64_t>(token_ids.size()); }
   int64_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
