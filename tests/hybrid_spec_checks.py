@@ -4,8 +4,23 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
+from pyengine import LLM, SamplingParams
+
 from tests.spec_harness import assert_lossless, run
 from tests.test_spec_decode import make_prompts, scripted
+
+def check_greedy_matches_hf_generate(path: str, hf: torch.nn.Module) -> None:
+    """Greedy tokens (chunked prefill, block size 4) equal HF transformers' generate."""
+    prompts = [[5, 9, 33, 2, 71, 14], [40], [8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 12]]
+    llm = LLM(model=path, device="cpu", max_model_len=128, block_size=4, max_num_batched_tokens=8)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    hf.generation_config.eos_token_id = None  # like ignore_eos: EOS neither stops nor is suppressed
+    for prompt, out in zip(prompts, outs):
+        gen = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+        assert out.outputs[0].token_ids == gen[0, len(prompt):].tolist()
+
 
 SCRIPTED_CASES = [
     ("every_acceptance_count", [0, 1, 2, 3], 64),

@@ -9,10 +9,10 @@ import pytest
 import torch
 import transformers
 
-from pyengine import LLM, SamplingParams
+from pyengine import LLM
 from pyengine.loader import load_model
 from pyengine.state_cache import StateCache
-from tests.hybrid_spec_checks import SCRIPTED_CASES, check_ngram_ragged, check_scripted, plain
+from tests.hybrid_spec_checks import SCRIPTED_CASES, check_greedy_matches_hf_generate, check_ngram_ragged, check_scripted, plain
 from tests.spec_harness import run
 from tests.test_spec_decode import make_prompts, scripted
 from tests.tiny_models import VOCAB, write_tokenizer
@@ -63,14 +63,7 @@ def test_logits_match_hf(tiny_mamba2) -> None:
 
 
 def test_greedy_tokens_match_hf_generate(tiny_mamba2) -> None:
-    path, hf = tiny_mamba2
-    prompts = [[5, 9, 33, 2, 71, 14], [40], [8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 12]]
-    llm = LLM(model=path, device="cpu", max_model_len=128, block_size=4, max_num_batched_tokens=8)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    hf.generation_config.eos_token_id = None  # like ignore_eos: EOS neither stops nor is suppressed
-    for prompt, out in zip(prompts, outs):
-        gen = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
-        assert out.outputs[0].token_ids == gen[0, len(prompt):].tolist()
+    check_greedy_matches_hf_generate(*tiny_mamba2)
 
 
 def test_hybrid_model_gets_a_state_pool_and_no_prefix_caching(tiny_mamba2) -> None:
