@@ -1,7 +1,10 @@
 """Decode attention bandwidth of the paged-attention kernels against the device's copy bandwidth.
 
 Bandwidth = bytes of K/V the step must read (each row's context once) / kernel time, compared with a
-device-to-device copy measured in the same run (bytes read + written / time). Shapes: Llama-3-8B
+device-to-device copy measured in the same run (bytes read + written / time). Kernel time is taken
+inside a CUDA graph of 20 back-to-back calls (gpu_timing.time_ms_graph), as a captured decode step
+runs them; `eager_call_ms` also times one Python call between CUDA events (launch overhead
+included). The split-KV unit (ops.cuda.SPLIT_BLOCK) is swept at batch 64 to pick the default. Shapes: Llama-3-8B
 (32 query heads, 8 KV heads, D 128, block 16) and DeepSeek-V3 MLA (128 heads, 576/512, block 64),
 bf16. Also the cost of a verify step (q = 1 + k per row) relative to decode.
 
@@ -18,7 +21,7 @@ import torch
 
 from pyengine.attention_metadata import AttentionMetadata
 from pyengine.ops import cuda as cuda_ops
-from gpu_timing import copy_bandwidth_gbps, time_ms  # noqa: E402  (benchmarks/ is on sys.path)
+from gpu_timing import copy_bandwidth_gbps, time_ms, time_ms_graph  # noqa: E402  (benchmarks/ is on sys.path)
 
 
 def make_meta(batch: int, ctx: int, q_len: int, block_size: int, num_blocks: int, gen) -> AttentionMetadata:
@@ -71,11 +74,13 @@ def main() -> None:
                 continue
             meta = make_meta(batch, ctx, 1, bs, nblocks, gen)
             q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
-            ms = time_ms(lambda: cuda_ops.paged_attention(q, k, v, meta, d ** -0.5))
+            call = lambda: cuda_ops.paged_attention(q, k, v, meta, d ** -0.5)  # noqa: E731
+            ms = time_ms_graph(call)
             nbytes = batch * ctx * hkv * d * 2 * k.element_size()
             bw = nbytes / ms / 1e6
             decode_ms[(batch, ctx)] = ms
-            result["gqa"].append({"batch": batch, "context": ctx, "ms": ms, "GBps": bw, "fraction_of_copy": bw / copy_bw})
+            result["gqa"].append({"batch": batch, "context": ctx, "ms": ms, "GBps": bw, "fraction_of_copy": bw / copy_bw,
+                                  "eager_call_ms": time_ms(call)})
             print(f"gqa  b={batch:4d} ctx={ctx:6d} {ms:8.3f} ms {bw:7.0f} GB/s {bw / copy_bw:5.2f}", flush=True)
     # Verify steps relative to decode at batch 64, ctx 4096.
     for k_spec in (1, 2, 3, 4, 7):
@@ -84,10 +89,28 @@ def main() -> None:
             continue
         meta = make_meta(batch, ctx, q_len, bs, nblocks, gen)
         q = torch.randn(batch * q_len, hq, d, device="cuda", dtype=dtype)
-        ms = time_ms(lambda: cuda_ops.paged_attention(q, k, v, meta, d ** -0.5))
+        ms = time_ms_graph(lambda: cuda_ops.paged_attention(q, k, v, meta, d ** -0.5))
         rel = ms / decode_ms[(batch, ctx)]
         result["verify"].append({"batch": batch, "context": ctx, "q_len": q_len, "ms": ms, "relative_to_decode": rel})
         print(f"verify q={q_len} b={batch} ctx={ctx} {ms:8.3f} ms  x{rel:.2f} of decode", flush=True)
+    # Split-KV unit sweep (a per-process setting; a row's result never depends on the batch).
+    default_split = cuda_ops.SPLIT_BLOCK
+    result["split_sweep"] = []
+    for split in (256, 512, 1024, 2048):
+        cuda_ops.SPLIT_BLOCK = split
+        for ctx in (4096, 32768):
+            batch = 64 if ctx == 4096 else 8
+            if batch * ctx > max_tok:
+                continue
+            meta = make_meta(batch, ctx, 1, bs, nblocks, gen)
+            q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
+            ms = time_ms_graph(lambda: cuda_ops.paged_attention(q, k, v, meta, d ** -0.5))
+            bw = batch * ctx * hkv * d * 2 * k.element_size() / ms / 1e6
+            result["split_sweep"].append({"split_block": split, "batch": batch, "context": ctx, "ms": ms,
+                                          "fraction_of_copy": bw / copy_bw})
+            print(f"split {split:5d} b={batch} ctx={ctx} {ms:8.3f} ms {bw / copy_bw:5.2f}", flush=True)
+    cuda_ops.SPLIT_BLOCK = default_split
+    result["split_block"] = default_split
     frac = [r["fraction_of_copy"] for r in result["gqa"] if r["batch"] == 64 and r["context"] == 4096]
     result["decode_bandwidth_fraction"] = frac[0] if frac else None
     del k, v
@@ -104,7 +127,7 @@ def main() -> None:
                 continue
             meta = make_meta(batch, ctx, 1, bs, nblocks, gen)
             q = torch.randn(batch, hq, 576, device="cuda", dtype=dtype)
-            ms = time_ms(lambda: cuda_ops.paged_attention_mla(q, kv, meta, 192 ** -0.5), reps=10)
+            ms = time_ms_graph(lambda: cuda_ops.paged_attention_mla(q, kv, meta, 192 ** -0.5), inner=3, reps=5)
             nbytes = batch * ctx * 576 * kv.element_size()
             bw = nbytes / ms / 1e6
             result["mla"].append({"batch": batch, "context": ctx, "ms": ms, "GBps": bw, "fraction_of_copy": bw / copy_bw})

@@ -23,6 +23,24 @@ def time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def time_ms_graph(fn: Callable[[], object], inner: int = 20, reps: int = 10) -> float:
+    """Median milliseconds of one fn() inside a CUDA graph of `inner` back-to-back calls: the
+    kernels' own time, without the Python launch overhead that a decode step also keeps out of
+    its CUDA graph. Falls back to time_ms where fn cannot be captured."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return time_ms(fn)
+    return time_ms(graph.replay, reps=reps, warmup=2) / inner
+
+
 def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read and written (random data)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)

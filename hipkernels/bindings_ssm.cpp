@@ -77,7 +77,8 @@ void register_ssm_kernels(py::module_& k) {
          std::uintptr_t query_start_loc, std::uintptr_t state_idx, std::uintptr_t num_accepted, int num_rows,
          int num_heads, int head_dim, int state_size, int num_groups, int slots_per_row, int64_t x_stride_token,
          int64_t dt_stride_token, int64_t B_stride_token, int64_t C_stride_token, int64_t z_stride_token,
-         bool dt_softplus, float dt_min, float dt_max, int dtype, std::uintptr_t stream) {
+         bool dt_softplus, float dt_min, float dt_max, int dtype, std::uintptr_t stream,
+         std::uintptr_t has_initial_state, bool prefill) {
         SelectiveStateUpdateParams p;
         p.state = ptr<float>(state);
         p.x = ptr<const void>(x);
@@ -107,12 +108,17 @@ void register_ssm_kernels(py::module_& k) {
         p.dt_min = dt_min;
         p.dt_max = dt_max;
         p.dtype = dtype;
-        check(launch_selective_state_update(p, ptr<void>(stream)), "selective_state_update");
+        p.has_initial_state = ptr<const bool>(has_initial_state);
+        if (prefill)
+          check(launch_selective_scan_prefill(p, ptr<void>(stream)), "selective_scan_prefill");
+        else
+          check(launch_selective_state_update(p, ptr<void>(stream)), "selective_state_update");
       },
       py::arg("state"), py::arg("x"), py::arg("dt"), py::arg("B"), py::arg("C"), py::arg("z"), py::arg("out"),
       py::arg("A"), py::arg("D"), py::arg("dt_bias"), py::arg("query_start_loc"), py::arg("state_idx"),
       py::arg("num_accepted"), py::arg("num_rows"), py::arg("num_heads"), py::arg("head_dim"),
       py::arg("state_size"), py::arg("num_groups"), py::arg("slots_per_row"), py::arg("x_stride_token"),
       py::arg("dt_stride_token"), py::arg("B_stride_token"), py::arg("C_stride_token"), py::arg("z_stride_token"),
-      py::arg("dt_softplus"), py::arg("dt_min"), py::arg("dt_max"), py::arg("dtype"), py::arg("stream"));
+      py::arg("dt_softplus"), py::arg("dt_min"), py::arg("dt_max"), py::arg("dtype"), py::arg("stream"),
+      py::arg("has_initial_state") = 0, py::arg("prefill") = false);
 }

@@ -15,8 +15,9 @@
 //
 // Split-KV (flash-decoding) with a split size that depends only on the row itself, so that a row's
 // result never depends on the rest of the batch: rows with q_len <= kSplitMaxQueryLen split their
-// keys into chunks of split_size = kSplitBlock * ceil(ceil(ctx / kSplitBlock) / kMaxSplits) keys
+// keys into chunks of split_size = split_block * ceil(ceil(ctx / split_block) / kMaxSplits) keys
 // (at most kMaxSplits chunks); partial results go to a workspace and a combine kernel merges them.
+// split_block is a per-process setting (default kPagedAttnSplitBlock), never a per-batch one.
 // Other rows (prefill chunks) use one split and write the output directly.
 #pragma once
 
@@ -49,7 +50,8 @@ struct PagedAttentionParams {
   int block_size = 0;
   int max_blocks_per_row = 0;
   int max_query_len = 0;  // upper bound over rows
-  int max_splits = 1;     // workspace split dimension: min(kMaxSplits, ceil(max_ctx / kSplitBlock)), >= 1
+  int max_splits = 1;     // workspace split dimension: min(kMaxSplits, ceil(max_ctx / split_block)), >= 1
+  int split_block = kPagedAttnSplitBlock;  // keys per split unit, a multiple of 64
   float scale = 1.0f;
   int dtype = 0;          // PeDType: 0 fp16, 1 bf16
   bool mla = false;

@@ -25,14 +25,14 @@ PE_DEVICE float neg_inf() { return -__int_as_float(0x7f800000); }
 PE_DEVICE float pos_inf() { return __int_as_float(0x7f800000); }
 
 // Per-row split rule (see paged_attention.h); the Python wrapper sizes the workspace from it.
-PE_DEVICE void row_splits(int ctx, int q_len, int* nsplit, int* split_size) {
-  if (q_len > kPagedAttnSplitMaxQueryLen || ctx <= kPagedAttnSplitBlock) {
+PE_DEVICE void row_splits(int ctx, int q_len, int split_block, int* nsplit, int* split_size) {
+  if (q_len > kPagedAttnSplitMaxQueryLen || ctx <= split_block) {
     *nsplit = 1;
     *split_size = ctx > 0 ? ctx : 1;
     return;
   }
-  const int chunks = (ctx + kPagedAttnSplitBlock - 1) / kPagedAttnSplitBlock;
-  const int size = kPagedAttnSplitBlock * ((chunks + kPagedAttnMaxSplits - 1) / kPagedAttnMaxSplits);
+  const int chunks = (ctx + split_block - 1) / split_block;
+  const int size = split_block * ((chunks + kPagedAttnMaxSplits - 1) / kPagedAttnMaxSplits);
   *split_size = size;
   *nsplit = (ctx + size - 1) / size;
 }
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>()))
   const int m_count = q_len * G;
   if (m_begin >= m_count) return;
   int nsplit, split_size;
-  row_splits(ctx, q_len, &nsplit, &split_size);
+  row_splits(ctx, q_len, p.split_block, &nsplit, &split_size);
   const int split = blockIdx.x;
   if (split >= nsplit) return;
 
@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_combine_kernel(Paged
   const int q_len = p.query_start_loc[row + 1] - q0;
   if (i_tok >= q_len) return;
   int nsplit, split_size;
-  row_splits(p.context_lens[row], q_len, &nsplit, &split_size);
+  row_splits(p.context_lens[row], q_len, p.split_block, &nsplit, &split_size);
   if (nsplit == 1) return;
   const int NV = p.head_dim_v / 8;
   const int idx = blockIdx.z * kThreads + threadIdx.x;
@@ -492,7 +492,9 @@ int launch_typed(const PagedAttentionParams& p, peStream_t s) {
 
 int launch_paged_attention(const PagedAttentionParams& p, void* stream) {
   if (p.num_rows == 0 || p.max_query_len == 0) return 0;
-  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0 || p.max_splits < 1) return -1;
+  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0 || p.max_splits < 1 || p.split_block < 64 ||
+      p.split_block % 64 != 0)
+    return -1;
   const peStream_t s = static_cast<peStream_t>(stream);
   int rc;
   if (p.dtype == PE_FLOAT16) rc = launch_typed<pe_half>(p, s);

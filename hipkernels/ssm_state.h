@@ -18,6 +18,10 @@
 //   s = state[idx[n, a - 1], h] (zeros if PAD); for t: d = softplus(dt + dt_bias) clamped to
 //   [dt_min, dt_max]; s = s * exp(A[h] d) + d B[t, g] x[t, h]^T; state[idx[n, t], h] = s (skip PAD);
 //   out[t, h] = s C[t, g] + D[h] x[t, h], times silu(z[t, h]) when z is given.
+// selective_scan_prefill (varlen prefill rows, any length; the PyTorch reference is the chunked
+//   ssd_chunk_scan): the same recurrence from s = state[idx[n, a - 1]] when has_initial_state[n]
+//   (else zeros), writing only the final state, to state[idx[n, 0]]; a row with no tokens writes
+//   nothing.
 //
 // Layouts: conv_state [num_slots, S_rows, dim] contiguous (dim fastest); weight [dim, W]; x and y
 // [ntok, dim] with a token stride. SSM state [num_slots, H, P, N] fp32 contiguous; x, z, out
@@ -73,9 +77,13 @@ struct SelectiveStateUpdateParams {
   bool dt_softplus = true;
   float dt_min = 0.f, dt_max = 3.0e38f;
   int dtype = 0;  // PeDType
+  // prefill only (selective_scan_prefill): [rows] or null = all true; set by the launcher
+  const bool* has_initial_state = nullptr;
+  bool final_state_only = false;
 };
 
 // Return 0 on success, -1 for an unsupported configuration, else the runtime's error code.
 int launch_causal_conv1d_update(const CausalConv1dParams& p, void* stream);
 int launch_causal_conv1d_fn(const CausalConv1dParams& p, void* stream);
 int launch_selective_state_update(const SelectiveStateUpdateParams& p, void* stream);
+int launch_selective_scan_prefill(const SelectiveStateUpdateParams& p, void* stream);

@@ -4,9 +4,15 @@
 //
 // conv kernels: one thread per (row, channel); the window lives in registers, the state line is
 // read (at offset a - 1) before it is rewritten, and no two threads touch the same element.
-// selective_state_update: one block per (row, head, 4 head-dim rows); 32 lanes per head-dim row,
-// each lane owning state_size / 32 state entries in registers across the row's tokens; the output
-// dot product is a 32-lane butterfly reduction (fine on 64-wide AMD wavefronts: masks < 32).
+// selective_state_update (and, writing only the final state, the prefill scan: one token after
+// the other in registers, correct first; the chunked tensor-core form is future work): one block
+// per (row, head, 8 head-dim rows); a 32-lane group owns two
+// head-dim rows, each lane 4 consecutive state entries per 128 (one 16-byte access) in registers
+// across the row's tokens, so B, C and dt are loaded once for two rows and every state load is in
+// flight before the first is used; the output dot product is a 32-lane butterfly reduction (fine
+// on 64-wide AMD wavefronts: masks < 32).
+#include <type_traits>
+
 #include "hip_compat.h"
 #include "ssm_state.h"
 
@@ -14,8 +20,8 @@ namespace {
 
 constexpr int kConvThreads = 128;
 constexpr int kLanes = 32;
-constexpr int kRowsPerBlock = 4;
-constexpr int kPerLane = kSsmMaxStateSize / kLanes;
+constexpr int kWarpsPerBlock = 4;
+constexpr int kRowsPerWarp = 2;
 
 template <typename T>
 struct Io;
@@ -37,37 +43,99 @@ struct Io<pe_bf16> {
 
 PE_DEVICE float silu(float v) { return v / (1.f + __expf(-v)); }
 
+// V consecutive channels of a row: one 4V-byte (16-bit types) or 16-byte (fp32) access.
+template <typename T, int V>
+struct ChanVec {
+  static PE_DEVICE void ld(const T* p, float* f) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) f[i] = Io<T>::ld(p + i);
+  }
+  static PE_DEVICE void st(T* p, const float* f) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) Io<T>::st(p + i, f[i]);
+  }
+};
 template <typename T>
+struct ChanVec<T, 4> {
+  using Raw = typename std::conditional<sizeof(T) == 2, uint2, uint4>::type;  // 4 channels
+  static PE_DEVICE void ld(const T* p, float* f) {
+    const Raw raw = *reinterpret_cast<const Raw*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = Io<T>::ld(e + i);
+  }
+  static PE_DEVICE void st(T* p, const float* f) {
+    Raw raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) Io<T>::st(e + i, f[i]);
+    *reinterpret_cast<Raw*>(p) = raw;
+  }
+};
+
+// One thread per (row, V channels). The old window is read whole before the shifted one is
+// written; the thread owns its channels, so nothing else touches those elements.
+template <typename T, int V>
 __global__ void __launch_bounds__(kConvThreads) conv1d_update_kernel(CausalConv1dParams p) {
+  using Vec = ChanVec<T, V>;
   const int n = blockIdx.y;
-  const int c = blockIdx.x * kConvThreads + threadIdx.x;
+  const int c = (blockIdx.x * kConvThreads + threadIdx.x) * V;
   if (c >= p.dim) return;
   const int s0 = p.query_start_loc[n], num = p.query_start_loc[n + 1] - s0;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
   const int line = p.state_idx[(int64_t)n * p.slots_per_row];
   if (line < 0) {
-    for (int t = 0; t < num; ++t) Io<T>::st(y + (s0 + t) * p.y_stride_token + c, 0.f);
+    const float zero[V] = {};
+    for (int t = 0; t < num; ++t) Vec::st(y + (s0 + t) * p.y_stride_token + c, zero);
     return;
   }
   const int W = p.width;
   const int off = max(p.num_accepted[n], 1) - 1;
   T* state = static_cast<T*>(p.conv_state) + (int64_t)line * p.state_rows * p.dim + c;
-  float w[kSsmMaxConvWidth];
-  float buf[kSsmMaxConvWidth - 1 + kSsmMaxTokens];
+  // Right-aligned window (register indices fixed at compile time): buf[K - 1] is the current
+  // token, buf[K - W .. K - 2] the W - 1 inputs before it, w right-aligned the same way.
+  constexpr int K = kSsmMaxConvWidth;
+  float buf[K][V], w[K][V], bias[V];
 #pragma unroll
-  for (int j = 0; j < kSsmMaxConvWidth; ++j)
-    w[j] = j < W ? Io<T>::ld(static_cast<const T*>(p.weight) + (int64_t)c * W + j) : 0.f;
-  const float bias = p.bias ? Io<T>::ld(static_cast<const T*>(p.bias) + c) : 0.f;
-  for (int j = 0; j < W - 1; ++j) buf[j] = Io<T>::ld(state + (int64_t)(off + j) * p.dim);
-  for (int t = 0; t < num; ++t) buf[W - 1 + t] = Io<T>::ld(x + (s0 + t) * p.x_stride_token + c);
-  for (int t = 0; t < num; ++t) {
-    float acc = bias;
-    for (int j = 0; j < W; ++j) acc += w[j] * buf[t + j];
-    Io<T>::st(y + (s0 + t) * p.y_stride_token + c, p.silu ? silu(acc) : acc);
+  for (int m = 0; m < K - 1; ++m) {
+    const int j = m - (K - W);  // history row of the old window
+#pragma unroll
+    for (int i = 0; i < V; ++i) buf[m][i] = 0.f;
+    if (j >= 0) Vec::ld(state + (int64_t)(off + j) * p.dim, buf[m]);
   }
-  // the shifted window: rows off+1 .. off+W-2 of the old state, then the T inputs
-  for (int r = 0; r < W - 2 + num; ++r) Io<T>::st(state + (int64_t)r * p.dim, buf[r + 1]);
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    bias[i] = p.bias ? Io<T>::ld(static_cast<const T*>(p.bias) + c + i) : 0.f;
+#pragma unroll
+    for (int m = 0; m < K; ++m) {
+      const int j = m - (K - W);
+      w[m][i] = j >= 0 ? Io<T>::ld(static_cast<const T*>(p.weight) + (int64_t)(c + i) * W + j) : 0.f;
+    }
+  }
+  // the shifted window starts with rows off+1 .. off+W-2 of the old state (old row j -> new j-1)
+#pragma unroll
+  for (int m = 0; m < K - 1; ++m) {
+    const int j = m - (K - W);
+    if (j >= 1) Vec::st(state + (int64_t)(j - 1) * p.dim, buf[m]);
+  }
+  for (int t = 0; t < num; ++t) {
+    Vec::ld(x + (s0 + t) * p.x_stride_token + c, buf[K - 1]);
+    float acc[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      acc[i] = bias[i];
+#pragma unroll
+      for (int m = 0; m < K; ++m) acc[i] += w[m][i] * buf[m][i];
+      if (p.silu) acc[i] = silu(acc[i]);
+    }
+    Vec::st(y + (s0 + t) * p.y_stride_token + c, acc);
+    Vec::st(state + (int64_t)(W - 2 + t) * p.dim, buf[K - 1]);  // ... then the T inputs
+#pragma unroll
+    for (int m = 0; m < K - 1; ++m)
+#pragma unroll
+      for (int i = 0; i < V; ++i) buf[m][i] = buf[m + 1][i];
+  }
 }
 
 template <typename T>
@@ -108,30 +176,59 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_fn_kernel(CausalConv1dPar
   for (int j = 0; j < W - 1; ++j) Io<T>::st(state + (int64_t)j * p.dim, win[j]);
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kLanes * kRowsPerBlock) selective_state_update_kernel(SelectiveStateUpdateParams p) {
+// V consecutive fp32 state entries per lane access: one 16-byte load/store where the state allows.
+template <int V>
+struct StateVec;
+template <>
+struct StateVec<1> {
+  static PE_DEVICE void ld(const float* p, float* v) { v[0] = *p; }
+  static PE_DEVICE void st(float* p, const float* v) { *p = v[0]; }
+};
+template <>
+struct StateVec<4> {
+  static PE_DEVICE void ld(const float* p, float* v) {
+    const float4 f = *reinterpret_cast<const float4*>(p);
+    v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+  }
+  static PE_DEVICE void st(float* p, const float* v) { *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]); }
+};
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kLanes * kWarpsPerBlock) selective_state_update_kernel(SelectiveStateUpdateParams p) {
+  constexpr int J = kSsmMaxStateSize / (kLanes * V);  // state chunks per lane
   const int lane = threadIdx.x % kLanes;
-  const int pr = blockIdx.x * kRowsPerBlock + threadIdx.x / kLanes;  // head-dim row
+  const int pr0 = (blockIdx.x * kWarpsPerBlock + threadIdx.x / kLanes) * kRowsPerWarp;  // first head-dim row
   const int h = blockIdx.y, n = blockIdx.z;
-  if (pr >= p.head_dim) return;  // a whole 32-lane group leaves together
+  if (pr0 >= p.head_dim) return;  // a whole warp leaves together
   const int H = p.num_heads, P = p.head_dim, N = p.state_size;
+  const int rows_here = min(kRowsPerWarp, P - pr0);
   const int s0 = p.query_start_loc[n], num = p.query_start_loc[n + 1] - s0;
   const int32_t* idx = p.state_idx + (int64_t)n * p.slots_per_row;
   T* out = static_cast<T*>(p.out);
   if (idx[0] < 0) {
     if (lane == 0)
-      for (int t = 0; t < num; ++t) Io<T>::st(out + ((int64_t)(s0 + t) * H + h) * P + pr, 0.f);
+      for (int t = 0; t < num; ++t)
+        for (int r = 0; r < rows_here; ++r) Io<T>::st(out + ((int64_t)(s0 + t) * H + h) * P + pr0 + r, 0.f);
     return;
   }
-  const int src = idx[max(p.num_accepted[n], 1) - 1];
-  const int64_t head_off = ((int64_t)h * P + pr) * N;
+  const bool init = !p.final_state_only || p.has_initial_state == nullptr || p.has_initial_state[n];
+  const int src = init ? idx[max(p.num_accepted[n], 1) - 1] : -1;
+  const int64_t row_off = ((int64_t)h * P + pr0) * N;  // row pr0 of head h inside a slot
   const int64_t slot_elems = (int64_t)H * P * N;
-  float s[kPerLane];
+  // All state loads are issued before any is used, so each thread has R * J loads in flight.
+  float s[kRowsPerWarp][J][V];
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int k = lane + i * kLanes;
-    s[i] = (src >= 0 && k < N) ? p.state[src * slot_elems + head_off + k] : 0.f;
-  }
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int k0 = (lane + j * kLanes) * V;
+      if (src >= 0 && r < rows_here && k0 < N) {
+        StateVec<V>::ld(p.state + src * slot_elems + row_off + (int64_t)r * N + k0, s[r][j]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) s[r][j][i] = 0.f;
+      }
+    }
   const int g = h / (H / p.num_groups);
   const float a_h = p.A[h];
   const float d_h = p.D ? p.D[h] : 0.f;
@@ -142,32 +239,51 @@ __global__ void __launch_bounds__(kLanes * kRowsPerBlock) selective_state_update
   for (int t = 0; t < num; ++t) {
     const int64_t tok = s0 + t;
     float d = Io<T>::ld(static_cast<const T*>(p.dt) + tok * p.dt_stride_token + h) + bias;
+    const T* b_t = B + tok * p.B_stride_token + (int64_t)g * N;
+    const T* c_t = C + tok * p.C_stride_token + (int64_t)g * N;
+    float xv[kRowsPerWarp], partial[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      xv[r] = r < rows_here ? Io<T>::ld(x + tok * p.x_stride_token + (int64_t)h * P + pr0 + r) : 0.f;
+      partial[r] = 0.f;
+    }
     if (p.dt_softplus) d = d > 20.f ? d : log1pf(expf(d));
     d = fminf(fmaxf(d, p.dt_min), p.dt_max);
     const float decay = expf(a_h * d);
-    const float xv = Io<T>::ld(x + tok * p.x_stride_token + (int64_t)h * P + pr);
-    const T* b_t = B + tok * p.B_stride_token + (int64_t)g * N;
-    const T* c_t = C + tok * p.C_stride_token + (int64_t)g * N;
-    const int dst = idx[t];
-    float partial = 0.f;
+    const int dst = !p.final_state_only ? idx[t] : (t == num - 1 ? idx[0] : -1);
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int k = lane + i * kLanes;
-      if (k < N) {
-        s[i] = s[i] * decay + d * Io<T>::ld(b_t + k) * xv;
-        partial += s[i] * Io<T>::ld(c_t + k);
-        if (dst >= 0) p.state[dst * slot_elems + head_off + k] = s[i];
+    for (int j = 0; j < J; ++j) {
+      const int k0 = (lane + j * kLanes) * V;
+      if (k0 >= N) continue;
+      float bk[V], ck[V];
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        bk[i] = d * Io<T>::ld(b_t + k0 + i);
+        ck[i] = Io<T>::ld(c_t + k0 + i);
+      }
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        if (r >= rows_here) continue;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          s[r][j][i] = s[r][j][i] * decay + bk[i] * xv[r];
+          partial[r] += s[r][j][i] * ck[i];
+        }
+        if (dst >= 0) StateVec<V>::st(p.state + dst * slot_elems + row_off + (int64_t)r * N + k0, s[r][j]);
       }
     }
 #pragma unroll
-    for (int m = kLanes / 2; m > 0; m /= 2) partial += pe_shfl_xor(partial, m);
-    if (lane == 0) {
-      float yv = partial + d_h * xv;
-      if (p.z) {
-        const float zv = Io<T>::ld(static_cast<const T*>(p.z) + tok * p.z_stride_token + (int64_t)h * P + pr);
-        yv *= silu(zv);
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+#pragma unroll
+      for (int m = kLanes / 2; m > 0; m /= 2) partial[r] += pe_shfl_xor(partial[r], m);
+      if (lane == 0 && r < rows_here) {
+        float yv = partial[r] + d_h * xv[r];
+        if (p.z) {
+          const float zv = Io<T>::ld(static_cast<const T*>(p.z) + tok * p.z_stride_token + (int64_t)h * P + pr0 + r);
+          yv *= silu(zv);
+        }
+        Io<T>::st(out + (tok * H + h) * P + pr0 + r, yv);
       }
-      Io<T>::st(out + (tok * H + h) * P + pr, yv);
     }
   }
 }
@@ -185,8 +301,15 @@ int dispatch(const Params& p, void* stream) {
 template <typename T>
 struct ConvUpdate {
   static int run(const CausalConv1dParams& p, peStream_t s) {
-    const dim3 grid((p.dim + kConvThreads - 1) / kConvThreads, p.num_rows);
-    conv1d_update_kernel<T><<<grid, kConvThreads, 0, s>>>(p);
+    const uintptr_t align = 4 * sizeof(T);
+    const bool vec4 = p.dim % 4 == 0 && p.x_stride_token % 4 == 0 && p.y_stride_token % 4 == 0 &&
+                      reinterpret_cast<uintptr_t>(p.x) % align == 0 && reinterpret_cast<uintptr_t>(p.y) % align == 0 &&
+                      reinterpret_cast<uintptr_t>(p.conv_state) % align == 0;
+    const int v = vec4 ? 4 : 1;
+    const int threads = (p.dim + v - 1) / v;
+    const dim3 grid((threads + kConvThreads - 1) / kConvThreads, p.num_rows);
+    if (vec4) conv1d_update_kernel<T, 4><<<grid, kConvThreads, 0, s>>>(p);
+    else conv1d_update_kernel<T, 1><<<grid, kConvThreads, 0, s>>>(p);
     return static_cast<int>(peGetLastError());
   }
 };
@@ -203,8 +326,11 @@ struct ConvFn {
 template <typename T>
 struct SsmUpdate {
   static int run(const SelectiveStateUpdateParams& p, peStream_t s) {
-    const dim3 grid((p.head_dim + kRowsPerBlock - 1) / kRowsPerBlock, p.num_heads, p.num_rows);
-    selective_state_update_kernel<T><<<grid, kLanes * kRowsPerBlock, 0, s>>>(p);
+    constexpr int rows_per_block = kWarpsPerBlock * kRowsPerWarp;
+    const dim3 grid((p.head_dim + rows_per_block - 1) / rows_per_block, p.num_heads, p.num_rows);
+    const bool vec4 = p.state_size % 4 == 0 && reinterpret_cast<uintptr_t>(p.state) % 16 == 0;
+    if (vec4) selective_state_update_kernel<T, 4><<<grid, kLanes * kWarpsPerBlock, 0, s>>>(p);
+    else selective_state_update_kernel<T, 1><<<grid, kLanes * kWarpsPerBlock, 0, s>>>(p);
     return static_cast<int>(peGetLastError());
   }
 };
@@ -234,4 +360,10 @@ int launch_selective_state_update(const SelectiveStateUpdateParams& p, void* str
       p.num_heads % p.num_groups != 0 || p.head_dim <= 0 || p.slots_per_row > kSsmMaxTokens)
     return -1;
   return dispatch<SsmUpdate>(p, stream);
+}
+
+int launch_selective_scan_prefill(const SelectiveStateUpdateParams& p, void* stream) {
+  SelectiveStateUpdateParams q = p;
+  q.final_state_only = true;
+  return launch_selective_state_update(q, stream);
 }

@@ -72,7 +72,8 @@ def test_causal_conv1d_fn_matches_reference(dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H,P,N,G,k,with_z", [(8, 16, 16, 2, 3, True), (80, 64, 128, 1, 3, False),
-                                              (4, 5, 40, 4, 0, True)])
+                                              (4, 5, 40, 4, 0, True), (4, 6, 18, 2, 1, False),
+                                              (2, 8, 256, 1, 2, True)])
 def test_selective_state_update_matches_reference(dtype, H, P, N, G, k, with_z) -> None:
     rng, gen = random.Random(H + k), torch.Generator(device="cuda").manual_seed(N)
     qsl, idx, acc, ntok = random_rows(rng, 9, k, 9 * (1 + k) + 4)
@@ -92,6 +93,38 @@ def test_selective_state_update_matches_reference(dtype, H, P, N, G, k, with_z) 
     untouched = torch.ones(state.shape[0], dtype=torch.bool)
     untouched[idx[idx >= 0].long().cpu()] = False
     assert torch.equal(state[untouched.cuda()], state_ref[untouched.cuda()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,P,N,G", [(8, 16, 16, 2), (80, 64, 128, 1), (3, 5, 18, 1)])
+def test_prefill_scan_matches_chunked_reference(dtype, H, P, N, G) -> None:
+    """The GPU prefill scan (final state only) against the chunked reference: varlen rows with and
+    without an initial state read at offset a - 1, an empty row and a PAD row."""
+    gen = torch.Generator(device="cuda").manual_seed(H * N)
+    lens = [1, 37, 0, 300, 5, 64]
+    qsl = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    idx = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11], [ref.PAD] * 3, [12, 13, 14]],
+                       dtype=torch.int32, device="cuda")
+    acc = torch.tensor([1, 3, 1, 2, 1, 1], dtype=torch.int32, device="cuda")
+    init = torch.tensor([True, True, True, False, True, True], device="cuda")
+    ntok = sum(lens)
+    state = torch.randn(17, H, P, N, device="cuda", generator=gen)
+    x = torch.randn(ntok, H, P, device="cuda", generator=gen).to(dtype)
+    dt = torch.randn(ntok, H, device="cuda", generator=gen).to(dtype)
+    B, C = (torch.randn(ntok, G, N, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    A = -torch.rand(H, device="cuda", generator=gen) - 0.1
+    D, dt_bias = torch.randn(H, device="cuda", generator=gen), torch.randn(H, device="cuda", generator=gen)
+    state_ref = state.clone()
+    y = ssm_cuda.ssd_chunk_scan(x, dt, A, B, C, D, None, dt_bias, qsl, state, idx, acc, init, 16)
+    y_ref = ref.ssd_chunk_scan(x, dt, A, B, C, D, None, dt_bias, qsl, state_ref, idx, acc, init, 16)
+    tol = TOL[dtype]
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(state, state_ref, atol=1e-3, rtol=1e-3)
+    # only the first slot of each non-empty, non-PAD row was written
+    written = torch.zeros(17, dtype=torch.bool)
+    written[[0, 3, 9, 12]] = True
+    assert torch.equal(state[~written.cuda()], state_ref[~written.cuda()])
+    assert not torch.equal(state[9], torch.zeros_like(state[9])), "final state of the long row not written"
 
 
 def test_mamba2_spec_equals_plain_on_gpu(tmp_path) -> None:

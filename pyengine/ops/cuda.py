@@ -28,7 +28,7 @@ if _K is None:
 
 _DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _CONST = _K.paged_attention_constants()
-SPLIT_BLOCK: int = _CONST["split_block"]
+SPLIT_BLOCK: int = _CONST["split_block"]  # keys per split unit; process-wide (benchmarks sweep it)
 MAX_SPLITS: int = _CONST["max_splits"]
 SPLIT_MAX_QUERY_LEN: int = _CONST["split_max_query_len"]
 MLA_KV_LORA_RANK = 512
@@ -190,7 +190,7 @@ def _launch(
             ws[0].data_ptr(), ws[1].data_ptr(), plan["ws_start"].data_ptr(), tables.data_ptr(),
             plan["qsl"].data_ptr(), plan["ctx"].data_ptr(), meta.num_rows, num_heads, num_kv_heads,
             head_dim, head_dim_v, meta.block_size, tables.shape[1], int(meta.max_query_len), max_splits,
-            float(scale), _DTYPE_CODE[q.dtype], mla, _stream(q.device),
+            float(scale), _DTYPE_CODE[q.dtype], mla, _stream(q.device), SPLIT_BLOCK,
         )
     return (out, lse) if return_lse else out
 

@@ -3,7 +3,8 @@ the signatures and semantics of pyengine.ops.ssm_reference (the spec they are te
 
 The wrappers validate shapes and dtypes (ValueError), cast the per-head parameters (A, D, dt_bias)
 to fp32 and the row metadata to int32, and pass raw pointers plus the current stream. The chunked
-prefill scan and the state copies run the PyTorch reference on the GPU (correct, not yet fast).
+prefill scan runs the selective-state kernel token after token with only the final state written
+(correct; the chunked tensor-core form is future work); the state copies run the PyTorch reference.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ MAX_TOKENS_PER_ROW = 16
 MAX_STATE_SIZE = 256
 MAX_CONV_WIDTH = 8
 
-ssd_chunk_scan = ssm_reference.ssd_chunk_scan
 copy_state = ssm_reference.copy_state
 normalize_state = ssm_reference.normalize_state
 
@@ -96,6 +96,22 @@ def causal_conv1d_fn(x, conv_state, weight, bias, query_start_loc, state_idx, nu
 def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, state_idx, num_accepted,
                            dt_softplus=True, dt_limit=None):
     """See ssm_reference.selective_state_update; state fp32 [slots, H, P, N], N <= 256, 1 + k <= 16."""
+    return _state_scan(state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, state_idx, num_accepted,
+                       dt_softplus, dt_limit, None, prefill=False)
+
+
+def ssd_chunk_scan(x, dt, A, B, C, D, z, dt_bias, query_start_loc, state, state_idx, num_accepted,
+                   has_initial_state, chunk_size=64, dt_softplus=True, dt_limit=None):
+    """See ssm_reference.ssd_chunk_scan (chunk_size only shapes the reference's arithmetic)."""
+    init = None if has_initial_state is None else has_initial_state.to(torch.bool).contiguous()
+    if init is not None and init.shape[0] != state_idx.shape[0]:
+        raise ValueError(f"has_initial_state has {init.shape[0]} rows, state_idx {state_idx.shape[0]}")
+    return _state_scan(state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, state_idx, num_accepted,
+                       dt_softplus, dt_limit, init, prefill=True)
+
+
+def _state_scan(state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, state_idx, num_accepted, dt_softplus,
+                dt_limit, init, prefill: bool):
     if x.device.type != "cuda" or x.dtype not in _DTYPE_CODE:
         raise ValueError(f"x must be a CUDA fp16/bf16/fp32 tensor, got {x.device} {x.dtype}")
     if state.dtype != torch.float32 or state.dim() != 4 or not state.is_contiguous():
@@ -120,5 +136,5 @@ def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, query_start_loc
         _ptr(state), _ptr(x), _ptr(dt), _ptr(B), _ptr(C), _ptr(z), _ptr(out), _ptr(a32), _ptr(d32),
         _ptr(bias32), _ptr(qsl), _ptr(idx), _ptr(acc), idx.shape[0], H, P, N,
         G, idx.shape[1], x.stride(0), dt.stride(0), B.stride(0), C.stride(0), 0 if z is None else z.stride(0),
-        bool(dt_softplus), lo, hi, _DTYPE_CODE[x.dtype], _stream(x.device))
+        bool(dt_softplus), lo, hi, _DTYPE_CODE[x.dtype], _stream(x.device), _ptr(init), prefill)
     return out
