@@ -43,39 +43,51 @@ struct Io<pe_bf16> {
 
 PE_DEVICE float silu(float v) { return v / (1.f + __expf(-v)); }
 
-// V consecutive channels of a row: one 4V-byte (16-bit types) or 16-byte (fp32) access.
+// V consecutive channels of a row in one access where V * sizeof(T) is 16 or 8 bytes.
+template <int BYTES>
+struct RawVec {
+  using type = void;
+};
+template <>
+struct RawVec<16> {
+  using type = uint4;
+};
+template <>
+struct RawVec<8> {
+  using type = uint2;
+};
 template <typename T, int V>
 struct ChanVec {
+  using Raw = typename RawVec<V * (int)sizeof(T)>::type;
   static PE_DEVICE void ld(const T* p, float* f) {
+    if constexpr (std::is_void<Raw>::value) {
 #pragma unroll
-    for (int i = 0; i < V; ++i) f[i] = Io<T>::ld(p + i);
+      for (int i = 0; i < V; ++i) f[i] = Io<T>::ld(p + i);
+    } else {
+      const Raw raw = *reinterpret_cast<const Raw*>(p);
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < V; ++i) f[i] = Io<T>::ld(e + i);
+    }
   }
   static PE_DEVICE void st(T* p, const float* f) {
+    if constexpr (std::is_void<Raw>::value) {
 #pragma unroll
-    for (int i = 0; i < V; ++i) Io<T>::st(p + i, f[i]);
-  }
-};
-template <typename T>
-struct ChanVec<T, 4> {
-  using Raw = typename std::conditional<sizeof(T) == 2, uint2, uint4>::type;  // 4 channels
-  static PE_DEVICE void ld(const T* p, float* f) {
-    const Raw raw = *reinterpret_cast<const Raw*>(p);
-    const T* e = reinterpret_cast<const T*>(&raw);
+      for (int i = 0; i < V; ++i) Io<T>::st(p + i, f[i]);
+    } else {
+      Raw raw;
+      T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) f[i] = Io<T>::ld(e + i);
-  }
-  static PE_DEVICE void st(T* p, const float* f) {
-    Raw raw;
-    T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) Io<T>::st(e + i, f[i]);
-    *reinterpret_cast<Raw*>(p) = raw;
+      for (int i = 0; i < V; ++i) Io<T>::st(e + i, f[i]);
+      *reinterpret_cast<Raw*>(p) = raw;
+    }
   }
 };
 
 // One thread per (row, V channels). The old window is read whole before the shifted one is
 // written; the thread owns its channels, so nothing else touches those elements.
-template <typename T, int V>
+// KW: compile-time bound on the width (4 covers Mamba2; 8 is kSsmMaxConvWidth).
+template <typename T, int V, int KW>
 __global__ void __launch_bounds__(kConvThreads) conv1d_update_kernel(CausalConv1dParams p) {
   using Vec = ChanVec<T, V>;
   const int n = blockIdx.y;
@@ -95,7 +107,7 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_update_kernel(CausalConv1
   T* state = static_cast<T*>(p.conv_state) + (int64_t)line * p.state_rows * p.dim + c;
   // Right-aligned window (register indices fixed at compile time): buf[K - 1] is the current
   // token, buf[K - W .. K - 2] the W - 1 inputs before it, w right-aligned the same way.
-  constexpr int K = kSsmMaxConvWidth;
+  constexpr int K = KW;
   float buf[K][V], w[K][V], bias[V];
 #pragma unroll
   for (int m = 0; m < K - 1; ++m) {
@@ -300,16 +312,20 @@ int dispatch(const Params& p, void* stream) {
 
 template <typename T>
 struct ConvUpdate {
-  static int run(const CausalConv1dParams& p, peStream_t s) {
-    const uintptr_t align = 4 * sizeof(T);
-    const bool vec4 = p.dim % 4 == 0 && p.x_stride_token % 4 == 0 && p.y_stride_token % 4 == 0 &&
-                      reinterpret_cast<uintptr_t>(p.x) % align == 0 && reinterpret_cast<uintptr_t>(p.y) % align == 0 &&
-                      reinterpret_cast<uintptr_t>(p.conv_state) % align == 0;
-    const int v = vec4 ? 4 : 1;
-    const int threads = (p.dim + v - 1) / v;
+  template <int V>
+  static void launch(const CausalConv1dParams& p, peStream_t s) {
+    const int threads = (p.dim + V - 1) / V;
     const dim3 grid((threads + kConvThreads - 1) / kConvThreads, p.num_rows);
-    if (vec4) conv1d_update_kernel<T, 4><<<grid, kConvThreads, 0, s>>>(p);
-    else conv1d_update_kernel<T, 1><<<grid, kConvThreads, 0, s>>>(p);
+    if (p.width <= 4) conv1d_update_kernel<T, V, 4><<<grid, kConvThreads, 0, s>>>(p);
+    else conv1d_update_kernel<T, V, kSsmMaxConvWidth><<<grid, kConvThreads, 0, s>>>(p);
+  }
+  static int run(const CausalConv1dParams& p, peStream_t s) {
+    constexpr int kVec = 16 / sizeof(T);  // channels per 16-byte access
+    const bool vec = p.dim % kVec == 0 && p.x_stride_token % kVec == 0 && p.y_stride_token % kVec == 0 &&
+                     reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && reinterpret_cast<uintptr_t>(p.y) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(p.conv_state) % 16 == 0;
+    if (vec) launch<kVec>(p, s);
+    else launch<1>(p, s);
     return static_cast<int>(peGetLastError());
   }
 };

@@ -19,6 +19,9 @@ Graph safety:
   are the same as eager. The split workspace is allocated during capture from the graph's pool.
 - All graphs share one memory pool; only one replays at a time and the logits it returns are
   consumed (sampled) before the next step.
+- Hybrid models (a StateCache): only steps whose rows are all decode/verify rows qualify (a prefill
+  row reads and writes state differently). Each row's state slots and accepted count live in a
+  static int32 buffer; padding rows get PAD slots, so the state kernels write nothing for them.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 
 from pyengine.attention_metadata import AttentionMetadata
+from pyengine.state_cache import StateMetadata
 
 _PLAN_KEY = "cuda_paged_attention"
 
@@ -45,7 +49,7 @@ def graphs_supported(model, config, dtype: torch.dtype, device: torch.device) ->
         return False, "not a CUDA device"
     if dtype not in (torch.float16, torch.bfloat16):
         return False, f"dtype {dtype} runs the reference attention"
-    if config.head_dim not in (64, 128, 256):
+    if getattr(model, "uses_kv_cache", True) and config.head_dim not in (64, 128, 256):
         return False, f"head_dim {config.head_dim} runs the reference attention"
     try:
         from pyengine.ops import cuda as _  # noqa: F401
@@ -58,8 +62,9 @@ class CudaGraphRunner:
     """Captures (lazily, on first use) and replays decode/verify steps of one ModelRunner."""
 
     def __init__(self, model, kv_caches, block_size: int, device: torch.device, max_num_seqs: int,
-                 max_query_len: int, graph_max_context: int, use_graphs: bool = True) -> None:
+                 max_query_len: int, graph_max_context: int, use_graphs: bool = True, state_cache=None) -> None:
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
+        self.state_cache = state_cache  # pyengine.state_cache.StateCache of a hybrid model, or None
         self.buckets = default_buckets(max_num_seqs)
         self.max_rows = self.buckets[-1]
         self.max_q = max(1, max_query_len)
@@ -77,6 +82,12 @@ class CudaGraphRunner:
         self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
         self.dev64 = torch.zeros(self.n64, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(self.max_rows, self.width, dtype=torch.int32, device=device)
+        # hybrid models: per row [state slots (1 + k) | accepted count]; decode rows always have a state
+        S = self.max_q
+        self.host_state = torch.zeros(self.max_rows, S + 1, dtype=torch.int32, pin_memory=pin)
+        self.np_state = self.host_state.numpy()
+        self.dev_state = torch.zeros(self.max_rows, S + 1, dtype=torch.int32, device=device)
+        self.dev_init = torch.ones(self.max_rows, dtype=torch.bool, device=device)
         self.copy_done = torch.cuda.Event() if self.use_graphs else None
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -106,6 +117,8 @@ class CudaGraphRunner:
             return None
         if int(np.max(batch.context_lens)) > self.width * self.block_size:
             return None
+        if self.state_cache is not None and int(batch.num_decode_rows) != rows:
+            return None
         b = next(x for x in self.buckets if x >= rows)
         return b, q
 
@@ -126,7 +139,15 @@ class CudaGraphRunner:
 
     def _forward(self, b: int, q: int) -> torch.Tensor:
         meta, ids, pos = self._meta(b, q)
-        hidden = self.model(ids, pos, meta, self.kv_caches)
+        if self.state_cache is None:
+            hidden = self.model(ids, pos, meta, self.kv_caches)
+        else:
+            S = self.max_q
+            state = StateMetadata(conv=self.state_cache.conv, ssm=self.state_cache.ssm,
+                                  state_idx=self.dev_state[:b, :S], num_accepted=self.dev_state[:b, S],
+                                  has_initial_state=self.dev_init[:b], query_start_loc=meta.query_start_loc,
+                                  num_decode_rows=b, num_decode_tokens=b * q)
+            hidden = self.model(ids, pos, meta, self.kv_caches, state=state)
         return self.model.compute_logits(hidden)
 
     def _capture(self, b: int, q: int) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
@@ -153,6 +174,8 @@ class CudaGraphRunner:
         h[T + lo:T + hi] = 0              # positions
         h[2 * T + lo:2 * T + hi] = -1     # slots: no KV write
         h[3 * T + rows:3 * T + b] = 0     # context 0: no keys read
+        self.np_state[rows:b, :-1] = -1   # PAD state slots: no state read or written
+        self.np_state[rows:b, -1] = 1
 
     @torch.inference_mode()
     def execute(self, batch, key: tuple[int, int]) -> torch.Tensor:
@@ -169,6 +192,9 @@ class CudaGraphRunner:
         self._fill_padding(rows, b, q)
         bt = np.asarray(batch.block_tables)
         self.np32[:rows, :bt.shape[1]] = bt
+        if self.state_cache is not None:
+            self.np_state[:rows, :-1] = np.asarray(batch.state_slots, dtype=np.int32).reshape(rows, -1)
+            self.np_state[:rows, -1] = np.maximum(np.asarray(batch.num_accepted_prev, dtype=np.int32), 1)
         if self.use_graphs:
             entry = self.graphs.get(key)
             if entry is None:
@@ -177,11 +203,13 @@ class CudaGraphRunner:
                 return self.execute(batch, key)
             self.dev64[:3 * T + b].copy_(self.host64[:3 * T + b], non_blocking=True)
             self.dev32[:b].copy_(self.host32[:b], non_blocking=True)
+            self.dev_state[:b].copy_(self.host_state[:b], non_blocking=True)
             self.copy_done.record()
             entry[0].replay()
             self.num_replays += 1
             return entry[1][:n]
         self.dev64.copy_(self.host64)
         self.dev32.copy_(self.host32)
+        self.dev_state.copy_(self.host_state)
         self.num_eager += 1
         return self._forward(b, q)[:n]

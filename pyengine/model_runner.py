@@ -64,7 +64,8 @@ class ModelRunner:
             if num_state_slots <= 0:
                 raise ValueError(f"{config.architecture} keeps recurrent state: num_state_slots must be > 0")
             self.state_cache = StateCache(model.state_shapes(max_query_len - 1), num_state_slots, dtype, device)
-            self.graph_runner = None  # captured steps would not carry the state metadata
+            if self.graph_runner is not None:  # captured decode/verify steps read the slots from static buffers
+                self.graph_runner.state_cache = self.state_cache
         # ---- end recurrent state ----
 
     def _tensor(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:

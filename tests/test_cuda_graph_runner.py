@@ -31,7 +31,8 @@ def test_buckets() -> None:
 def _attach(llm, max_q: int) -> CudaGraphRunner:
     r = llm.engine.runner
     g = CudaGraphRunner(r.model, r.kv_caches, r.block_size, r.device, llm.engine.cfg.max_num_seqs, max_q,
-                        llm.engine.cfg.max_model_len + max_q + r.block_size, use_graphs=False)
+                        llm.engine.cfg.max_model_len + max_q + r.block_size, use_graphs=False,
+                        state_cache=r.state_cache)
     r.graph_runner = g
     return g
 
@@ -90,3 +91,39 @@ def test_ineligible_steps() -> None:
     assert g.bucket_for(batch([7], [7], li=[6])) is None        # prefill: only the last position
     assert g.bucket_for(batch([1] * 9, [3] * 9)) is None        # more rows than the largest bucket
     assert g.bucket_for(batch([1], [3], width=17)) is None      # table wider than the static one
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_hybrid_padded_steps_equal_plain(tmp_path, k: int) -> None:
+    """Mamba2: decode/verify steps through the static state buffers (PAD slots in the padding row
+    of a 3-row step in bucket 4) give plain decoding's tokens; prefill steps never take the padded
+    path. k = 3 drafts by script, so every row verifies k drafts with every acceptance count."""
+    from pyengine import LLM
+    from tests.test_mamba2 import make_mamba2_checkpoint
+    from tests.test_spec_decode import scripted
+
+    make_mamba2_checkpoint(str(tmp_path))
+    prompts = make_prompts(3)
+    if k == 0:
+        prompts.append([5])  # a one-token prompt: its prefill step has q = 1 too
+    plain, _, _, _ = run(str(tmp_path), prompts, max_tokens=20, max_num_seqs=8)
+    spec = None
+    if k:
+        reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, plain))}
+        spec = {"method": "scripted", "num_speculative_tokens": k, "script": scripted(reference, k, [0, 1, 2, 3])}
+    llm = LLM(model=str(tmp_path), device="cpu", speculative_config=spec, max_num_seqs=8)
+    g = _attach(llm, 1 + k)
+    seen = []
+    orig = g.execute
+
+    def spy(batch, key):
+        rows = len(batch.context_lens)
+        assert int(batch.num_decode_rows) == rows, "a prefill row took the padded path"
+        seen.append((*key, rows))
+        return orig(batch, key)
+
+    g.execute = spy
+    assert _generate(llm, prompts) == plain
+    assert seen, "no step took the padded path"
+    if k:
+        assert any(q == 1 + k and b > rows for b, q, rows in seen), "no padded uniform verify step"

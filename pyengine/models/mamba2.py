@@ -142,6 +142,8 @@ class Mamba2Mixer(nn.Module):
 
 
 class Mamba2ForCausalLM(nn.Module):
+    uses_kv_cache = False  # no attention layers: the runner's KV pool is a placeholder
+
     def __init__(self, config: Mamba2ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
