@@ -470,10 +470,8 @@ int launch_typed(const PagedAttentionParams& p, peStream_t s) {
   } else {
     if (p.head_dim_qk != p.head_dim_v) return -1;
     const int G = p.num_q_heads / p.num_kv_heads;
-    // Query-head pairs per block: a verify row's 1 + k queries share its K/V loads up to 8 pairs.
-    // MT never changes a pair's arithmetic (only LPT and U do), so rows stay batch-invariant.
     int mt = 1;
-    while (mt < G * p.max_query_len && mt < 8) mt *= 2;
+    while (mt < G && mt < 8) mt *= 2;  // depends on the model only, never on the batch
     switch (p.head_dim_qk) {
       case 64: launch_gqa<T, 64>(p, s, mt); break;
       case 128: launch_gqa<T, 128>(p, s, mt); break;

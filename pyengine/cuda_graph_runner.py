@@ -44,13 +44,15 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 
 def graphs_supported(model, config, dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
-    """Graphs need the CUDA attention kernels (the reference fallback is not capturable)."""
+    """Graphs need the CUDA attention kernels (the reference fallback is not capturable); a model
+    without attention layers (Mamba2) needs only the state kernels, in any dtype."""
     if device.type != "cuda":
         return False, "not a CUDA device"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return False, f"dtype {dtype} runs the reference attention"
-    if getattr(model, "uses_kv_cache", True) and config.head_dim not in (64, 128, 256):
-        return False, f"head_dim {config.head_dim} runs the reference attention"
+    if getattr(model, "uses_kv_cache", True):  # attention layers: the kernels must take them
+        if dtype not in (torch.float16, torch.bfloat16):
+            return False, f"dtype {dtype} runs the reference attention"
+        if config.head_dim not in (64, 128, 256):
+            return False, f"head_dim {config.head_dim} runs the reference attention"
     try:
         from pyengine.ops import cuda as _  # noqa: F401
     except ImportError as e:
@@ -151,10 +153,11 @@ class CudaGraphRunner:
         return self.model.compute_logits(hidden)
 
     def _capture(self, b: int, q: int) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
-        # Inputs as they are now: padding only (slot -1, context 0): the warm-up and the capture
-        # write no KV and read none.
+        # Inputs as they are now: padding only (slot -1, context 0, PAD state slots): the warm-up
+        # and the capture write no KV or state and read none.
         self._fill_padding(0, b, q)
         self.dev64.copy_(self.host64)
+        self.dev_state.copy_(self.host_state)  # PAD slots: the warm-up must not touch live state
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):

@@ -127,22 +127,42 @@ def test_prefill_scan_matches_chunked_reference(dtype, H, P, N, G) -> None:
     assert not torch.equal(state[9], torch.zeros_like(state[9])), "final state of the long row not written"
 
 
-def test_mamba2_spec_equals_plain_on_gpu(tmp_path) -> None:
+def _checkpoint(name: str, path: str) -> None:
+    if name == "mamba2":
+        from tests.test_mamba2 import make_mamba2_checkpoint as make
+    elif name == "bamba":
+        from tests.test_bamba import make_bamba_checkpoint as make
+    else:
+        from tests.test_nemotron_h import make_nemotron_h_checkpoint as make
+    make(path)
+
+
+@pytest.mark.parametrize("name", ["mamba2", "bamba", "nemotron_h"])
+def test_hybrid_spec_equals_plain_on_gpu(tmp_path, name: str) -> None:
+    """Scripted drafts (every acceptance count, steps without drafts) == plain, fp32 on the GPU;
+    Mamba2 (no attention layers) replays its decode/verify steps as CUDA graphs, and those give
+    the eager path's tokens too."""
     from pyengine import LLM, SamplingParams
-    from tests.test_mamba2 import make_mamba2_checkpoint
     from tests.test_spec_decode import make_prompts, scripted
 
     path = str(tmp_path)
-    make_mamba2_checkpoint(path)
+    _checkpoint(name, path)
     prompts = make_prompts(8, seed=1)
     kw = dict(block_size=4, max_model_len=128, device="cuda", dtype="float32")
 
-    def go(spec=None):
-        llm = LLM(model=path, speculative_config=spec, **kw)
+    def go(spec=None, eager=False):
+        llm = LLM(model=path, speculative_config=spec, enforce_eager=eager, **kw)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs]
+        runner = llm.engine.runner.graph_runner
+        return [o.outputs[0].token_ids for o in outs], (runner.num_replays if runner is not None else 0)
 
-    plain = go()
+    plain, replays = go()
+    if name == "mamba2":
+        assert replays > 0, "Mamba2 decode steps did not replay CUDA graphs"
+        assert go(eager=True)[0] == plain
     reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, plain))}
-    assert go({"method": "scripted", "num_speculative_tokens": 3, "script": scripted(reference, 3, [0, 3, -1, 2, 1])}) \
-        == plain
+    spec, spec_replays = go({"method": "scripted", "num_speculative_tokens": 3,
+                             "script": scripted(reference, 3, [0, 3, -1, 2, 1])})
+    assert spec == plain
+    if name == "mamba2":
+        assert spec_replays > 0
