@@ -9,7 +9,10 @@ that repeated runs of the same prompts get no reuse HF does not have.
 Throughput = generated tokens / wall time of the whole generate call (prefill included), best of
 --repeats runs after one untimed warm-up per engine and batch size. Prints JSON last.
 
-    python benchmarks/bench_cpu.py [--max-tokens 64] [--batch-sizes 1 16] [--threads 2] [--out FILE]
+--bf16 adds pyengine with bf16 weights and KV cache (oneDNN bf16 matmuls on avx512_bf16 CPUs) as a
+second row against the same fp32 HF run; the headline ratio stays fp32 vs fp32.
+
+    python benchmarks/bench_cpu.py [--max-tokens 64] [--batch-sizes 1 16] [--threads 2] [--bf16] [--out FILE]
 """
 from __future__ import annotations
 
@@ -76,6 +79,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (both engines)")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per engine and batch size; best is kept")
+    ap.add_argument("--bf16", action="store_true",
+                    help="also time pyengine with bf16 weights and KV (dtype='bfloat16'), against the same fp32 HF")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
     if args.max_tokens < 1 or args.repeats < 1 or min(args.batch_sizes) < 1 or max(args.batch_sizes) > len(PROMPTS):
@@ -95,9 +100,15 @@ def main() -> None:
                                                            dtype=torch.float32).eval()
     pad_id = tok.eos_token_ids[0] if tok.eos_token_ids else 0
 
-    def run_pyengine(batch: list[list[int]], max_tokens: int) -> list[list[int]]:
-        outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    def run_pyengine(batch: list[list[int]], max_tokens: int, engine: LLM = llm) -> list[list[int]]:
+        outs = engine.generate(batch, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                               use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
+
+    engines: list[tuple[str, Callable[[list[list[int]], int], list[list[int]]]]] = [("pyengine", run_pyengine)]
+    if args.bf16:
+        llm_bf16 = LLM(path, device="cpu", dtype="bfloat16", enable_prefix_caching=False)
+        engines.append(("pyengine_bf16", lambda batch, max_tokens: run_pyengine(batch, max_tokens, llm_bf16)))
 
     @torch.inference_mode()
     def run_hf(batch: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -113,7 +124,7 @@ def main() -> None:
         batch = ids[:bs]
         row: dict[str, Any] = {"batch_size": bs, "new_tokens_per_prompt": n,
                                "prompt_tokens": sum(len(p) for p in batch)}
-        for name, fn in (("pyengine", run_pyengine), ("hf", run_hf)):
+        for name, fn in engines + [("hf", run_hf)]:
             fn(batch, 4)  # warm-up (allocators, oneDNN primitives), untimed
             seconds, tokens = best_time(lambda: fn(batch, n), args.repeats)
             assert [len(t) for t in tokens] == [n] * bs, f"{name} did not generate exactly {n} tokens per prompt"
@@ -121,6 +132,9 @@ def main() -> None:
             row[f"{name}_tok_s"] = round(bs * n / seconds, 2)
             row[f"{name}_tokens"] = tokens
         row["ratio"] = round(row["pyengine_tok_s"] / row["hf_tok_s"], 3)
+        if args.bf16:
+            row["ratio_bf16_vs_hf_fp32"] = round(row["pyengine_bf16_tok_s"] / row["hf_tok_s"], 3)
+            row.pop("pyengine_bf16_tokens")
         # Informational: how far the two fp32 greedy continuations agree (first divergence per prompt).
         agree = []
         for a, b in zip(row.pop("pyengine_tokens"), row.pop("hf_tokens")):

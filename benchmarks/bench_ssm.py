@@ -98,6 +98,29 @@ def bench(batch: int, k: int, copy_gbps: float) -> dict:
     }
 
 
+def bench_prefill_scan(rows: int, length: int) -> dict:
+    """Prefill scan (final state only) of `rows` prompts of `length` tokens: the GPU kernel against
+    the chunked PyTorch reference (chunk 256) on the GPU, same inputs."""
+    from pyengine.ops import ssm_reference
+
+    bf, ntok = torch.bfloat16, rows * length
+    qsl = torch.arange(0, ntok + 1, length, dtype=torch.int32, device="cuda")
+    idx = torch.arange(rows, dtype=torch.int32, device="cuda").view(rows, 1)
+    acc = torch.ones(rows, dtype=torch.int32, device="cuda")
+    init = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    state = torch.zeros(rows, H, P, N, device="cuda")
+    x = torch.randn(ntok, H, P, device="cuda", dtype=bf)
+    dt = torch.randn(ntok, H, device="cuda", dtype=bf)
+    B, C = (torch.randn(ntok, G, N, device="cuda", dtype=bf) for _ in range(2))
+    A, D, bias = -torch.rand(H, device="cuda") - 0.5, torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+    kernel_ms = time_ms(lambda: ssm_cuda.ssd_chunk_scan(x, dt, A, B, C, D, None, bias, qsl, state, idx, acc, init, 256),
+                        reps=5)
+    ref_ms = time_ms(lambda: ssm_reference.ssd_chunk_scan(x, dt, A, B, C, D, None, bias, qsl, state, idx, acc, init,
+                                                          256), reps=3, warmup=1)
+    return {"rows": rows, "length": length, "kernel_ms": kernel_ms, "reference_chunked_ms": ref_ms,
+            "kernel_tokens_per_s": ntok / kernel_ms * 1e3}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -113,9 +136,16 @@ def main() -> None:
                   f"eager {r['ssu_eager_gbps']:6.0f})  conv {r['conv_kernel_gbps']:7.0f} GB/s "
                   f"({r['conv_kernel_frac_copy']:.2f}, {r['conv_kernel_frac_same_size_copy']:.2f} of a same-size copy, "
                   f"eager {r['conv_eager_gbps']:6.0f})", flush=True)
+    prefill = []
+    for rows, length in ((1, 2048), (8, 512)):
+        r = bench_prefill_scan(rows, length)
+        prefill.append(r)
+        print(f"prefill scan {rows} x {length}: kernel {r['kernel_ms']:.3f} ms, chunked reference "
+              f"{r['reference_chunked_ms']:.3f} ms", flush=True)
     doc = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "command": "python3 " + " ".join(sys.argv),
            "copy_gbps": copy_gbps, "shapes": {"H": H, "P": P, "N": N, "G": G, "conv_dim": CONV_DIM, "W": W},
-           "results": results, "note": "end-to-end Mamba2-2.7B decode: benchmarks/bench_mamba2_decode.py"}
+           "results": results, "prefill_scan": prefill, "note": "end-to-end Mamba2-2.7B decode: benchmarks/bench_mamba2_decode.py"}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
