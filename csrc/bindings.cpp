@@ -167,15 +167,10 @@ PYBIND11_MODULE(_C, m) {
       .def("set_draft_tokens_batch", [](Scheduler& s, py::array_t<int64_t, py::array::c_style | py::array::forcecast> ids,
                                         IntArray flat, IntArray counts) {
              PE_CHECK(ids.size() == counts.size(), "seq_ids and counts differ in length");
-             int64_t off = 0;
-             for (py::ssize_t i = 0; i < ids.size(); ++i) {
-               PE_CHECK(off + counts.data()[i] <= flat.size(), "counts exceed the draft tokens given");
-               s.set_draft_tokens(ids.data()[i], flat.data() + off, counts.data()[i]);
-               off += counts.data()[i];
-             }
+             s.set_draft_tokens_batch(ids.data(), counts.data(), ids.size(), flat.data(), flat.size());
            }, py::arg("seq_ids"), py::arg("draft_token_ids"), py::arg("counts"))
       .def("propose_ngram", &Scheduler::propose_ngram, py::arg("min_n"), py::arg("max_n"), py::arg("k"))
-      .def("schedule", [](Scheduler& s) { return std::make_shared<ScheduledBatch>(s.schedule()); })
+      .def("schedule", &Scheduler::schedule)
       .def("update", [](Scheduler& s, IntArray tokens, IntArray counts) {
              UpdateResult r = s.update(tokens.data(), tokens.size(), counts.data(), counts.size());
              return py::make_tuple(py::array_t<int32_t>(r.num_committed.size(), r.num_committed.data()),
@@ -191,7 +186,7 @@ PYBIND11_MODULE(_C, m) {
       .def("block_table", [](const Scheduler& s, int64_t id) { return s.sequence(id).kv.block_table; })
       .def("check_invariants", &Scheduler::check_invariants)
       .def("stats", [](const Scheduler& s) {
-        const SchedulerStats& st = s.stats();
+        const SchedulerStats st = s.stats();
         py::dict d;
         d["num_steps"] = st.num_steps;
         d["num_preemptions"] = st.num_preemptions;

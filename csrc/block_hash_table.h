@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "huge_page_allocator.h"
+
 namespace pyengine {
 
 class BlockHashTable {
@@ -26,6 +28,10 @@ class BlockHashTable {
       if (e.hash == hash) return e.block;
     }
   }
+
+  // Starts loading the probe run of hash into cache (a lookup is one random access into a table
+  // sized for the whole pool, so batched callers overlap these misses).
+  void prefetch(uint64_t hash) const { __builtin_prefetch(&slots_[hash & mask_]); }
 
   // Inserts unless the hash is present; returns whether it inserted.
   bool insert(uint64_t hash, int32_t block) {
@@ -72,7 +78,7 @@ class BlockHashTable {
     uint64_t hash = 0;
     int32_t block = -1;
   };
-  std::vector<Entry> slots_;
+  std::vector<Entry, HugePageAllocator<Entry>> slots_;
   size_t mask_ = 0;
   size_t size_ = 0;
 };

@@ -121,33 +121,49 @@ void BlockManager::append(KVAllocation& alloc, int64_t num_computed, int64_t n) 
     throw NoFreeBlocksError(concat("append needs ", need, " new blocks, ", num_free_blocks(),
                                    " free (check can_append first)"));
   for (int64_t i = 0; i < need; ++i) alloc.block_table.push_back(take_free_block());
-  // Never write into a block another request reads (a shared prefix block).
-  for (int64_t p = num_computed / block_size_; p < ceil_div(num_computed + n, block_size_); ++p)
-    PE_CHECK(blocks_[alloc.block_table[p]].ref_count == 1, "a write at position ", p * block_size_,
-             " would land in shared block ", alloc.block_table[p]);
+  // Never write into a block another request reads (a shared prefix block). Only blocks below the
+  // hash watermark can be shared: a prefix hit claims hashed blocks only, and the blocks past the
+  // watermark were taken fresh and are never hashed (check_invariants asserts both). A decode step
+  // writes past the watermark, so this loop is empty on the step path.
+  const int64_t end = num_computed + n;
+  if (num_computed < static_cast<int64_t>(alloc.num_hashed_blocks) * block_size_) {
+    for (int64_t p = num_computed / block_size_; p < alloc.num_hashed_blocks && p * block_size_ < end; ++p)
+      PE_CHECK(blocks_[alloc.block_table[p]].ref_count == 1, "a write at position ", p * block_size_,
+               " would land in shared block ", alloc.block_table[p]);
+  }
 }
 
-void BlockManager::cache_full_blocks(KVAllocation& alloc, const int32_t* tokens, int64_t num_valid) {
+void BlockManager::hash_full_blocks(KVAllocation& alloc, const int32_t* tokens, int64_t num_valid) {
   const int64_t full = std::min<int64_t>(num_valid / block_size_, alloc.block_table.size());
   if (!enable_prefix_caching_ || !alloc.allocated || full <= alloc.num_hashed_blocks) return;
   for (int64_t i = alloc.num_hashed_blocks; i < full; ++i) {
     const int32_t* blk = tokens + i * block_size_;
-    uint64_t h = hash_block(alloc.last_block_hash, blk, alloc.cache_salt);
-    int32_t id = alloc.block_table[i];
-    Block& b = blocks_[id];
+    const uint64_t h = hash_block(alloc.last_block_hash, blk, alloc.cache_salt);
+    const int32_t id = alloc.block_table[i];
+    hash_to_block_.prefetch(h);
+    __builtin_prefetch(&blocks_[id], 1);
+    __builtin_prefetch(tokens_of(id), 1);
+    pending_hashes_.push_back({id, h, alloc.last_block_hash, alloc.cache_salt, blk});
+    alloc.last_block_hash = h;
+  }
+  alloc.num_hashed_blocks = static_cast<int32_t>(full);
+}
+
+void BlockManager::publish_hashes() {
+  for (const PendingHash& p : pending_hashes_) {
+    Block& b = blocks_[p.block_id];
     PE_ASSERT(!b.has_hash && b.ref_count == 1);
     // Another block may already hold the same content (recomputed after a partial hit): keep the
     // first; this one stays unhashed and returns to the plain free pool later.
-    if (hash_to_block_.insert(h, id)) {
+    if (hash_to_block_.insert(p.hash, p.block_id)) {
       b.has_hash = true;
-      b.hash = h;
-      b.parent_hash = alloc.last_block_hash;
-      b.salt = alloc.cache_salt;
-      std::copy_n(blk, block_size_, block_tokens_.begin() + static_cast<size_t>(id) * block_size_);
+      b.hash = p.hash;
+      b.parent_hash = p.parent_hash;
+      b.salt = p.salt;
+      std::copy_n(p.tokens, block_size_, block_tokens_.data() + static_cast<size_t>(p.block_id) * block_size_);
     }
-    alloc.last_block_hash = h;
   }
-  if (full > alloc.num_hashed_blocks) alloc.num_hashed_blocks = static_cast<int32_t>(full);
+  pending_hashes_.clear();
 }
 
 void BlockManager::free(KVAllocation& alloc) {
@@ -231,6 +247,7 @@ std::vector<int32_t> BlockManager::hashed_block_ids() const {
 }
 
 void BlockManager::check_invariants(const std::vector<const KVAllocation*>& tables) const {
+  PE_ASSERT(pending_hashes_.empty());
   std::vector<int32_t> refs(blocks_.size(), 0);
   std::vector<int32_t> slot_owner(num_state_slots_, 0);
   for (const KVAllocation* a : tables) {
@@ -240,6 +257,12 @@ void BlockManager::check_invariants(const std::vector<const KVAllocation*>& tabl
     }
     for (int32_t s : a->state_slots) ++slot_owner[s];
   }
+  // Past its hash watermark a table holds only private, unhashed blocks (append relies on this).
+  for (const KVAllocation* a : tables)
+    for (size_t i = a->num_hashed_blocks; i < a->block_table.size(); ++i) {
+      const Block& b = blocks_[a->block_table[i]];
+      PE_ASSERT(refs[a->block_table[i]] == 1 && !b.has_hash);
+    }
   int64_t used = 0;
   for (size_t i = 0; i < blocks_.size(); ++i) {
     const Block& b = blocks_[i];

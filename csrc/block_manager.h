@@ -13,6 +13,7 @@
 
 #include "block_hash_table.h"
 #include "common.h"
+#include "huge_page_allocator.h"
 
 namespace pyengine {
 
@@ -20,10 +21,10 @@ namespace pyengine {
 struct KVAllocation {
   std::vector<int32_t> block_table;
   int32_t num_hashed_blocks = 0;  // watermark: blocks [0, n) are published or were prefix hits
+  bool allocated = false;
   uint64_t last_block_hash = 0;   // chain parent for block num_hashed_blocks
   int64_t cache_salt = 0;         // extra key mixed into every hash of this request
   std::vector<int32_t> state_slots;  // recurrent-state slots (hybrid models), 1 + k of them
-  bool allocated = false;
 };
 
 struct PrefixMatch {
@@ -38,9 +39,11 @@ class BlockManager {
                int32_t num_state_slots, int32_t state_slots_per_seq);
 
   // The one allocation formula: new blocks needed so that positions [0, end) are covered.
+  // ceil(end / B) - len(block_table), never negative; the common case (already covered) divides
+  // nothing.
   int64_t blocks_needed(const KVAllocation& alloc, int64_t end) const {
-    int64_t need = ceil_div(end, block_size_) - static_cast<int64_t>(alloc.block_table.size());
-    return need > 0 ? need : 0;
+    const int64_t covered = static_cast<int64_t>(alloc.block_table.size()) * block_size_;
+    return end <= covered ? 0 : ceil_div(end - covered, block_size_);
   }
 
   // Admission of a prompt (or a preempted request's tokens): side-effect free check and the apply.
@@ -58,10 +61,21 @@ class BlockManager {
 
   // Publish hashes for every full block in [watermark, num_valid / B), where num_valid =
   // min(num_computed, num_committed_tokens): KV written and tokens committed.
-  void cache_full_blocks(KVAllocation& alloc, const int32_t* tokens, int64_t num_valid);
+  void cache_full_blocks(KVAllocation& alloc, const int32_t* tokens, int64_t num_valid) {
+    hash_full_blocks(alloc, tokens, num_valid);
+    publish_hashes();
+  }
+  // The same in two phases, for a step over many requests: hash_full_blocks computes the chain
+  // hashes of the newly full blocks, advances the watermark and queues them (prefetching their
+  // hash-table slots); publish_hashes inserts the queue in order. Each insert is a random access
+  // into a pool-sized table: queued, the misses of a whole step overlap instead of stalling one by
+  // one. `tokens` must stay valid, and the queued blocks held, until publish_hashes (which asserts
+  // that each still has ref count 1).
+  void hash_full_blocks(KVAllocation& alloc, const int32_t* tokens, int64_t num_valid);
+  void publish_hashes();
   // Cheap test callers use to skip the call on the step path (most steps fill no block).
   bool has_new_full_block(const KVAllocation& alloc, int64_t num_valid) const {
-    return enable_prefix_caching_ && num_valid / block_size_ > alloc.num_hashed_blocks;
+    return enable_prefix_caching_ && num_valid >= (alloc.num_hashed_blocks + int64_t{1}) * block_size_;
   }
 
   void free(KVAllocation& alloc);
@@ -94,6 +108,13 @@ class BlockManager {
     bool in_lru = false;
   };
 
+  struct PendingHash {  // a full block hashed by hash_full_blocks, waiting for publish_hashes
+    int32_t block_id;
+    uint64_t hash, parent_hash;
+    int64_t salt;
+    const int32_t* tokens;
+  };
+
   uint64_t hash_block(uint64_t parent, const int32_t* tokens, int64_t salt) const;
   const int32_t* tokens_of(int32_t id) const { return block_tokens_.data() + static_cast<size_t>(id) * block_size_; }
   PrefixMatch match_prefix(const int32_t* tokens, int64_t num_tokens, int64_t salt) const;
@@ -105,12 +126,15 @@ class BlockManager {
   int32_t block_size_;
   bool enable_prefix_caching_;
   int32_t state_slots_per_seq_;
-  std::vector<Block> blocks_;
-  std::vector<int32_t> block_tokens_;  // num_blocks x block_size: each hashed block's tokens, for
-                                      // the equality check on a hit (flat: no allocation per block)
+  // Pool-sized and read at random by the step path (see huge_page_allocator.h).
+  std::vector<Block, HugePageAllocator<Block>> blocks_;
+  // num_blocks x block_size: each hashed block's tokens, for the equality check on a hit (flat:
+  // no allocation per block).
+  std::vector<int32_t, HugePageAllocator<int32_t>> block_tokens_;
   std::vector<int32_t> free_uncached_;  // stack of free blocks without a hash
   int32_t lru_head_ = -1, lru_tail_ = -1, lru_size_ = 0;  // free cached blocks, oldest first
   BlockHashTable hash_to_block_;
+  std::vector<PendingHash> pending_hashes_;  // empty outside a hash_full_blocks/publish_hashes pair
   std::vector<int32_t> free_state_slots_;
   int32_t num_state_slots_;
 };

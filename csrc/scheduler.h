@@ -6,12 +6,11 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
-#include <new>
-#include <utility>
 #include <unordered_map>
 #include <vector>
 
 #include "block_manager.h"
+#include "scheduled_batch.h"
 #include "sequence.h"
 
 namespace pyengine {
@@ -29,52 +28,6 @@ struct SchedulerConfig {
   int32_t num_state_slots = 0;    // > 0 for hybrid models: each request holds 1 + k slots
 };
 
-// Allocator that leaves new elements uninitialised: batch arrays are fully written by build_batch,
-// so resize() need not zero them first (a second pass over every token on the step path).
-template <typename T>
-struct NoInitAllocator : std::allocator<T> {
-  template <typename U>
-  struct rebind {
-    using other = NoInitAllocator<U>;
-  };
-  template <typename U>
-  void construct(U* p) noexcept {
-    ::new (static_cast<void*>(p)) U;  // placement: default-initialise, no allocation
-  }
-  template <typename U, typename... Args>
-  void construct(U* p, Args&&... args) {
-    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
-  }
-};
-template <typename T>
-using BatchArray = std::vector<T, NoInitAllocator<T>>;
-
-// One step's batch. Per token: input_ids, positions, slot_mapping. Per row: the rest.
-// Rows are ordered decode/verify rows first, then prefill chunks.
-struct ScheduledBatch {
-  BatchArray<int64_t> seq_ids;
-  BatchArray<int64_t> input_ids;
-  BatchArray<int64_t> positions;
-  BatchArray<int64_t> slot_mapping;       // -1 for padding
-  BatchArray<int32_t> query_start_loc;    // rows + 1
-  BatchArray<int32_t> context_lens;       // KV length after this step
-  BatchArray<int32_t> num_computed;       // KV length before this step
-  BatchArray<int32_t> num_draft_tokens;   // drafts fed this step (0 for prefill rows)
-  BatchArray<int32_t> cu_num_draft_tokens;  // rows + 1
-  BatchArray<int32_t> num_logits;         // 1 + drafts (decode), 1 (last prefill chunk), 0
-  BatchArray<int32_t> logits_indices;     // token indices whose logits are sampled
-  BatchArray<int32_t> block_tables;       // rows x max_blocks, -1 padded
-  int32_t max_blocks = 0;
-  BatchArray<int32_t> state_slots;        // rows x slots_per_seq (hybrid models)
-  BatchArray<int32_t> num_accepted_prev;  // tokens committed by each row's previous step
-  std::vector<int64_t> preempted_seq_ids;
-  int32_t num_decode_rows = 0;
-  int32_t max_query_len = 0;
-  int32_t max_context_len = 0;
-
-  int32_t num_rows() const { return static_cast<int32_t>(seq_ids.size()); }
-};
-
 struct UpdateResult {
   std::vector<int32_t> num_committed;  // tokens appended per row (after stop truncation)
   std::vector<int8_t> finish_reason;   // FinishReason per row; kNone = still running
@@ -88,8 +41,8 @@ struct SchedulerStats {
   int64_t num_accepted_tokens = 0;  // drafts accepted
   int64_t num_verify_rows = 0;      // decode rows that carried at least one draft
   int64_t num_verify_committed = 0; // tokens those rows committed, bonus included
-  std::vector<int64_t> accepted_per_position;  // [k]
-  std::vector<int64_t> drafted_per_position;   // [k]
+  std::vector<int64_t> accepted_per_position;  // [k]: verify rows that accepted draft j
+  std::vector<int64_t> drafted_per_position;   // [k]: verify rows that carried draft j
 };
 
 class Scheduler {
@@ -102,18 +55,22 @@ class Scheduler {
   void abort_request(int64_t seq_id);
   // Drafts for the next step (0..k per running decode request); replaces earlier proposals.
   void set_draft_tokens(int64_t seq_id, const int32_t* tokens, int64_t n);
+  // The same for num_seqs requests at once: counts[i] drafts each, concatenated in tokens.
+  void set_draft_tokens_batch(const int64_t* seq_ids, const int32_t* counts, int64_t num_seqs,
+                              const int32_t* tokens, int64_t num_tokens);
   // Prompt-lookup proposals for every running decode request (see ngram_proposer.h).
   void propose_ngram(int32_t min_n, int32_t max_n, int32_t k);
   // Clamp of the drafts a request may still use: more would pass max_tokens or max_model_len.
   int64_t max_useful_drafts(const Sequence& seq) const;
 
-  ScheduledBatch schedule();
+  // The batch is the caller's until it drops its last reference; the scheduler then reuses it.
+  std::shared_ptr<ScheduledBatch> schedule();
   UpdateResult update(const int32_t* tokens, int64_t num_tokens, const int32_t* counts, int64_t num_rows);
 
   bool has_unfinished() const { return !running_.empty() || !waiting_.empty(); }
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
-  const SchedulerStats& stats() const { return stats_; }
+  SchedulerStats stats() const;
   const SchedulerConfig& config() const { return config_; }
   const BlockManager& block_manager() const { return block_manager_; }
   const Sequence& sequence(int64_t seq_id) const;
@@ -125,24 +82,45 @@ class Scheduler {
     Sequence* seq;
     int32_t num_scheduled;
     int32_t num_drafts;
+    int32_t num_logits;  // 1 + drafts (decode), 1 (last prefill chunk), 0 (partial chunk)
+    int32_t slot;        // seq->slot: update() validates against the drafts without touching seq
     bool is_decode;
   };
 
   Sequence& find(int64_t seq_id);
+  // Row `slot` of the draft matrix: the drafts of the running request holding that slot.
+  int32_t* draft_row(int32_t slot) {
+    return draft_matrix_.data() + static_cast<size_t>(slot) * config_.num_spec_tokens;
+  }
+  const int32_t* draft_row(int32_t slot) const {
+    return draft_matrix_.data() + static_cast<size_t>(slot) * config_.num_spec_tokens;
+  }
+  void leave_running(Sequence& seq);  // removes seq from running_, frees its blocks and slot
+  void set_draft_tokens(Sequence& seq, const int32_t* tokens, int64_t n);
   void preempt(Sequence* seq);
   // Appends up to n accepted tokens, stopping at EOS / stop ids / max_tokens / max_model_len.
   int32_t commit_tokens(Sequence& seq, const int32_t* tokens, int32_t n);
   void finish(Sequence& seq, FinishReason reason);
-  ScheduledBatch build_batch(const std::vector<Row>& rows) const;
+  std::shared_ptr<ScheduledBatch> reusable_batch();                              // scheduler_batch.cpp
+  void build_batch(const std::vector<Row>& rows, ScheduledBatch& batch) const;  // scheduler_batch.cpp
 
   SchedulerConfig config_;
   BlockManager block_manager_;
   std::unordered_map<int64_t, std::unique_ptr<Sequence>> seqs_;
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;  // admission order: preemption takes from the back
+  // Drafts of the running requests: row Sequence::slot of a max_num_seqs x k matrix, so that the
+  // step path reads and writes one dense array instead of a buffer per request.
+  std::vector<int32_t> draft_matrix_;
+  std::vector<int32_t> free_slots_;
   std::vector<Row> in_flight_;      // rows of the last schedule(), until update()
+  std::vector<Sequence*> filled_;   // update(): requests whose step filled a block to hash
+  static constexpr size_t kBatchPoolSize = 3;
+  std::vector<std::shared_ptr<ScheduledBatch>> batch_pool_;  // batches schedule() refills
   bool step_in_flight_ = false;
-  SchedulerStats stats_;
+  SchedulerStats stats_;  // the per-position vectors are derived by stats() from:
+  std::vector<int64_t> verify_rows_by_drafts_;    // [k + 1]: verify rows by draft count
+  std::vector<int64_t> verify_rows_by_accepted_;  // [k + 1]: verify rows by accepted drafts
 };
 
 }  // namespace pyengine

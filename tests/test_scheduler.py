@@ -250,3 +250,33 @@ def test_misuse_of_the_step_protocol() -> None:
         sched.set_draft_tokens(0, [1])
     with pytest.raises(ValueError, match="unknown request id 7"):
         sched.abort_request(7)
+
+
+def test_draft_batch_in_any_order_reaches_the_right_requests() -> None:
+    sched = make_scheduler(num_kv_blocks=64, block_size=4, num_spec_tokens=3, max_num_seqs=4)
+    for sid in range(3):
+        sched.add_request(sid, [1, 2], 10)
+    b = sched.schedule()
+    sched.update(np.full(3, 5, dtype=np.int32), b.num_logits.astype(np.int32))
+    # out of running order, one request left out: each row gets exactly its own drafts
+    sched.set_draft_tokens_batch(np.array([2, 0], dtype=np.int64), np.array([20, 21, 0], dtype=np.int32),
+                                 np.array([2, 1], dtype=np.int32))
+    b = sched.schedule()
+    assert list(b.seq_ids) == [0, 1, 2] and list(b.num_draft_tokens) == [1, 0, 2]
+    assert list(b.input_ids) == [5, 0, 5, 5, 20, 21]
+
+
+def test_a_batch_held_by_python_is_never_refilled() -> None:
+    """schedule() reuses a batch's arrays only once nothing references it any more."""
+    sched = make_scheduler(num_kv_blocks=64, block_size=4, max_num_seqs=4)
+    sched.add_request(0, [1, 2, 3], 12)
+    held = sched.schedule()
+    ids, tables = held.input_ids, held.block_tables
+    expect_ids, expect_tables = ids.copy(), tables.copy()
+    sched.update(np.array([5], dtype=np.int32), np.array([1], dtype=np.int32))
+    for _ in range(6):  # batches dropped right away are refilled by later steps
+        b = sched.schedule()
+        sched.update(np.array([6], dtype=np.int32), np.ones(b.num_rows, dtype=np.int32))
+        del b
+    assert (held.input_ids == expect_ids).all() and (ids == expect_ids).all()
+    assert (tables == expect_tables).all() and held.num_rows == 1
