@@ -117,6 +117,10 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_update_kernel(CausalConv1
     for (int t = 0; t < num; ++t) Vec::st(y + (s0 + t) * p.y_stride_token + c, zero);
     return;
   }
+  // The first token's input is loaded with the old window (the window stores below could alias
+  // x as far as the compiler knows, and would otherwise hold this load back a round trip).
+  float x0[V] = {};
+  if (num > 0) Vec::ld(x + s0 * p.x_stride_token + c, x0);
   const int off = max(p.num_accepted[n], 1) - 1;
   T* state = static_cast<T*>(p.conv_state) + (int64_t)line * p.state_rows * p.dim + c;
 #pragma unroll
@@ -133,7 +137,12 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_update_kernel(CausalConv1
     if (j >= 1) Vec::st(state + (int64_t)(j - 1) * p.dim, buf[m]);
   }
   for (int t = 0; t < num; ++t) {
-    Vec::ld(x + (s0 + t) * p.x_stride_token + c, buf[K - 1]);
+    if (t == 0) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) buf[K - 1][i] = x0[i];
+    } else {
+      Vec::ld(x + (s0 + t) * p.x_stride_token + c, buf[K - 1]);
+    }
     float acc[V];
 #pragma unroll
     for (int i = 0; i < V; ++i) {
