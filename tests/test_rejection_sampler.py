@@ -103,6 +103,25 @@ def test_zero_draft_rows_match_plain_sampler() -> None:
     assert spec.flat_tokens.tolist() == plain.tolist() and spec.num_accepted.sum() == 0
 
 
+def test_greedy_without_drafts_is_the_argmax() -> None:
+    """The all-greedy, no-draft step (plain decoding) gives each row's first maximum, with ties,
+    exactly as a batch with one draft in another row does for its zero-draft rows."""
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(5))
+    logits[2, [3, 17]] = logits[2].max() + 1.0  # a tie: the first maximum wins
+    out = RejectionSampler()(logits, torch.zeros(0, dtype=torch.long), torch.zeros(5, dtype=torch.long), None,
+                             [GREEDY] * 5, [None] * 5)
+    assert out.tokens == [[t] for t in logits.argmax(-1).tolist()] and out.tokens[2] == [3]
+    assert out.num_tokens.tolist() == [1] * 5 and out.num_accepted.tolist() == [0] * 5
+    # the general path (one row has a draft) agrees on the rows without drafts
+    with_draft = torch.cat([logits[:1], logits[:1], logits[1:]])
+    general = RejectionSampler()(with_draft, torch.tensor([0]), torch.tensor([1, 0, 0, 0, 0]), None,
+                                 [GREEDY] * 5, [None] * 5)
+    assert general.tokens[1:] == out.tokens[1:]
+    with pytest.raises(ValueError):  # draft counts without draft tokens are still rejected
+        RejectionSampler()(logits, torch.zeros(0, dtype=torch.long), torch.tensor([1, 0, 0, 0, 0]), None,
+                           [GREEDY] * 5, [None] * 5)
+
+
 def test_edge_cases_zero_probabilities() -> None:
     rows = 200
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).repeat(2, 1)
