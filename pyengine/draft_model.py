@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -112,7 +112,7 @@ class DraftModelProposer:
 
     # ---- Proposer ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, scheduler: _C.Scheduler, num_drafts: int) -> None:
+    def propose(self, scheduler: _C.Scheduler, num_drafts: int, per_request: Mapping[int, int] | None = None) -> None:
         running = scheduler.running_ids()
         self._forget_departed(scheduler, running)
         self.pending.clear()
@@ -128,6 +128,8 @@ class DraftModelProposer:
                 self.state.pop(sid, None)  # (re)admitted, still prefilling: the draft cache is unknown
                 continue
             k_r = min(num_drafts, self._useful_drafts(sid, n))
+            if per_request is not None:
+                k_r = min(k_r, per_request.get(sid, k_r))
             if k_r <= 0:
                 continue
             st = self.state.get(sid)

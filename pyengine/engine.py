@@ -115,10 +115,12 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Run one step; returns the requests that received tokens (or finished) in it."""
         t0 = time.perf_counter()
-        num_drafts = 0
         if self.proposer is not None:
-            num_drafts = self.draft_length.num_drafts(self.scheduler.num_running) if self.draft_length else self.k
-            self.proposer.propose(self.scheduler, num_drafts)
+            if self.draft_length is None:
+                self.proposer.propose(self.scheduler, self.k)
+            else:  # a length per decode request
+                lengths = self.draft_length.draft_lengths(self._decode_ids())
+                self.proposer.propose(self.scheduler, max(lengths.values(), default=0), lengths)
         batch = self.scheduler.schedule()
         assert batch.num_rows > 0, "the scheduler made no progress with requests pending"
         logits = self.runner.execute(batch)
@@ -135,11 +137,16 @@ class LLMEngine:
             self.counters["decode_tokens"] += int(num_committed.sum())
         if self.draft_length is not None:
             rows = batch.num_decode_rows
-            if num_drafts:
-                self.draft_length.observe_rows(batch.num_draft_tokens[:rows], counts[:rows])
+            self.draft_length.observe_rows(batch.seq_ids[:rows].tolist(), batch.num_draft_tokens[:rows], counts[:rows])
             if not num_prefill:
                 self.draft_length.observe_step(int(batch.num_tokens), elapsed)
         return touched
+
+    def _decode_ids(self) -> list[int]:
+        """Running requests whose next step decodes (all their committed tokens but the last computed)."""
+        sched, reqs = self.scheduler, self.requests
+        return [sid for sid in sched.running_ids()
+                if sched.num_computed(sid) == len(reqs[sid].prompt_token_ids) + len(reqs[sid].output_token_ids) - 1]
 
     def _sample(self, batch, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         num_logits = batch.num_logits
@@ -183,6 +190,8 @@ class LLMEngine:
         for req in touched:
             if req.finished:
                 self.generators.release(req.request_id)
+                if self.draft_length is not None:
+                    self.draft_length.release(req.request_id)
         return touched
 
     def _append_text(self, req: Request, new: list[int]) -> None:

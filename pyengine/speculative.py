@@ -5,8 +5,9 @@ the scheduler; verification (pyengine.rejection_sampler) decides what is kept.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -62,7 +63,10 @@ class SpeculativeConfig:
 
 
 class Proposer(Protocol):
-    def propose(self, scheduler: _C.Scheduler, num_drafts: int) -> None: ...
+    def propose(self, scheduler: _C.Scheduler, num_drafts: int, per_request: Mapping[int, int] | None = None) -> None:
+        """Give each running decode request up to num_drafts drafts; per_request (seq id -> length,
+        each <= num_drafts) lowers that for the requests it names."""
+        ...
 
 
 class NgramProposer:
@@ -71,8 +75,20 @@ class NgramProposer:
     def __init__(self, cfg: SpeculativeConfig) -> None:
         self.min_n, self.max_n = cfg.prompt_lookup_min, cfg.prompt_lookup_max
 
-    def propose(self, scheduler: _C.Scheduler, num_drafts: int) -> None:
+    def propose(self, scheduler: _C.Scheduler, num_drafts: int, per_request: Mapping[int, int] | None = None) -> None:
         scheduler.propose_ngram(self.min_n, self.max_n, num_drafts)
+        if not per_request or num_drafts <= 0:
+            return
+        # Shorter rows: the lookup with a smaller k returns a prefix of the same match, so
+        # only rows that keep some drafts need their tokens (0-draft rows are just cleared).
+        short = [(sid, n) for sid, n in per_request.items() if n < num_drafts]
+        if not short:
+            return
+        drafts = [_C.propose_ngram(scheduler.token_ids(sid), self.min_n, self.max_n, n) if n > 0 else []
+                  for sid, n in short]
+        scheduler.set_draft_tokens_batch(np.fromiter((sid for sid, _ in short), np.int64, len(short)),
+                                         np.fromiter(itertools.chain.from_iterable(drafts), np.int32),
+                                         np.fromiter((len(d) for d in drafts), np.int32, len(short)))
 
 
 class ScriptedProposer:
@@ -82,74 +98,181 @@ class ScriptedProposer:
         assert cfg.script is not None
         self.script = cfg.script
 
-    def propose(self, scheduler: _C.Scheduler, num_drafts: int) -> None:
+    def propose(self, scheduler: _C.Scheduler, num_drafts: int, per_request: Mapping[int, int] | None = None) -> None:
         for seq_id in scheduler.running_ids():
             tokens = scheduler.token_ids(seq_id)
             if scheduler.num_computed(seq_id) != len(tokens) - 1:
                 continue  # still prefilling: no drafts
-            drafts = list(self.script(seq_id, tokens))[:num_drafts]
+            n = num_drafts if per_request is None else min(num_drafts, per_request.get(seq_id, num_drafts))
+            drafts = list(self.script(seq_id, tokens))[:n]
             scheduler.set_draft_tokens(seq_id, drafts)
 
 
 class DraftLengthPolicy:
-    """How many drafts to propose each step: the length with the best expected goodput.
+    """How many drafts each request proposes this step: the lengths with the best expected goodput.
 
-        goodput(k) = (R + R_d * sum_{j<k} P_j) / T(R + R_d * k)
+        goodput = (R + sum_i h_i sum_{j<k_i} P_ij) / T(R + sum_i h_i k_i)
 
-    R decode rows, R_d of them with drafts (the proposer may find none for a row); P_j the chance
-    that drafts 0..j are all accepted (decayed counts from recent verify rows); T(n) = a + b n the
-    step time for n tokens fed, a least-squares line through recent decode-only steps. Where
-    speculation does not pay (poor acceptance, or a batch large enough that verify tokens cost
-    real compute) the best length is 0, so speculation never costs much more than it saves; a
-    probe at full length every `probe_every` steps keeps the acceptance estimate fresh.
+    R decode rows; row i asks for k_i drafts and the proposer finds some with chance h_i; P_ij is
+    the chance that drafts 0..j of row i are all accepted; T(n) = a + b n the step time for n
+    tokens fed, a least-squares line through recent decode-only steps (shared by all rows).
+
+    Lengths are chosen greedily: the next draft goes to the row whose next position has the
+    highest P_ij, as long as its expected tokens per extra time beat the goodput so far by
+    `margin` (P_ij / b > (1 + margin) * goodput; h_i cancels out of that test). P_ij falls as j
+    grows and the goodput only rises, so the first draft that fails ends the search. Where verify
+    tokens cost real compute (large batches) only rows that nearly always accept keep drafts; a
+    row whose recent drafts were rejected gets none while grounded rows keep speculating.
+
+    Estimates: P_ij = c_i0 * ... * c_ij, with c_il the chance that draft l is accepted once drafts
+    0..l-1 were: the row's decayed counts of trials and acceptances at position l, shrunk towards
+    the batch's pooled estimate with the weight of `prior_weight` trials (a new row starts at the
+    batch's estimate). A row's counts decay each time it verifies drafts, at every position: the
+    positions past its current length fade back to the batch's estimate, so a row that accepts
+    well is offered longer drafts again. A row that gets no drafts keeps its evidence; a row whose
+    next position has gone unverified for `probe_every` steps (longer in large batches: about k
+    probe drafts per `probe_every` steps over the batch) gets a probe there, and an accepted probe
+    wipes the row's evidence from that position on (its acceptance has changed). A probe the
+    proposer cannot fill costs nothing and is repeated next step.
     """
 
-    def __init__(self, k: int, probe_every: int = 48, decay: float = 0.95, margin: float = 0.05) -> None:
+    def __init__(self, k: int, probe_every: int = 48, decay: float = 0.95, margin: float = 0.05,
+                 prior_weight: float = 1.0) -> None:
         # margin: speculate only for an expected gain above it; the model omits the proposal and
         # verification overheads, so near break-even plain decoding is the safer choice
         self.k, self.probe_every, self.decay, self.margin = k, probe_every, decay, margin
-        self.accepted = [1.0] * k  # decayed counts; start optimistic: P_j = 1
-        self.drafted = [1.0] * k
-        self.rows = self.rows_with_drafts = 1.0
+        self.prior_weight = prior_weight
+        # Batch-wide decayed counts per position; start optimistic (c = 1 with one trial's weight).
+        self.pool_trials, self.pool_accepts = np.ones(k), np.ones(k)
+        # Per-row statistics live in the rows of these arrays (slot_of maps seq id -> row).
+        self.slot_of: dict[int, int] = {}
+        self.free_slots: list[int] = []
+        self.trials = np.zeros((0, k))  # decayed count: draft j verified after drafts 0..j-1 were accepted
+        self.accepts = np.zeros((0, k))  # ... and accepted
+        self.asked = np.zeros(0)  # decayed count: steps the row was asked for drafts
+        self.found = np.zeros(0)  # ... in which the proposer found at least one
+        self.idle = np.zeros((0, k), dtype=np.int64)  # steps since position j was last verified
+        self.planned: dict[int, int] = {}  # this step's lengths
+        self.probes: dict[int, int] = {}  # this step's probes: seq id -> first probed position
         self.fit_sums = [0.0] * 5  # decayed sums of 1, n, t, n*n, n*t over decode-only steps
         self.steps = 0
 
-    def num_drafts(self, num_rows: int) -> int:
+    # ---- the plan ------------------------------------------------------------------------------
+    def draft_lengths(self, seq_ids: Sequence[int]) -> dict[int, int]:
+        """Drafts to propose for each running decode request (seq id -> 0..k)."""
+        self.planned, self.probes = {}, {}
+        if not seq_ids:
+            return self.planned
         self.steps += 1
-        rows = max(num_rows, 1)
+        rows = np.fromiter((self._slot(s) for s in seq_ids), np.int64, len(seq_ids))
+        self.idle[rows] += 1
+        num_rows = len(rows)
         # Probes (and the warm-up that gives the time line two token counts) stay cheap where
         # verify tokens cost compute: about k extra tokens per step whatever the batch size.
-        probe = max(1, min(self.k, round(self.k / rows)))
-        if self.steps <= 4:
-            return probe if self.steps % 2 else 0
-        if self.steps % self.probe_every == 0:
-            return probe
-        line = self._time_line()
-        if line is None:
-            return probe
-        a, b = line
-        with_drafts = rows * self.rows_with_drafts / self.rows
-        best_k, best, expected = 0, (1.0 + self.margin) * rows / (a + b * rows), 0.0
-        for j in range(self.k):
-            expected += self.accepted[j] / self.drafted[j]
-            goodput = (rows + with_drafts * expected) / (a + b * (rows + with_drafts * (j + 1)))
-            if goodput > best:
-                best_k, best = j + 1, goodput
-        return best_k
+        probe = max(1, min(self.k, round(self.k / num_rows)))
+        line = self._time_line() if self.steps > 4 else None
+        if line is None:  # warm-up (or a degenerate fit): alternate probes and plain steps
+            lengths = np.full(num_rows, probe if self.steps % 2 or self.steps > 4 else 0)
+        else:
+            lengths = self._best_lengths(rows, *line)
+            # The next position of a row left unverified for long enough: probe it (and beyond).
+            interval = self.probe_every * max(1.0, num_rows / self.k)
+            can_grow = np.nonzero(lengths < self.k)[0]
+            stale = can_grow[self.idle[rows[can_grow], lengths[can_grow]] >= interval]
+            self.probes = {seq_ids[i]: int(lengths[i]) for i in stale}
+            lengths[stale] = np.minimum(lengths[stale] + probe, self.k)
+        self.planned = dict(zip(seq_ids, lengths.tolist()))
+        return self.planned
 
+    def _best_lengths(self, rows: np.ndarray, a: float, b: float) -> np.ndarray:
+        """Greedy marginal allocation of drafts over rows (see the class docstring)."""
+        num_rows, k = len(rows), self.k
+        p = self.acceptance(rows)  # [R, k], non-increasing along k
+        h = self.found[rows] / self.asked[rows]
+        # Candidates (row, position) by falling P; ties keep position order within a row, so the
+        # drafts taken for a row are always a prefix.
+        order = np.argsort(-p.ravel(), kind="stable")
+        p_next = p.ravel()[order]
+        row = order // k
+        gain, cost = h[row] * p_next, b * h[row]
+        tokens = num_rows + np.concatenate(([0.0], np.cumsum(gain)[:-1]))  # expected tokens before each
+        seconds = a + b * num_rows + np.concatenate(([0.0], np.cumsum(cost)[:-1]))
+        pays = (p_next > 0) & (p_next * seconds > (1.0 + self.margin) * b * tokens)
+        taken = len(pays) if pays.all() else int(np.argmin(pays))
+        return np.bincount(row[:taken], minlength=num_rows)
+
+    def acceptance(self, rows: np.ndarray) -> np.ndarray:
+        """P_ij for the given slots: [len(rows), k], non-increasing along j."""
+        prior = (self.pool_accepts + 1e-12) / (self.pool_trials + 1e-12)
+        w = self.prior_weight
+        c = (self.accepts[rows] + w * prior) / (self.trials[rows] + w)
+        return np.cumprod(c, axis=1)
+
+    def row_acceptance(self, seq_id: int) -> np.ndarray:
+        """P_j of one request (for tests and debugging)."""
+        return self.acceptance(np.array([self._slot(seq_id)]))[0]
+
+    # ---- observations ----------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A decode-only step: n tokens fed took `seconds`."""
         for i, v in enumerate((1.0, num_tokens, seconds, num_tokens * num_tokens, num_tokens * seconds)):
             self.fit_sums[i] = self.decay * self.fit_sums[i] + v
 
-    def observe_rows(self, num_drafts: np.ndarray, num_committed: np.ndarray) -> None:
-        """The decode rows of a step that proposed drafts: drafts verified and tokens committed."""
-        self.rows = self.decay * self.rows + len(num_drafts)
-        self.rows_with_drafts = self.decay * self.rows_with_drafts + float((num_drafts > 0).sum())
-        for j in range(self.k):
-            had = num_drafts > j
-            self.drafted[j] = self.decay * self.drafted[j] + float(had.sum())
-            self.accepted[j] = self.decay * self.accepted[j] + float((had & (num_committed - 1 > j)).sum())
+    def observe_rows(self, seq_ids: Sequence[int], num_drafts: np.ndarray, num_committed: np.ndarray) -> None:
+        """The decode rows of a step: drafts verified and tokens committed per row (rows this
+        step's plan asked nothing of are ignored)."""
+        asked = [i for i, s in enumerate(seq_ids) if self.planned.get(int(s), 0) > 0 and int(s) in self.slot_of]
+        if not asked:
+            return
+        rows = np.fromiter((self.slot_of[int(seq_ids[i])] for i in asked), np.int64, len(asked))
+        drafts = np.asarray(num_drafts)[asked]
+        accepted = np.asarray(num_committed)[asked] - 1
+        self.asked[rows] = self.decay * self.asked[rows] + 1.0
+        self.found[rows] = self.decay * self.found[rows] + (drafts > 0)
+        cols = np.arange(self.k)
+        verified = cols[None, :] < drafts[:, None]  # [rows, k]: position j verified
+        tried = verified & (cols[None, :] <= accepted[:, None])  # ... after all earlier ones were accepted
+        passed = cols[None, :] < accepted[:, None]
+        # An accepted probe: the row's acceptance has changed, forget its evidence from there on.
+        for n, i in enumerate(asked):
+            start = self.probes.get(int(seq_ids[i]))
+            if start is not None and accepted[n] > start:
+                self.trials[rows[n], start:] = self.accepts[rows[n], start:] = 0.0
+        has = drafts > 0  # rows with evidence this step: their counts decay, at every position
+        if has.any():
+            seen = rows[has]
+            self.trials[seen] = self.decay * self.trials[seen] + tried[has]
+            self.accepts[seen] = self.decay * self.accepts[seen] + passed[has]
+            self.pool_trials = self.decay * self.pool_trials + tried.sum(axis=0)
+            self.pool_accepts = self.decay * self.pool_accepts + passed.sum(axis=0)
+            self.idle[seen] = np.where(verified[has], 0, self.idle[seen])
+
+    def release(self, seq_id: int) -> None:
+        """A finished request: its row is reused."""
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _slot(self, seq_id: int) -> int:
+        slot = self.slot_of.get(seq_id)
+        if slot is not None:
+            return slot
+        if not self.free_slots:
+            old = len(self.asked)
+            grow = max(old, 8)
+            self.trials = np.concatenate([self.trials, np.zeros((grow, self.k))])
+            self.accepts = np.concatenate([self.accepts, np.zeros((grow, self.k))])
+            self.asked = np.concatenate([self.asked, np.zeros(grow)])
+            self.found = np.concatenate([self.found, np.zeros(grow)])
+            self.idle = np.concatenate([self.idle, np.zeros((grow, self.k), dtype=np.int64)])
+            self.free_slots.extend(range(old + grow - 1, old - 1, -1))
+        slot = self.free_slots.pop()
+        self.trials[slot] = self.accepts[slot] = 0.0  # no evidence of its own: the batch's estimate
+        self.asked[slot] = self.found[slot] = 1.0
+        self.idle[slot] = 0
+        self.slot_of[seq_id] = slot
+        return slot
 
     def _time_line(self) -> tuple[float, float] | None:
         s1, sn, st, snn, snt = self.fit_sums

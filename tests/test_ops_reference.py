@@ -136,3 +136,15 @@ def test_validation_errors():
 @pytest.mark.parametrize("rows", [[(0, 9)], [(0, 7)] * 3])
 def test_fresh_equal_prompts_causal_path(hq, hkv, rows):
     _run_case(11, hq, hkv, 16, 16, rows)
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 30])
+def test_decode_rows_mixed_with_verify_rows_both_layouts(budget, monkeypatch):
+    # Decode rows with a few verify rows (1 + k queries): one decode batch with a row per query
+    # (budget allows) or single-query and multi-query sub-batches (budget 0) give the same result.
+    from pyengine.ops import reference
+
+    monkeypatch.setattr(reference, "_UNROLL_BUDGET", budget)
+    rows = [(30, 1), (12, 5), (0, 1), (47, 1), (3, 3), (16, 1), (5, 0)]
+    _run_case(11, 9, 3, 16, 4, rows)
+    _run_case(12, 8, 2, 16, 16, rows)

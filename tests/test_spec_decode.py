@@ -9,7 +9,7 @@ import random
 import pytest
 
 from pyengine import SamplingParams
-from tests.spec_harness import assert_lossless, run
+from tests.spec_harness import RecordingScheduler, assert_lossless, run
 from tests.tiny_models import VOCAB, make_checkpoint
 
 
@@ -53,6 +53,42 @@ def test_ngram_greedy_equals_plain(tiny: str, batch: int, block_size: int, k: in
     assert stats["num_accepted_tokens"] > 0, "speculation never accepted anything: the test proves nothing"
     if batch > 1:
         assert rec.had_ragged_step(), "no step mixed rows with drafts and rows without"
+
+
+def test_per_request_draft_lengths_equal_plain(tiny: str) -> None:
+    """The adaptive policy gives each request its own length in the same step: requests whose
+    drafts are always right keep k, requests whose drafts are always wrong get none; the output is
+    unchanged. The step-time line is fixed (verify tokens cost compute), so the lengths depend on
+    acceptance alone, not on this machine's timing."""
+    from pyengine import LLM
+    from pyengine.speculative import DraftLengthPolicy
+
+    k, prompts = 4, make_prompts(8, seed=7)
+    plain = run(tiny, prompts, max_tokens=40)[0]
+    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, plain))}
+
+    def script(seq_id: int, tokens: list[int]) -> list[int]:
+        prompt_len, ref = reference[seq_id]
+        good = ref[len(tokens) - prompt_len:][:k]
+        return good if seq_id % 2 == 0 else [(t + 1) % VOCAB for t in good]
+
+    spec = {"method": "scripted", "num_speculative_tokens": k, "script": script}
+    llm = LLM(model=tiny, device="cpu", speculative_config=spec, block_size=4)
+    policy = DraftLengthPolicy(k)
+    for n in (8, 40, 8, 40):  # T(n) = 10 ms + 1 ms per token
+        policy.observe_step(n, 0.010 + 0.001 * n)
+    policy.steps = 4  # past the warm-up
+    policy.observe_step = lambda num_tokens, seconds: None  # type: ignore[method-assign]
+    llm.engine.draft_length = policy  # (scripted drafts are otherwise never shortened)
+    rec = RecordingScheduler(llm.engine.scheduler)
+    llm.engine.scheduler = rec
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs == plain
+    late = [s for s in rec.steps[6:] if s.num_decode_rows == len(s.num_drafts) == 8]
+    assert len(late) >= 3, "too few steps with all 8 requests decoding"
+    for s in late:  # rows are in admission order: even seq ids accept everything
+        assert (s.num_drafts[0:8:2] >= k - 1).all() and (s.num_drafts[1:8:2] == 0).all(), s.num_drafts
 
 
 def test_ngram_with_preemption_equals_plain(tiny: str) -> None:
