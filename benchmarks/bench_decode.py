@@ -81,13 +81,18 @@ def make_llm(name: str, gguf: str | None, max_num_seqs: int, num_kv_blocks: int,
               enforce_eager=enforce_eager)
     if name == "smollm2":
         return LLM(model=gguf, **kw)
+    model, cfg = random_llama(LLAMA8B_HF)
+    return llm_from_model(model, cfg, **kw)
+
+
+def llm_from_model(model, cfg, **llm_kw) -> LLM:
+    """An LLM around an in-memory model (random weights, token-id prompts only)."""
     import pyengine.llm as llm_mod
 
-    model, cfg = random_llama(LLAMA8B_HF)
     orig = llm_mod.load_model
     llm_mod.load_model = lambda *a, **k: (model, cfg, NullTokenizer())
     try:
-        return LLM(model=None, **kw)
+        return LLM(model=None, **llm_kw)
     finally:
         llm_mod.load_model = orig
 

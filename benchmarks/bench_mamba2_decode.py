@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import NullTokenizer, sync_time  # noqa: E402
+from bench_decode import llm_from_model, sync_time  # noqa: E402
 from gpu_timing import copy_bandwidth_gbps  # noqa: E402
 
 from pyengine import LLM, SamplingParams  # noqa: E402
@@ -56,16 +56,10 @@ def random_mamba2(dtype=torch.bfloat16):
 
 
 def make_llm(model, cfg, max_num_seqs: int, spec: dict | None) -> LLM:
-    import pyengine.llm as llm_mod
-
-    orig = llm_mod.load_model
-    llm_mod.load_model = lambda *a, **k: (model, cfg, NullTokenizer())
-    try:
-        # num_kv_blocks left to the default: the model has no attention layers, so the (tiny) KV
-        # pool is sized never to limit admission
-        return LLM(model=None, device="cuda", max_num_seqs=max_num_seqs, max_model_len=1024, speculative_config=spec)
-    finally:
-        llm_mod.load_model = orig
+    # num_kv_blocks left to the default: the model has no attention layers, so the (tiny) KV
+    # pool is sized never to limit admission
+    return llm_from_model(model, cfg, device="cuda", max_num_seqs=max_num_seqs, max_model_len=1024,
+                          speculative_config=spec)
 
 
 def state_bytes_per_row(cfg) -> int:

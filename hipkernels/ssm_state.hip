@@ -43,7 +43,8 @@ struct Io<pe_bf16> {
 
 PE_DEVICE float silu(float v) { return v / (1.f + __expf(-v)); }
 
-// V consecutive channels of a row in one access where V * sizeof(T) is 16 or 8 bytes.
+// V consecutive elements (conv channels, SSM state entries) in one access where V * sizeof(T) is
+// 16 or 8 bytes, else element by element.
 template <int BYTES>
 struct RawVec {
   using type = void;
@@ -198,23 +199,6 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_fn_kernel(CausalConv1dPar
   for (int j = 0; j < W - 1; ++j) Io<T>::st(state + (int64_t)j * p.dim, win[j]);
 }
 
-// V consecutive fp32 state entries per lane access: one 16-byte load/store where the state allows.
-template <int V>
-struct StateVec;
-template <>
-struct StateVec<1> {
-  static PE_DEVICE void ld(const float* p, float* v) { v[0] = *p; }
-  static PE_DEVICE void st(float* p, const float* v) { *p = v[0]; }
-};
-template <>
-struct StateVec<4> {
-  static PE_DEVICE void ld(const float* p, float* v) {
-    const float4 f = *reinterpret_cast<const float4*>(p);
-    v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
-  }
-  static PE_DEVICE void st(float* p, const float* v) { *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]); }
-};
-
 template <typename T, int V>
 __global__ void __launch_bounds__(kLanes * kWarpsPerBlock) selective_state_update_kernel(SelectiveStateUpdateParams p) {
   constexpr int J = kSsmMaxStateSize / (kLanes * V);  // state chunks per lane
@@ -245,7 +229,7 @@ __global__ void __launch_bounds__(kLanes * kWarpsPerBlock) selective_state_updat
     for (int j = 0; j < J; ++j) {
       const int k0 = (lane + j * kLanes) * V;
       if (src >= 0 && r < rows_here && k0 < N) {
-        StateVec<V>::ld(p.state + src * slot_elems + row_off + (int64_t)r * N + k0, s[r][j]);
+        ChanVec<float, V>::ld(p.state + src * slot_elems + row_off + (int64_t)r * N + k0, s[r][j]);
       } else {
 #pragma unroll
         for (int i = 0; i < V; ++i) s[r][j][i] = 0.f;
@@ -291,7 +275,7 @@ __global__ void __launch_bounds__(kLanes * kWarpsPerBlock) selective_state_updat
           s[r][j][i] = s[r][j][i] * decay + bk[i] * xv[r];
           partial[r] += s[r][j][i] * ck[i];
         }
-        if (dst >= 0) StateVec<V>::st(p.state + dst * slot_elems + row_off + (int64_t)r * N + k0, s[r][j]);
+        if (dst >= 0) ChanVec<float, V>::st(p.state + dst * slot_elems + row_off + (int64_t)r * N + k0, s[r][j]);
       }
     }
 #pragma unroll

@@ -157,7 +157,8 @@ class CudaGraphRunner:
         # and the capture write no KV or state and read none.
         self._fill_padding(0, b, q)
         self.dev64.copy_(self.host64)
-        self.dev_state.copy_(self.host_state)  # PAD slots: the warm-up must not touch live state
+        if self.state_cache is not None:
+            self.dev_state.copy_(self.host_state)  # PAD slots: the warm-up must not touch live state
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
@@ -206,13 +207,15 @@ class CudaGraphRunner:
                 return self.execute(batch, key)
             self.dev64[:3 * T + b].copy_(self.host64[:3 * T + b], non_blocking=True)
             self.dev32[:b].copy_(self.host32[:b], non_blocking=True)
-            self.dev_state[:b].copy_(self.host_state[:b], non_blocking=True)
+            if self.state_cache is not None:
+                self.dev_state[:b].copy_(self.host_state[:b], non_blocking=True)
             self.copy_done.record()
             entry[0].replay()
             self.num_replays += 1
             return entry[1][:n]
         self.dev64.copy_(self.host64)
         self.dev32.copy_(self.host32)
-        self.dev_state.copy_(self.host_state)
+        if self.state_cache is not None:
+            self.dev_state.copy_(self.host_state)
         self.num_eager += 1
         return self._forward(b, q)[:n]
