@@ -136,7 +136,7 @@ class BambaForCausalLM(nn.Module):
                 for a, layer in zip(self.is_attention, self.layers)]
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim] in the permuted layout, rotate_half's sign folded into sin."""
+        """cos, sin [T, head_dim] in the permuted layout, rotate_half's sign folded into sin."""
         d, r2 = self.config.head_dim, self.config.rotary_dim // 2
         angles = positions.to(torch.float64)[:, None] * self.inv_freq  # [T, r/2]
         cos = torch.ones(positions.shape[0], d, dtype=torch.float64, device=positions.device)
@@ -144,7 +144,7 @@ class BambaForCausalLM(nn.Module):
         c, s = angles.cos(), angles.sin()
         cos[:, :r2], cos[:, d // 2:d // 2 + r2] = c, c
         sin[:, :r2], sin[:, d // 2:d // 2 + r2] = -s, s
-        return cos.to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -156,7 +156,8 @@ class BambaForCausalLM(nn.Module):
         cos, sin = self._rope(positions)
         for i, layer in enumerate(self.layers):
             if self.is_attention[i]:
-                h = layer(h, cos, sin, meta, kv_caches[i])
+                mlp_out, residual = layer(h, None, cos, sin, meta, kv_caches[i])
+                h = mlp_out + residual
             else:
                 h = layer(h, state, state.conv[i], state.ssm[i])
         return F.rms_norm(h, (h.shape[-1],), self.final_layernorm, self.config.rms_norm_eps)

@@ -88,44 +88,44 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = param(inter, hidden) if mlp else None
         self.intermediate_size = inter
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: KVCache,
-    ) -> torch.Tensor:
-        return self.mlp(self.attention(h, cos, sin, meta, kv_cache))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor | None,
+                sin: torch.Tensor | None, meta: AttentionMetadata,
+                kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's residual stream: h is the previous layer's MLP output and residual the sum before
+        it (None at the first layer, where h is the embedding). Returns (this layer's MLP output,
+        residual); the caller adds the last pair. The adds are fused into the norms."""
+        if residual is None:
+            residual, x = h, ops.rms_norm(h, self.input_layernorm, self.eps)
+        else:
+            x, residual = ops.fused_add_rms_norm(h, residual, self.input_layernorm, self.eps)
+        attn = self.self_attention(x, cos, sin, meta, kv_cache)
+        x, residual = ops.fused_add_rms_norm(attn, residual, self.post_attention_layernorm, self.eps)
+        return self.swiglu(x), residual
 
-    def attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                  kv_cache: KVCache) -> torch.Tensor:
-        """h + attention(norm(h)): writes this step's K/V, then reads the paged context."""
-        t = h.shape[0]
+    def attention(self, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                  meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """h + attention(norm(h)), for hybrid models that use the attention half on its own."""
+        return h + self.self_attention(ops.rms_norm(h, self.input_layernorm, self.eps), cos, sin, meta, kv_cache)
+
+    def self_attention(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                       meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """o_proj(attention(x)) for normed x [T, hidden]: writes this step's K/V, then reads the
+        paged context. cos/sin [T, head_dim] (rotate_half's sign folded into sin), None: no RoPE."""
+        t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        x = F.rms_norm(h, (h.shape[-1],), self.input_layernorm, self.eps)
         qkv = linear(x, self.qkv_proj, self.qkv_bias)
-        qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
+        qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)  # strided rows: q|k|v stay in one buffer
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         if self.qk_norm is not None:
-            qk = F.rms_norm(qk, (d,), None, self.eps) * self.qk_norm
-        # Rotate-half RoPE on q and k at once: x * cos + rotate_half(x) * sin, with
-        # rotate_half's negation folded into the sign of the first half of `sin`.
-        half = d // 2
-        qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
-        q, k = qk[:, :hq], qk[:, hq:]
-        k_cache, v_cache = kv_cache
-        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+            qk = (F.rms_norm(qk, (d,), None, self.eps) * self.qk_norm).contiguous()
+        ops.rope_and_cache(qk, v, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        attn = ops.paged_attention(qk[:, :hq], kv_cache[0], kv_cache[1], meta, self.scale)
         assert isinstance(attn, torch.Tensor)
-        return h + linear(attn.reshape(t, hq * d), self.o_proj)
+        return linear(attn.reshape(t, hq * d), self.o_proj)
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        """h + SwiGLU(norm(h))."""
-        x = F.rms_norm(h, (h.shape[-1],), self.post_attention_layernorm, self.eps)
-        gate_up = linear(x, self.gate_up_proj)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return h + linear(F.silu(gate) * up, self.down_proj)
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)) for normed x."""
+        return linear(ops.silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -163,11 +163,13 @@ class LlamaForCausalLM(nn.Module):
             h = self.lm_head.index_select(1, input_ids).t().contiguous()
         else:
             h = F.embedding(input_ids, self.embed_tokens)
-        cos = self.rope_cos.index_select(0, positions)[:, None, :]  # [T, 1, D], shared by all heads
-        sin = self.rope_sin.index_select(0, positions)[:, None, :]
+        cos = self.rope_cos.index_select(0, positions)  # [T, D], shared by all heads and layers
+        sin = self.rope_sin.index_select(0, positions)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, meta, kv_cache)
-        return F.rms_norm(h, (h.shape[-1],), self.norm, self.config.rms_norm_eps)
+            h, residual = layer(h, residual, cos, sin, meta, kv_cache)
+        assert residual is not None
+        return ops.fused_add_rms_norm(h, residual, self.norm, self.config.rms_norm_eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

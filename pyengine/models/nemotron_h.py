@@ -114,13 +114,11 @@ class NemotronHForCausalLM(nn.Module):
         if state is None:
             state = StateCache.scratch(self, meta.query_start_loc, self.dtype, input_ids.device)
         h = F.embedding(input_ids, self.embeddings)
-        ones = torch.ones(1, 1, self.config.head_dim, dtype=self.dtype, device=h.device)
-        zeros = torch.zeros_like(ones)
         for i, layer in enumerate(self.layers):
             if isinstance(layer, NemotronHMambaBlock):
                 h = layer(h, state, state.conv[i], state.ssm[i])
             elif isinstance(layer, LlamaDecoderLayer):
-                h = layer.attention(h, ones, zeros, meta, kv_caches[i])  # no RoPE
+                h = layer.attention(h, None, None, meta, kv_caches[i])  # no RoPE
             else:
                 h = layer(h)
         return F.rms_norm(h, (h.shape[-1],), self.norm_f, self.config.rms_norm_eps)

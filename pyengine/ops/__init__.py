@@ -1,23 +1,29 @@
 """Paged KV-cache ops: validate once here, then dispatch by device.
 
-CPU tensors run the PyTorch reference (pyengine.ops.reference). CUDA tensors run
-pyengine.ops.cuda (same signatures) when it imports, else fall back to the reference so a
-partially built GPU stack still produces correct results.
+CPU tensors run pyengine.ops.cpu (C++ loops of the extension, fp32/bf16) where it has the op,
+else the PyTorch reference (pyengine.ops.reference, pyengine.ops.layer_reference). CUDA tensors
+run pyengine.ops.cuda (same signatures) where it has the op, else the reference, so a partially
+built stack still produces correct results. PYENGINE_CPU_KERNELS=0 keeps the CPU on the reference.
 """
 from __future__ import annotations
 
+import os
 from types import ModuleType
+from typing import Any
 
 import torch
 
 from pyengine.attention_metadata import AttentionMetadata
-from pyengine.ops import reference
+from pyengine.ops import layer_reference, reference
 
-__all__ = ["reshape_and_cache", "paged_attention"]
+__all__ = ["reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
+           "rope_and_cache"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _cuda_impl: ModuleType | None = None
 _cuda_checked = False
+_cpu_impl: ModuleType | None = None
+_cpu_checked = False
 
 
 def _backend(device: torch.device) -> ModuleType:
@@ -34,7 +40,28 @@ def _backend(device: torch.device) -> ModuleType:
                 _cuda_impl = None
         if _cuda_impl is not None:
             return _cuda_impl
+    elif device.type == "cpu":
+        global _cpu_impl, _cpu_checked
+        if not _cpu_checked:
+            _cpu_checked = True
+            if os.environ.get("PYENGINE_CPU_KERNELS", "1") != "0":
+                try:
+                    from pyengine.ops import cpu as cpu_ops
+
+                    _cpu_impl = cpu_ops
+                except ImportError:
+                    _cpu_impl = None
+        if _cpu_impl is not None:
+            return _cpu_impl
     return reference
+
+
+def _impl(device: torch.device, name: str) -> Any:
+    """The backend's op `name`, or the reference's where the backend lacks it."""
+    fn = getattr(_backend(device), name, None)
+    if fn is None:
+        fn = getattr(reference, name, None) or getattr(layer_reference, name)
+    return fn
 
 
 def _check_cache(name: str, cache: torch.Tensor) -> None:
@@ -71,7 +98,7 @@ def reshape_and_cache(
     if slot_mapping.dtype != torch.int64:
         raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
     _check_same_device(key, value, k_cache, v_cache, slot_mapping)
-    _backend(key.device).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    _impl(key.device, "reshape_and_cache")(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -102,4 +129,59 @@ def paged_attention(
     if meta.query_start_loc.shape[0] != meta.num_rows + 1 or meta.block_tables.shape[0] != meta.num_rows:
         raise ValueError("meta.query_start_loc must be [R+1] and meta.block_tables [R, max_blocks]")
     _check_same_device(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc)
-    return _backend(q.device).paged_attention(q, k_cache, v_cache, meta, scale, return_lse=return_lse)
+    return _impl(q.device, "paged_attention")(q, k_cache, v_cache, meta, scale, return_lse=return_lse)
+
+
+def _check_rows(name: str, x: torch.Tensor, width: int | None = None) -> None:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"{name} must be [T, H] with a contiguous last dim, got {tuple(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} dtype {x.dtype} is not a float type")
+    if width is not None and x.shape[1] != width:
+        raise ValueError(f"{name} has width {x.shape[1]}, expected {width}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] -> x * rsqrt(mean(x^2) + eps) * weight, fp32 math (see layer_reference)."""
+    _check_rows("x", x, weight.shape[0])
+    _check_same_device(x, weight)
+    return _impl(x.device, "rms_norm")(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: residual <- x + residual, x <- rms_norm(residual); returns (x, residual)."""
+    _check_rows("x", x, weight.shape[0])
+    if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous() or not x.is_contiguous():
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}, both contiguous")
+    _check_same_device(x, residual, weight)
+    return _impl(x.device, "fused_add_rms_norm")(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] as [T, I]."""
+    _check_rows("x", x)
+    if x.shape[1] % 2:
+        raise ValueError(f"silu_and_mul needs an even width, got {x.shape[1]}")
+    return _impl(x.device, "silu_and_mul")(x)
+
+
+def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Rotate q and k in place (qk [T, Hq + Hkv, D], rows may be strided; cos/sin [T, D], None = no
+    rotation) and write k = qk[:, Hq:] and v [T, Hkv, D] to the paged cache by slot_mapping."""
+    _check_cache("k_cache", k_cache)
+    _check_cache("v_cache", v_cache)
+    t, hkv, d = v.shape[0], k_cache.shape[2], k_cache.shape[3]
+    if qk.dim() != 3 or qk.shape[0] != t or qk.shape[2] != d or qk.shape[1] <= hkv or qk.stride(-1) != 1:
+        raise ValueError(f"qk must be [T, Hq + Hkv, D] with D = {d} contiguous, got {tuple(qk.shape)}")
+    if tuple(v.shape) != (t, hkv, d) or v.stride(-1) != 1:
+        raise ValueError(f"v must be [T, Hkv, D] = {(t, hkv, d)}, got {tuple(v.shape)}")
+    if (cos is None) != (sin is None) or (cos is not None and (tuple(cos.shape) != (t, d) or cos.shape != sin.shape)):
+        raise ValueError(f"cos and sin must both be [T, D] = {(t, d)} or both None")
+    if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (t,):
+        raise ValueError(f"slot_mapping must be int64 [T] = [{t}]")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    _check_same_device(qk, v, k_cache, v_cache, slot_mapping)
+    _impl(qk.device, "rope_and_cache")(qk, v, cos, sin, k_cache, v_cache, slot_mapping)
