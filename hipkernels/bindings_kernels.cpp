@@ -14,6 +14,7 @@
 namespace py = pybind11;
 
 void register_ssm_kernels(py::module_& k);  // bindings_ssm.cpp (recurrent-state kernels)
+void register_layer_ops_kernels(py::module_& k);  // bindings_layer_ops.cpp (norms, SwiGLU, RoPE + KV write)
 
 namespace {
 
@@ -25,6 +26,7 @@ using pyengine_bindings::ptr;
 void register_kernels(py::module_& m) {
   py::module_ k = m.def_submodule("kernels", "GPU kernels (raw device pointers and streams)");
   register_ssm_kernels(k);
+  register_layer_ops_kernels(k);
 
   k.def(
       "reshape_and_cache",

@@ -8,10 +8,12 @@ no KV (slot -1) and their logits are dropped, so they are never sampled. Prefill
 run eagerly (the caller's path).
 
 Graph safety:
-- Every input lives in one static int64 device buffer, refreshed by a single host-to-device copy
-  from a pinned staging buffer, plus a static int32 block-table buffer of fixed width
-  W = ceil(graph_max_context / block_size). The int32 conversions of the attention plan run inside
-  the graph (pyengine.ops.cuda._plan is called during capture on a fresh AttentionMetadata).
+- Every input lives in one static device byte buffer, refreshed by a single host-to-device copy
+  from a pinned staging buffer of the same layout: an int64 part [input_ids | positions | slots |
+  context_lens] then the int32 block tables of fixed width W = ceil(graph_max_context / block_size),
+  so a bucket of b rows copies one prefix (through the first b table rows): host time before the
+  replay is GPU idle time. The int32 conversions of the attention plan run inside the graph
+  (pyengine.ops.cuda._plan is called during capture on a fresh AttentionMetadata).
 - The launch shape of the attention kernel depends on max_query_len (= q, fixed per graph), the
   number of rows (the bucket) and max_splits; the graph is captured with max_context_len =
   W * block_size, an upper bound of every row's context, so max_splits is fixed. The kernel's
@@ -76,14 +78,18 @@ class CudaGraphRunner:
         self.use_graphs = use_graphs and device.type == "cuda"
         T = self.max_rows * self.max_q
         self.T = T
-        # int64 layout: [input_ids T | positions T | slots T | context_lens R]
+        # int64 layout: [input_ids T | positions T | slots T | context_lens R], then int32 [R, W] tables
         self.n64 = 3 * T + self.max_rows
         pin = self.use_graphs
-        self.host64 = torch.zeros(self.n64, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(self.max_rows, self.width, dtype=torch.int32, pin_memory=pin)
+        nbytes = 8 * self.n64 + 4 * self.max_rows * self.width
+        self.host_bytes = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.dev_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.host64, self.host32 = self._split(self.host_bytes)
+        self.dev64, self.dev32 = self._split(self.dev_bytes)
         self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
-        self.dev64 = torch.zeros(self.n64, dtype=torch.int64, device=device)
-        self.dev32 = torch.zeros(self.max_rows, self.width, dtype=torch.int32, device=device)
+        # bucket -> (host prefix, device prefix) that one step copies: made once, not per step
+        self.staged = {b: (self.host_bytes[:self._prefix_bytes(b)], self.dev_bytes[:self._prefix_bytes(b)])
+                       for b in self.buckets}
         # hybrid models: per row [state slots (1 + k) | accepted count]; decode rows always have a state
         S = self.max_q
         self.host_state = torch.zeros(self.max_rows, S + 1, dtype=torch.int32, pin_memory=pin)
@@ -95,6 +101,14 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.num_replays = 0
         self.num_eager = 0
+
+    def _split(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int64 and int32 views of a staging/device byte buffer."""
+        off = 8 * self.n64
+        return buf[:off].view(torch.int64), buf[off:].view(torch.int32).view(self.max_rows, self.width)
+
+    def _prefix_bytes(self, b: int) -> int:
+        return 8 * self.n64 + 4 * b * self.width
 
     # ---- eligibility ------------------------------------------------------------------------
     def bucket_for(self, batch) -> tuple[int, int] | None:
@@ -156,7 +170,7 @@ class CudaGraphRunner:
         # Inputs as they are now: padding only (slot -1, context 0, PAD state slots): the warm-up
         # and the capture write no KV or state and read none.
         self._fill_padding(0, b, q)
-        self.dev64.copy_(self.host64)
+        self.dev_bytes.copy_(self.host_bytes)
         if self.state_cache is not None:
             self.dev_state.copy_(self.host_state)  # PAD slots: the warm-up must not touch live state
         s = torch.cuda.Stream(self.device)
@@ -172,6 +186,8 @@ class CudaGraphRunner:
         return graph, out
 
     def _fill_padding(self, rows: int, b: int, q: int) -> None:
+        if rows == b:
+            return
         T, h = self.T, self.np64
         lo, hi = rows * q, b * q
         h[lo:hi] = 0                      # input ids
@@ -194,7 +210,7 @@ class CudaGraphRunner:
         h[2 * T:2 * T + n] = batch.slot_mapping
         h[3 * T:3 * T + rows] = batch.context_lens
         self._fill_padding(rows, b, q)
-        bt = np.asarray(batch.block_tables)
+        bt = batch.block_tables
         self.np32[:rows, :bt.shape[1]] = bt
         if self.state_cache is not None:
             self.np_state[:rows, :-1] = np.asarray(batch.state_slots, dtype=np.int32).reshape(rows, -1)
@@ -205,16 +221,15 @@ class CudaGraphRunner:
                 entry = self.graphs[key] = self._capture(b, q)
                 # _capture overwrote the staging padding; refresh this step's inputs
                 return self.execute(batch, key)
-            self.dev64[:3 * T + b].copy_(self.host64[:3 * T + b], non_blocking=True)
-            self.dev32[:b].copy_(self.host32[:b], non_blocking=True)
+            host, dev = self.staged[b]
+            dev.copy_(host, non_blocking=True)
             if self.state_cache is not None:
                 self.dev_state[:b].copy_(self.host_state[:b], non_blocking=True)
             self.copy_done.record()
             entry[0].replay()
             self.num_replays += 1
-            return entry[1][:n]
-        self.dev64.copy_(self.host64)
-        self.dev32.copy_(self.host32)
+            return entry[1] if n == len(entry[1]) else entry[1][:n]
+        self.dev_bytes.copy_(self.host_bytes)
         if self.state_cache is not None:
             self.dev_state.copy_(self.host_state)
         self.num_eager += 1

@@ -1,12 +1,13 @@
-"""CUDA paged KV-cache ops: thin wrappers over the kernels of hipkernels/ (pyengine._C.kernels).
+"""CUDA paged KV-cache and layer ops: thin wrappers over the kernels of hipkernels/ (pyengine._C.kernels).
 
-Same signatures and semantics as pyengine.ops.reference (GQA) and pyengine.ops.mla_reference (MLA).
+Same signatures and semantics as pyengine.ops.reference (GQA), pyengine.ops.mla_reference (MLA) and
+pyengine.ops.layer_reference (rms_norm, fused_add_rms_norm, silu_and_mul, rope_and_cache).
 The wrappers validate shapes, dtypes and devices (ValueError), make the few layouts the kernels need
 (16-byte aligned rows with a contiguous last dim, int32 metadata), own the split-KV workspace, and
 pass raw device pointers plus the current stream to the extension; the extension never sees torch.
 
-The kernels take fp16/bf16 queries and caches; other float dtypes run the PyTorch reference.
-meta.max_query_len and meta.max_context_len must be upper bounds of the rows' values.
+The attention kernels take fp16/bf16 queries and caches, the layer ops fp16/bf16/fp32 (one dtype for
+all tensors of a call); other dtypes run the PyTorch reference. meta.max_query_len and meta.max_context_len must be upper bounds of the rows' values.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import math
 import torch
 
 from pyengine.attention_metadata import AttentionMetadata
+from pyengine.ops import layer_reference
 
 try:
     from pyengine import _C
@@ -252,3 +254,98 @@ def paged_attention_mla(
 
         return mla_reference.paged_attention_mla(q, kv_cache, meta, scale, return_lse=return_lse)
     return _launch(q, kv_cache, kv_cache, meta, scale, return_lse, 1, MLA_KV_LORA_RANK, mla=True)
+
+
+# ---- per-token layer ops (hipkernels/layer_ops.hip) ------------------------------------------------
+
+
+def _rows(name: str, x: torch.Tensor, width: int | None = None) -> None:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"{name} must be [T, H] with a contiguous last dim, got {tuple(x.shape)}")
+    if width is not None and x.shape[1] != width:
+        raise ValueError(f"{name} has width {x.shape[1]}, expected {width}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] -> x * rsqrt(mean(x^2) + eps) * weight, fp32 math, one rounding."""
+    _check_cuda(x, weight)
+    _rows("x", x, weight.shape[0] if weight.dim() == 1 else -1)
+    if x.dtype not in _DTYPE_CODE or weight.dtype != x.dtype:
+        return layer_reference.rms_norm(x, weight, eps)
+    weight = weight.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    with torch.cuda.device(x.device):
+        _K.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+                    out.stride(0), float(eps), _DTYPE_CODE[x.dtype], _stream(x.device))
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: residual <- x + residual (rounded), x <- rms_norm(residual); returns (x, residual)."""
+    _check_cuda(x, residual, weight)
+    _rows("x", x, weight.shape[0] if weight.dim() == 1 else -1)
+    _rows("residual", residual, x.shape[1])
+    if residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    if x.dtype not in _DTYPE_CODE or residual.dtype != x.dtype or weight.dtype != x.dtype:
+        return layer_reference.fused_add_rms_norm(x, residual, weight, eps)
+    weight = weight.contiguous()
+    with torch.cuda.device(x.device):
+        _K.fused_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1],
+                              x.stride(0), residual.stride(0), float(eps), _DTYPE_CODE[x.dtype], _stream(x.device))
+    return x, residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] as [T, I]."""
+    _check_cuda(x)
+    _rows("x", x)
+    if x.shape[1] % 2:
+        raise ValueError(f"silu_and_mul needs an even width, got {x.shape[1]}")
+    if x.dtype not in _DTYPE_CODE:
+        return layer_reference.silu_and_mul(x)
+    inter = x.shape[1] // 2
+    out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
+    with torch.cuda.device(x.device):
+        _K.silu_and_mul(x.data_ptr(), out.data_ptr(), x.shape[0], inter, x.stride(0), out.stride(0),
+                        _DTYPE_CODE[x.dtype], _stream(x.device))
+    return out
+
+
+def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """One kernel: rotate q and k in place (qk [T, Hq + Hkv, D], rows may be strided; cos/sin [T, D],
+    None = no rotation), then write k = qk[:, Hq:] and v [T, Hkv, D] to the paged caches
+    [num_blocks, block_size, Hkv, D] at slot_mapping [T] (-1: no write)."""
+    _check_cuda(qk, v, k_cache, v_cache, slot_mapping)
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"k_cache/v_cache must be equal contiguous [blocks, block_size, Hkv, D], got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    t, hkv, d = v.shape[0], k_cache.shape[2], k_cache.shape[3]
+    if qk.dim() != 3 or qk.shape[0] != t or qk.shape[2] != d or qk.shape[1] <= hkv or qk.stride(-1) != 1:
+        raise ValueError(f"qk must be [T, Hq + Hkv, D] with D = {d} contiguous, got {tuple(qk.shape)}")
+    if tuple(v.shape) != (t, hkv, d) or v.stride(-1) != 1:
+        raise ValueError(f"v must be [T, Hkv, D] = {(t, hkv, d)} with a contiguous last dim, got {tuple(v.shape)}")
+    if (cos is None) != (sin is None):
+        raise ValueError("cos and sin must both be given or both be None")
+    dtypes = {qk.dtype, v.dtype, k_cache.dtype, v_cache.dtype}
+    cos_ptr = sin_ptr = cos_stride = sin_stride = 0
+    if cos is not None and sin is not None:
+        if tuple(cos.shape) != (t, d) or tuple(sin.shape) != (t, d):
+            raise ValueError(f"cos and sin must be [T, D] = {(t, d)}, got {tuple(cos.shape)} / {tuple(sin.shape)}")
+        _check_cuda(qk, cos, sin)
+        cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+        sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+        dtypes |= {cos.dtype, sin.dtype}
+        cos_ptr, sin_ptr, cos_stride, sin_stride = cos.data_ptr(), sin.data_ptr(), cos.stride(0), sin.stride(0)
+    slots = _slots(slot_mapping, t)
+    if len(dtypes) != 1 or qk.dtype not in _DTYPE_CODE or (cos is not None and d % 2):
+        return layer_reference.rope_and_cache(qk, v, cos, sin, k_cache, v_cache, slot_mapping)
+    if t == 0:
+        return
+    with torch.cuda.device(qk.device):
+        _K.rope_and_cache(
+            qk.data_ptr(), v.data_ptr(), cos_ptr, sin_ptr, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+            t, qk.shape[1] - hkv, hkv, d, qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos_stride,
+            sin_stride, _DTYPE_CODE[qk.dtype], _stream(qk.device),
+        )
