@@ -16,6 +16,8 @@
 namespace py = pybind11;
 using namespace pyengine;
 
+void register_cpu_ops(py::module_& m);  // csrc/bindings_cpu.cpp
+
 namespace {
 
 using IntArray = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
@@ -207,6 +209,7 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("token_ids"), py::arg("min_n"), py::arg("max_n"), py::arg("k"));
 
   m.attr("FINISH_REASONS") = py::make_tuple(py::none(), "stop", "length", "abort");
+  register_cpu_ops(m);
 #ifdef PYENGINE_WITH_KERNELS
   register_kernels(m);
   m.attr("has_kernels") = true;

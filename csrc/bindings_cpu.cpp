@@ -1,0 +1,55 @@
+// pybind11 bindings of the CPU layer ops (submodule pyengine._C.cpu). Tensors cross as raw data
+// pointers (integers) with their sizes and row strides; pyengine/ops/cpu.py checks them first.
+#include <pybind11/pybind11.h>
+
+#include "cpu_ops.h"
+
+namespace py = pybind11;
+using namespace pyengine::cpu;
+
+namespace {
+
+template <typename T = void>
+T* ptr(uintptr_t address) { return reinterpret_cast<T*>(address); }
+
+}  // namespace
+
+void register_cpu_ops(py::module_& m) {
+  py::module_ cpu = m.def_submodule("cpu", "CPU layer ops on raw pointers (see csrc/cpu_ops.h)");
+  cpu.def("paged_attention",
+          [](uintptr_t q, int64_t q_row_stride, uintptr_t k_cache, uintptr_t v_cache, uintptr_t out, uintptr_t lse,
+             uintptr_t block_tables, int64_t block_table_stride, uintptr_t query_start_loc, uintptr_t context_lens,
+             int32_t num_rows, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+             int64_t num_blocks, float scale, int32_t dtype) {
+            PagedAttentionParams p;
+            p.q = ptr(q), p.q_row_stride = q_row_stride, p.k_cache = ptr(k_cache), p.v_cache = ptr(v_cache);
+            p.out = ptr(out), p.lse = ptr<float>(lse), p.block_tables = ptr<const int32_t>(block_tables);
+            p.block_table_stride = block_table_stride, p.query_start_loc = ptr<const int32_t>(query_start_loc);
+            p.context_lens = ptr<const int32_t>(context_lens), p.num_rows = num_rows, p.num_heads = num_heads;
+            p.num_kv_heads = num_kv_heads, p.head_dim = head_dim, p.block_size = block_size;
+            p.num_blocks = num_blocks, p.scale = scale;
+            p.dtype = static_cast<DType>(dtype);
+            paged_attention(p);
+          });
+  cpu.def("rope_and_cache",
+          [](uintptr_t qk, int64_t qk_row_stride, uintptr_t v, int64_t v_row_stride, uintptr_t cos, uintptr_t sin,
+             uintptr_t k_cache, uintptr_t v_cache, uintptr_t slot_mapping, int64_t num_slots, int32_t num_tokens, int32_t num_heads,
+             int32_t num_kv_heads, int32_t head_dim, int32_t dtype) {
+            RopeAndCacheParams p;
+            p.qk = ptr(qk), p.qk_row_stride = qk_row_stride, p.v = ptr(v), p.v_row_stride = v_row_stride;
+            p.cos = ptr(cos), p.sin = ptr(sin), p.k_cache = ptr(k_cache), p.v_cache = ptr(v_cache);
+            p.slot_mapping = ptr<const int64_t>(slot_mapping), p.num_slots = num_slots, p.num_tokens = num_tokens, p.num_heads = num_heads;
+            p.num_kv_heads = num_kv_heads, p.head_dim = head_dim, p.dtype = static_cast<DType>(dtype);
+            rope_and_cache(p);
+          });
+  cpu.def("rms_norm", [](uintptr_t x, uintptr_t residual, uintptr_t out, uintptr_t weight, int32_t num_tokens,
+                         int32_t hidden, float eps, int32_t dtype) {
+    RmsNormParams p;
+    p.x = ptr(x), p.residual = ptr(residual), p.out = ptr(out), p.weight = ptr(weight);
+    p.num_tokens = num_tokens, p.hidden = hidden, p.eps = eps, p.dtype = static_cast<DType>(dtype);
+    rms_norm(p);
+  });
+  cpu.def("silu_and_mul", [](uintptr_t x, uintptr_t out, int32_t num_tokens, int32_t inter, int32_t dtype) {
+    silu_and_mul(ptr(x), ptr(out), num_tokens, inter, static_cast<DType>(dtype));
+  });
+}

@@ -1,0 +1,232 @@
+// Paged attention on the CPU: K/V read in place through the block table (no gather copy), fp32
+// math, one (row, kv head) at a time with its whole GQA group, so each key and value is converted
+// once and used by every query of the group.
+//
+// Per query the arithmetic is fixed by the query alone: scores in key order, one max, exp, one
+// sum, and the weighted values summed in key order. The same token therefore gets bit-identical
+// output alone, in a batch, or as one of the 1 + k queries of a verify row, which greedy
+// speculative decoding relies on (spec output == plain output).
+#include <algorithm>
+#include <cmath>
+
+#include <limits>
+#include <vector>
+
+#include "common.h"
+#include "cpu_ops.h"
+#include "cpu_vec.h"
+
+namespace pyengine::cpu {
+namespace {
+
+// 16 fp32 lanes (GCC vector extensions): zmm in the AVX-512 clone, ymm pairs or xmm quads in the
+// others. head_dim must be a multiple of 16; every loop below runs over whole vectors, and the
+// dot product ends in a fixed reduction tree (the compiler's reduction of a plain loop spilled
+// the lanes and added them one by one, and its alignment peeling cost as much again).
+using Vec16 = float __attribute__((vector_size(64), aligned(4)));  // std::vector ignores over-alignment of these
+using Vec8 = float __attribute__((vector_size(32)));
+using Vec4 = float __attribute__((vector_size(16)));
+using Half16 = uint16_t __attribute__((vector_size(32)));
+using Word16 = uint32_t __attribute__((vector_size(64)));
+
+PE_INLINE Vec16 load16(const float* src) {
+  Vec16 v;
+  std::memcpy(&v, src, sizeof(v));
+  return v;
+}
+PE_INLINE Vec16 load16(const bf16* src) {  // bf16 -> fp32 is a 16-bit shift
+  Half16 h;
+  std::memcpy(&h, src, sizeof(h));
+  const Word16 w = __builtin_convertvector(h, Word16) << 16;
+  Vec16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+PE_INLINE float reduce(Vec16 acc) {  // a fixed tree: the same sum in every clone and call
+  const Vec8 s8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Vec4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// The 16 sums of 16 vectors, in order, by the same tree as reduce() applies to each (halves, then
+// quarters, ...): 30 shuffles and 15 adds instead of 16 separate reductions.
+PE_INLINE Vec16 reduce16(Vec16 (&a)[16]) {
+  Vec16 t[8], u[4], w[2];
+  for (int k = 0; k < 8; ++k)
+    t[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * k], a[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int k = 0; k < 4; ++k)
+    u[k] = __builtin_shufflevector(t[2 * k], t[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(t[2 * k], t[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int k = 0; k < 2; ++k)
+    w[k] = __builtin_shufflevector(u[2 * k], u[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(u[2 * k], u[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  // Lane l of w[0] pairs with lane l + 1 as reduce()'s last step does: (s0 + s2) + (s1 + s3).
+  return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Sum and max of n floats in 16 lanes then a fixed tree: vectorised, and still one order per n.
+PE_INLINE float sum_fixed(const float* x, int32_t n) {
+  Vec16 acc = {};
+  int32_t j = 0;
+  for (; j + 16 <= n; j += 16) acc += load16(x + j);
+  float tail = 0.0f;
+  for (; j < n; ++j) tail += x[j];
+  return reduce(acc) + tail;
+}
+
+PE_INLINE float max_of(const float* x, int32_t n) {
+  float m = x[0];
+  int32_t j = 0;
+  if (n >= 16) {
+    Vec16 acc = load16(x);
+    for (j = 16; j + 16 <= n; j += 16) {
+      const Vec16 v = load16(x + j);
+      acc = v > acc ? v : acc;
+    }
+    for (int32_t l = 0; l < 16; ++l) m = std::max(m, acc[l]);
+  }
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+struct Scratch {
+  std::vector<float> scores;   // [nq, ctx] scores, then softmax numerators
+  std::vector<const void*> kv; // [ctx] K row pointers, then V row pointers (from the block table)
+  std::vector<float> sums;     // [nq] softmax denominators
+};
+
+// One (row, kv head) with its whole GQA group. NV = head_dim / 16 when known at compile time
+// (the query and accumulators then live in registers), 0 for any multiple of 16.
+// Queries are ordered (i, g): index i * G + g is query i of the row for head h * G + g.
+template <typename T, int NV>
+PE_INLINE void attend(const PagedAttentionParams& p, int32_t r, int32_t h, Scratch& s) {
+  const int32_t q0 = p.query_start_loc[r];
+  const int32_t q_len = p.query_start_loc[r + 1] - q0;
+  if (q_len <= 0) return;
+  const int32_t ctx = std::max(p.context_lens[r], 0);
+  const int32_t G = p.num_heads / p.num_kv_heads, D = p.head_dim, Hkv = p.num_kv_heads;
+  const int32_t nv = NV > 0 ? NV : D / 16;
+  constexpr int32_t kMaxNV = NV > 0 ? NV : 16;
+  const int32_t nq = q_len * G;
+  s.scores.resize(static_cast<size_t>(nq) * std::max(ctx, 1));
+  s.kv.resize(std::max(ctx, 1));
+  s.sums.resize(nq);
+
+  const int32_t* table = p.block_tables + r * p.block_table_stride;
+  for (int32_t b = 0; b < (ctx + p.block_size - 1) / p.block_size; ++b)
+    PE_CHECK(table[b] >= 0 && table[b] < p.num_blocks, "block table row ", r, " entry ", b, " = ", table[b],
+             " is outside the cache's ", p.num_blocks, " blocks");
+  auto row_pointers = [&](const void* cache) {
+    const T* base = static_cast<const T*>(cache) + static_cast<int64_t>(h) * D;
+    for (int32_t b = 0, j = 0; j < ctx; ++b)
+      for (int32_t off = 0; off < p.block_size && j < ctx; ++off, ++j)
+        s.kv[j] = base + (static_cast<int64_t>(table[b]) * p.block_size + off) * Hkv * D;
+  };
+
+  const T* q = static_cast<const T*>(p.q);
+  T* out = static_cast<T*>(p.out);
+  row_pointers(p.k_cache);
+  for (int32_t qi = 0; qi < nq; ++qi) {
+    const int32_t i = qi / G;
+    const int64_t head_row = static_cast<int64_t>(q0 + i) * p.num_heads + h * G + qi % G;
+    Vec16 qv[kMaxNV];
+    for (int32_t v = 0; v < nv; ++v) qv[v] = load16(q + (q0 + i) * p.q_row_stride + (h * G + qi % G) * D + 16 * v);
+    const int32_t limit = ctx - (q_len - 1 - i);  // query i sees keys [0, limit)
+    float* sc = &s.scores[static_cast<size_t>(qi) * ctx];
+    int32_t j0 = 0;
+    for (; j0 + 16 <= limit; j0 += 16) {  // 16 keys at a time, one shared reduction
+      Vec16 acc[16];
+      for (int32_t k = 0; k < 16; ++k) {
+        const T* key = static_cast<const T*>(s.kv[j0 + k]);
+        acc[k] = qv[0] * load16(key);
+        for (int32_t v = 1; v < nv; ++v) acc[k] += qv[v] * load16(key + 16 * v);
+      }
+      const Vec16 scores = reduce16(acc) * p.scale;
+      std::memcpy(sc + j0, &scores, sizeof(scores));
+    }
+    for (int32_t j = j0; j < limit; ++j) {
+      const T* k = static_cast<const T*>(s.kv[j]);
+      Vec16 acc = qv[0] * load16(k);
+      for (int32_t v = 1; v < nv; ++v) acc += qv[v] * load16(k + 16 * v);
+      sc[j] = reduce(acc) * p.scale;
+    }
+    if (limit <= 0) {  // no keys (a padding row): output 0, lse -inf
+      if (p.lse) p.lse[head_row] = -std::numeric_limits<float>::infinity();
+      std::fill_n(out + head_row * D, D, from_float<T>(0.0f));
+      continue;
+    }
+    const float m = max_of(sc, limit);
+    for (int32_t j = 0; j < limit; ++j) sc[j] = fast_exp(sc[j] - m);  // vectorised
+    s.sums[qi] = sum_fixed(sc, limit);
+    if (p.lse) p.lse[head_row] = m + std::log(s.sums[qi]);
+  }
+  row_pointers(p.v_cache);
+  for (int32_t qi = 0; qi < nq; ++qi) {
+    const int32_t i = qi / G;
+    const int64_t head_row = static_cast<int64_t>(q0 + i) * p.num_heads + h * G + qi % G;
+    const int32_t limit = ctx - (q_len - 1 - i);
+    if (limit <= 0) continue;
+    const float* sc = &s.scores[static_cast<size_t>(qi) * ctx];
+    // Two accumulator sets (even and odd keys) halve the FMA dependency chain; the order of the
+    // sum is still fixed by the key count alone.
+    Vec16 even[kMaxNV], odd[kMaxNV];
+    for (int32_t v = 0; v < nv; ++v) even[v] = odd[v] = Vec16{};
+    int32_t j = 0;
+    for (; j + 1 < limit; j += 2) {
+      const T* v0 = static_cast<const T*>(s.kv[j]);
+      const T* v1 = static_cast<const T*>(s.kv[j + 1]);
+      for (int32_t v = 0; v < nv; ++v) {
+        even[v] += sc[j] * load16(v0 + 16 * v);
+        odd[v] += sc[j + 1] * load16(v1 + 16 * v);
+      }
+    }
+    if (j < limit) {
+      const T* v0 = static_cast<const T*>(s.kv[j]);
+      for (int32_t v = 0; v < nv; ++v) even[v] += sc[j] * load16(v0 + 16 * v);
+    }
+    const float inv = 1.0f / s.sums[qi];
+    T* dst = out + head_row * D;
+    for (int32_t v = 0; v < nv; ++v) {
+      const Vec16 o = (even[v] + odd[v]) * inv;
+      for (int32_t l = 0; l < 16; ++l) dst[16 * v + l] = from_float<T>(o[l]);
+    }
+  }
+}
+
+template <typename T, int NV>
+PE_INLINE void attend_all(const PagedAttentionParams& p, Scratch& s) {
+  for (int32_t r = 0; r < p.num_rows; ++r)
+    for (int32_t h = 0; h < p.num_kv_heads; ++h) attend<T, NV>(p, r, h, s);
+}
+
+template <typename T>
+PE_INLINE void attend_dispatch(const PagedAttentionParams& p, Scratch& s) {
+  switch (p.head_dim) {
+    case 64: return attend_all<T, 4>(p, s);
+    case 128: return attend_all<T, 8>(p, s);
+    default: return attend_all<T, 0>(p, s);
+  }
+}
+
+PE_CPU_CLONES void attention_f32(const PagedAttentionParams& p, Scratch& s) { attend_dispatch<float>(p, s); }
+PE_CPU_CLONES void attention_bf16(const PagedAttentionParams& p, Scratch& s) { attend_dispatch<bf16>(p, s); }
+
+}  // namespace
+
+void paged_attention(const PagedAttentionParams& p) {
+  PE_CHECK(p.num_kv_heads > 0 && p.num_heads % p.num_kv_heads == 0, "num_heads ", p.num_heads,
+           " is not a multiple of num_kv_heads ", p.num_kv_heads);
+  PE_CHECK(p.head_dim > 0 && p.head_dim % 16 == 0, "head_dim must be a positive multiple of 16, got ", p.head_dim);
+  PE_CHECK(p.block_size > 0, "block_size must be positive");
+  thread_local Scratch scratch;
+  if (p.dtype == DType::kBFloat16)
+    attention_bf16(p, scratch);
+  else
+    attention_f32(p, scratch);
+}
+
+}  // namespace pyengine::cpu

@@ -1,0 +1,68 @@
+// CPU versions of the model's hot per-layer ops (paged attention, RoPE + KV write, norms,
+// SwiGLU's activation), for fp32 and bf16 tensors. Semantics are those of the PyTorch references
+// (pyengine/ops/reference.py, pyengine/ops/layer_reference.py): fp32 math, one rounding on store,
+// each token computed the same way whatever else is in the batch.
+//
+// Python (pyengine/ops/cpu.py) validates shapes and passes raw data pointers: like the GPU
+// kernels, this code never sees torch. Row strides are in elements.
+#pragma once
+
+#include <cstdint>
+
+namespace pyengine::cpu {
+
+enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1 };
+
+struct PagedAttentionParams {
+  const void* q = nullptr;  // [T, Hq, D], head rows contiguous, token rows q_row_stride apart
+  int64_t q_row_stride = 0;
+  const void* k_cache = nullptr;  // [num_blocks, block_size, Hkv, D]
+  const void* v_cache = nullptr;
+  void* out = nullptr;    // [T, Hq, D] contiguous
+  float* lse = nullptr;   // [T, Hq] natural-log logsumexp, or null
+  const int32_t* block_tables = nullptr;  // [R, block_table_stride]
+  int64_t block_table_stride = 0;
+  const int32_t* query_start_loc = nullptr;  // [R + 1]
+  const int32_t* context_lens = nullptr;     // [R], keys after this step
+  int32_t num_rows = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, block_size = 0;
+  int64_t num_blocks = 0;  // of the caches: block ids read must lie in [0, num_blocks)
+  float scale = 1.0f;
+  DType dtype = DType::kFloat32;  // of q, out and the caches
+};
+
+// Causal varlen attention: query i of a row of q_len tokens sees keys [0, ctx - (q_len - 1 - i)).
+void paged_attention(const PagedAttentionParams& p);
+
+struct RopeAndCacheParams {
+  void* qk = nullptr;  // [T, Hq + Hkv, D], heads contiguous, token rows qk_row_stride apart
+  int64_t qk_row_stride = 0;
+  const void* v = nullptr;  // [T, Hkv, D], token rows v_row_stride apart
+  int64_t v_row_stride = 0;
+  const void* cos = nullptr;  // [T, D] or null (no rotation); sin's first half holds -sin
+  const void* sin = nullptr;
+  void* k_cache = nullptr;  // [num_blocks, block_size, Hkv, D]
+  void* v_cache = nullptr;
+  const int64_t* slot_mapping = nullptr;  // [T], < 0 = do not write
+  int64_t num_slots = 0;                  // num_blocks * block_size of the caches
+  int32_t num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  DType dtype = DType::kFloat32;
+};
+
+void rope_and_cache(const RopeAndCacheParams& p);
+
+struct RmsNormParams {
+  void* x = nullptr;               // [T, H] contiguous; the output when out is null
+  void* residual = nullptr;        // [T, H] or null; when set: residual += x, x = norm(residual)
+  void* out = nullptr;             // [T, H] or null (plain rms_norm writes here)
+  const void* weight = nullptr;    // [H]
+  int32_t num_tokens = 0, hidden = 0;
+  float eps = 1e-6f;
+  DType dtype = DType::kFloat32;
+};
+
+void rms_norm(const RmsNormParams& p);
+
+// out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] contiguous.
+void silu_and_mul(const void* x, void* out, int32_t num_tokens, int32_t inter, DType dtype);
+
+}  // namespace pyengine::cpu

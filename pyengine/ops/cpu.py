@@ -1,0 +1,116 @@
+"""CPU layer ops: thin wrappers over the C++ loops of pyengine._C.cpu (csrc/cpu_*.cpp).
+
+Same signatures and semantics as pyengine.ops.reference / layer_reference, for fp32 and bf16
+tensors; any other dtype, or a layout the loops do not take, runs the reference. The extension
+gets raw data pointers, sizes and row strides (like the GPU kernels, it never sees torch).
+
+paged_attention (head_dim a multiple of 16) runs single-threaded and reads K/V in place, which wins for decode and verify
+steps (a few queries per row); a step with much more attention work than that (long prefills)
+runs the reference, whose SDPA kernel uses every core.
+"""
+from __future__ import annotations
+
+import torch
+
+from pyengine.attention_metadata import AttentionMetadata
+from pyengine.ops import layer_reference, reference
+
+try:
+    from pyengine import _C
+
+    _K = _C.cpu
+except (ImportError, AttributeError) as exc:  # extension not built, or built before these ops
+    raise ImportError("pyengine._C has no CPU layer ops") from exc
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_META_KEY = "cpu_paged_attention"
+# Query-key pairs (summed over rows) above which a step's attention runs the reference instead:
+# beyond this the multi-threaded SDPA kernel beats one thread (measured on SmolLM2 shapes).
+MAX_QUERY_KEY_PAIRS = 1 << 15
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """[T, H, D] whose heads are contiguous inside a token row (rows may be strided)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def _step_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+    """int32 contiguous block tables, query starts and context lengths, and the step's number of
+    query-key pairs; built once per step and shared by every layer (None: not on the CPU)."""
+    tables = meta.cache.get(_META_KEY)
+    if tables is None:
+        qsl = meta.query_start_loc.to(torch.int32).contiguous()
+        ctx = meta.context_lens.to(torch.int32).contiguous()
+        bt = meta.block_tables.to(torch.int32).contiguous()
+        pairs = int(((qsl[1:] - qsl[:-1]).to(torch.int64) * ctx.to(torch.int64)).sum())
+        tables = (bt, qsl, ctx, pairs)
+        meta.cache[_META_KEY] = tables
+    return tables
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    code = _DTYPE_CODE.get(q.dtype)
+    tables = _step_tables(meta)
+    assert tables is not None
+    bt, qsl, ctx, pairs = tables
+    if (code is None or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or pairs > MAX_QUERY_KEY_PAIRS
+            or q.shape[0] == 0 or q.shape[2] % 16):
+        return reference.paged_attention(q, k_cache, v_cache, meta, scale, return_lse=return_lse)
+    if not _heads_contiguous(q):
+        q = q.contiguous()
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32) if return_lse else None
+    _K.paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                       0 if lse is None else lse.data_ptr(), bt.data_ptr(), bt.shape[1], qsl.data_ptr(),
+                       ctx.data_ptr(), ctx.shape[0], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+                       k_cache.shape[0], scale, code)
+    return (out, lse) if lse is not None else out
+
+
+def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    code = _DTYPE_CODE.get(qk.dtype)
+    if (code is None or not (k_cache.dtype == v_cache.dtype == v.dtype == qk.dtype)
+            or not _heads_contiguous(qk) or not _heads_contiguous(v)):
+        return layer_reference.rope_and_cache(qk, v, cos, sin, k_cache, v_cache, slot_mapping)
+    if cos is not None and sin is not None:
+        cos = cos.to(qk.dtype).contiguous()
+        sin = sin.to(qk.dtype).contiguous()
+    slots = slot_mapping.contiguous()
+    _K.rope_and_cache(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0),
+                      0 if cos is None else cos.data_ptr(), 0 if sin is None else sin.data_ptr(),
+                      k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k_cache.shape[0] * k_cache.shape[1], qk.shape[0],
+                      qk.shape[1] - v.shape[1], v.shape[1], qk.shape[2], code)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    code = _DTYPE_CODE.get(x.dtype)
+    if code is None or weight.dtype != x.dtype:
+        return layer_reference.rms_norm(x, weight, eps)
+    x, weight = x.contiguous(), weight.contiguous()
+    out = torch.empty_like(x)
+    _K.rms_norm(x.data_ptr(), 0, out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, code)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    code = _DTYPE_CODE.get(x.dtype)
+    if code is None or weight.dtype != x.dtype:
+        return layer_reference.fused_add_rms_norm(x, residual, weight, eps)
+    weight = weight.contiguous()
+    _K.rms_norm(x.data_ptr(), residual.data_ptr(), 0, weight.data_ptr(), x.shape[0], x.shape[1], eps, code)
+    return x, residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    code = _DTYPE_CODE.get(x.dtype)
+    if code is None:
+        return layer_reference.silu_and_mul(x)
+    x = x.contiguous()
+    inter = x.shape[1] // 2
+    out = torch.empty(x.shape[0], inter, dtype=x.dtype)
+    _K.silu_and_mul(x.data_ptr(), out.data_ptr(), x.shape[0], inter, code)
+    return out

@@ -1,0 +1,145 @@
+"""The C++ CPU layer ops (pyengine.ops.cpu) against the PyTorch references, fp32 and bf16.
+
+Attention is also checked for the property greedy speculative decoding needs: a query's output
+is bit-identical whether its row is alone or in a batch, and whether it is the last query of a
+verify row or the only query of a decode row over the same keys."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pyengine import ops
+from pyengine.ops import cpu as cpu_ops
+from pyengine.ops import layer_reference, reference
+from tests.utils_paged import make_meta
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    # fp32: only the summation order differs. bf16: both sides round the same fp32 value once, so
+    # they differ by at most one bf16 step (2^-8 relative) where the fp32 values straddle a tie.
+    return {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 8e-3}
+
+
+def _paged_case(seed: int, hq: int, hkv: int, d: int, block_size: int, rows_spec: list[tuple[int, int]],
+                dtype: torch.dtype):
+    """Caches (unused pages NaN, permuted tables) holding random K/V for rows of (cached, q_len)."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks = sum(-(-(c + q) // block_size) for c, q in rows_spec) + 3
+    free = list(range(blocks))
+    rng.shuffle(free)
+    k_cache = torch.full((blocks, block_size, hkv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    rows = []
+    for cached, q_len in rows_spec:
+        table = [free.pop() for _ in range(-(-(cached + q_len) // block_size))]
+        rows.append((table, cached, q_len))
+        full, _ = make_meta([(table, 0, cached + q_len)], block_size)
+        kv = torch.randn(2, cached + q_len, hkv, d, generator=gen).to(dtype)
+        reference.reshape_and_cache(kv[0], kv[1], k_cache, v_cache, full.slot_mapping)
+    meta, _ = make_meta(rows, block_size)
+    q = torch.randn(meta.num_tokens, hq, d, generator=gen).to(dtype)
+    return q, k_cache, v_cache, meta, rows
+
+
+ATTENTION_CASES = [
+    # (hq, hkv, d, block_size, rows: (cached, q_len))
+    (4, 4, 64, 16, [(0, 1), (17, 1), (40, 1)]),  # decode, MHA
+    (9, 3, 64, 16, [(10, 1), (30, 5), (0, 1), (47, 3)]),  # decode + verify rows, GQA 3
+    (8, 2, 128, 1, [(5, 1), (3, 4), (20, 1)]),  # block size 1, head dim 128
+    (4, 1, 32, 4, [(0, 7), (9, 1), (6, 0), (33, 2)]),  # prefill row, zero-length row, MQA
+    (6, 2, 64, 2, [(60, 9), (3, 1)]),  # k + 1 = 9 queries across many small blocks
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
+def test_paged_attention_matches_reference(case: int, dtype: torch.dtype) -> None:
+    hq, hkv, d, block_size, rows_spec = ATTENTION_CASES[case]
+    q, k_cache, v_cache, meta, _ = _paged_case(case, hq, hkv, d, block_size, rows_spec, dtype)
+    out, lse = cpu_ops.paged_attention(q, k_cache, v_cache, meta, d**-0.5, return_lse=True)
+    ref, ref_lse = reference.paged_attention(q, k_cache, v_cache, meta, d**-0.5, return_lse=True)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_is_batch_invariant(dtype: torch.dtype) -> None:
+    """Each query alone (a decode row over exactly the keys it sees) == the same query inside a
+    batch of verify and decode rows, bit for bit."""
+    hq, hkv, d, bs = 9, 3, 64, 16
+    rows_spec = [(21, 5), (40, 1), (3, 3), (70, 1)]
+    q, k_cache, v_cache, meta, rows = _paged_case(7, hq, hkv, d, bs, rows_spec, dtype)
+    batched = cpu_ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    t = 0
+    for table, cached, q_len in rows:
+        for i in range(q_len):
+            alone_meta, _ = make_meta([(table, cached + i, 1)], bs)
+            alone = cpu_ops.paged_attention(q[t:t + 1], k_cache, v_cache, alone_meta, 0.125)
+            assert torch.equal(alone, batched[t:t + 1]), f"token {t} differs alone vs batched"
+            t += 1
+
+
+def test_paged_attention_rejects_block_ids_outside_the_cache() -> None:
+    q, k_cache, v_cache, meta, _ = _paged_case(0, 4, 4, 64, 16, [(20, 1)], torch.float32)
+    meta.block_tables[0, 1] = k_cache.shape[0]  # one past the last block
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
+
+
+def test_ops_dispatch_to_cpu_kernels_and_fall_back() -> None:
+    """ops.paged_attention runs the C++ path on fp32 (its output differs from the reference in the
+    last bits), and the reference for float64 and head dims that are not multiples of 16."""
+    q, k_cache, v_cache, meta, _ = _paged_case(3, 4, 2, 64, 16, [(30, 1), (50, 1)], torch.float32)
+    assert torch.equal(ops.paged_attention(q, k_cache, v_cache, meta, 0.125),
+                       cpu_ops.paged_attention(q, k_cache, v_cache, meta, 0.125))
+    q, k_cache, v_cache, meta, _ = _paged_case(3, 4, 2, 40, 16, [(30, 1)], torch.float32)
+    assert torch.equal(cpu_ops.paged_attention(q, k_cache, v_cache, meta, 0.125),
+                       reference.paged_attention(q, k_cache, v_cache, meta, 0.125))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_rope", [True, False])
+def test_rope_and_cache_matches_reference(dtype: torch.dtype, with_rope: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    t, hq, hkv, d, bs, blocks = 7, 6, 2, 64, 4, 6
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen).to(dtype)  # strided q|k and v views
+    cos = torch.randn(t, d, generator=gen).to(dtype) if with_rope else None
+    sin = torch.randn(t, d, generator=gen).to(dtype) if with_rope else None
+    slots = torch.tensor([3, -1, 0, 17, 9, -1, 22])
+    results = []
+    for impl in (cpu_ops.rope_and_cache, layer_reference.rope_and_cache):
+        x = qkv.clone()
+        qk = x[:, : (hq + hkv) * d].view(t, hq + hkv, d)
+        v = x[:, (hq + hkv) * d:].view(t, hkv, d)
+        caches = [torch.full((blocks, bs, hkv, d), float("nan"), dtype=dtype) for _ in range(2)]
+        impl(qk, v, cos, sin, caches[0], caches[1], slots)
+        results.append((x, caches))
+    (x, caches), (x_ref, caches_ref) = results
+    torch.testing.assert_close(x.float(), x_ref.float(), **_tol(dtype))
+    for c, c_ref in zip(caches, caches_ref):
+        assert torch.equal(c.isnan(), c_ref.isnan())  # same slots written, slot -1 skipped
+        torch.testing.assert_close(c.nan_to_num().float(), c_ref.nan_to_num().float(), **_tol(dtype))
+    assert caches[0].view(-1, hkv, d)[[1, 2, 4]].isnan().all()  # untouched slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_and_activation_match_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 200, generator=gen).to(dtype) * 3
+    res = torch.randn(5, 200, generator=gen).to(dtype)
+    w = torch.randn(200, generator=gen).to(dtype)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5).float(),
+                               layer_reference.rms_norm(x, w, 1e-5).float(), **_tol(dtype))
+    a, ra = cpu_ops.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    b, rb = layer_reference.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    assert torch.equal(ra, rb)  # the residual sum is rounded once on both sides
+    torch.testing.assert_close(a.float(), b.float(), **_tol(dtype))
+    g = torch.randn(4, 2 * 333, generator=gen).to(dtype) * 6
+    torch.testing.assert_close(cpu_ops.silu_and_mul(g).float(), layer_reference.silu_and_mul(g).float(),
+                               **_tol(dtype))
