@@ -11,6 +11,8 @@ sampling, the GPU->CPU token copy), median step time, and model-bandwidth utilis
 2 GiB device-to-device copy, measured in the same run).
 
     python benchmarks/bench_decode.py --gguf PATH --out benchmarks/results/decode_h100.json
+
+The projection GEMMs on their own (weight layout, cuBLAS settings): benchmarks/bench_gemm_layouts.py.
 """
 from __future__ import annotations
 
@@ -162,25 +164,6 @@ def run_hf(hf, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict
     return {"tokens_per_s": batch / step, "mean_step_ms": 1e3 * step}
 
 
-def gemm_layouts(batches: list[int]) -> list[dict]:
-    """x @ W[in, out] (pyengine's layout) vs F.linear(x, W[out, in]) on the 8B projection shapes."""
-    out = []
-    shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
-              "lm_head": (4096, 128256)}
-    for name, (k, n) in shapes.items():
-        w_in_out = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-        w_out_in = w_in_out.t().contiguous()
-        for m in batches:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            a = time_ms(lambda: torch.mm(x, w_in_out), reps=50)
-            b = time_ms(lambda: torch.nn.functional.linear(x, w_out_in), reps=50)
-            nbytes = k * n * 2
-            out.append({"matrix": name, "k": k, "n": n, "m": m, "mm_in_out_GBps": nbytes / a / 1e6,
-                        "linear_out_in_GBps": nbytes / b / 1e6})
-        del w_in_out, w_out_in
-    return out
-
-
 def free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -253,11 +236,6 @@ def main() -> None:
             del hf
             free()
         result["models"][name] = entry
-    if "llama8b" in args.models:
-        result["gemm_layouts_8b"] = gemm_layouts(batches)
-        for g in result["gemm_layouts_8b"]:
-            print(f"gemm {g['matrix']} m={g['m']}: x@W[in,out] {g['mm_in_out_GBps']:.0f} GB/s, "
-                  f"linear W[out,in] {g['linear_out_in_GBps']:.0f} GB/s")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

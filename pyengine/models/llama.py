@@ -6,8 +6,11 @@ cache (ops.reshape_and_cache) and attends over it (ops.paged_attention). Project
 
 Linear weights are stored transposed, [in, out], and applied as x @ W: small-batch decode is
 memory-bound and MKL streams that layout ~25% faster than F.linear's [out, in] at batch 1-16
-(measured on SmolLM2-135M, 2 cores). A tied lm_head is kept only once, as [hidden, vocab]; token
-embedding then gathers its columns.
+(measured on SmolLM2-135M, 2 cores). On an H100 (bf16, in CUDA graphs) it is also the faster one
+for cuBLAS overall: on the Llama-3-8B projections at M = 1..64, F.linear's [out, in] wins only qkv
+at M = 2..5 (and by < 2% at 64), and is 2-15% slower on o, gate_up, down and lm_head
+(benchmarks/bench_gemm_layouts.py). A tied lm_head is kept only once, as [hidden, vocab];
+token embedding then gathers its columns.
 """
 from __future__ import annotations
 
