@@ -14,6 +14,7 @@
 
 #include "common.h"
 #include "cpu_ops.h"
+#include "cpu_thread_pool.h"
 #include "cpu_vec.h"
 
 namespace pyengine::cpu {
@@ -93,6 +94,9 @@ PE_INLINE float max_of(const float* x, int32_t n) {
   return m;
 }
 
+// Below this many query-key pairs (plus one per row) one thread is faster than waking another.
+constexpr int64_t kMinParallelWork = 256;
+
 struct Scratch {
   std::vector<float> scores;   // [nq, ctx] scores, then softmax numerators
   std::vector<const void*> kv; // [ctx] K row pointers, then V row pointers (from the block table)
@@ -116,10 +120,7 @@ PE_INLINE void attend(const PagedAttentionParams& p, int32_t r, int32_t h, Scrat
   s.kv.resize(std::max(ctx, 1));
   s.sums.resize(nq);
 
-  const int32_t* table = p.block_tables + r * p.block_table_stride;
-  for (int32_t b = 0; b < (ctx + p.block_size - 1) / p.block_size; ++b)
-    PE_CHECK(table[b] >= 0 && table[b] < p.num_blocks, "block table row ", r, " entry ", b, " = ", table[b],
-             " is outside the cache's ", p.num_blocks, " blocks");
+  const int32_t* table = p.block_tables + r * p.block_table_stride;  // checked by paged_attention()
   auto row_pointers = [&](const void* cache) {
     const T* base = static_cast<const T*>(cache) + static_cast<int64_t>(h) * D;
     for (int32_t b = 0, j = 0; j < ctx; ++b)
@@ -218,26 +219,34 @@ PE_INLINE void prefetch_row(const PagedAttentionParams& p, int32_t r) {
   }
 }
 
+// Rows [begin, end) in order, prefetching each next row's blocks while the current one computes.
 template <typename T, int NV>
-PE_INLINE void attend_all(const PagedAttentionParams& p, Scratch& s) {
-  prefetch_row<T>(p, 0);
-  for (int32_t r = 0; r < p.num_rows; ++r) {
-    prefetch_row<T>(p, r + 1);  // while this row computes
+PE_INLINE void attend_rows(const PagedAttentionParams& p, int32_t begin, int32_t end, Scratch& s) {
+  if (begin < end) prefetch_row<T>(p, begin);
+  for (int32_t r = begin; r < end; ++r) {
+    if (r + 1 < end) prefetch_row<T>(p, r + 1);
     for (int32_t h = 0; h < p.num_kv_heads; ++h) attend<T, NV>(p, r, h, s);
   }
 }
 
 template <typename T>
-PE_INLINE void attend_dispatch(const PagedAttentionParams& p, Scratch& s) {
+PE_INLINE void attend_rows_dispatch(const PagedAttentionParams& p, int32_t begin, int32_t end) {
+  thread_local Scratch scratch;
   switch (p.head_dim) {
-    case 64: return attend_all<T, 4>(p, s);
-    case 128: return attend_all<T, 8>(p, s);
-    default: return attend_all<T, 0>(p, s);
+    case 64: return attend_rows<T, 4>(p, begin, end, scratch);
+    case 128: return attend_rows<T, 8>(p, begin, end, scratch);
+    default: return attend_rows<T, 0>(p, begin, end, scratch);
   }
 }
 
-PE_CPU_CLONES void attention_f32(const PagedAttentionParams& p, Scratch& s) { attend_dispatch<float>(p, s); }
-PE_CPU_CLONES void attention_bf16(const PagedAttentionParams& p, Scratch& s) { attend_dispatch<bf16>(p, s); }
+// The cloned entry points: the math must be compiled inside them (a lambda handed to the pool
+// would be compiled for baseline x86-64 only, which made attention ~6x slower).
+PE_CPU_CLONES void attention_rows_f32(const PagedAttentionParams& p, int32_t begin, int32_t end) {
+  attend_rows_dispatch<float>(p, begin, end);
+}
+PE_CPU_CLONES void attention_rows_bf16(const PagedAttentionParams& p, int32_t begin, int32_t end) {
+  attend_rows_dispatch<bf16>(p, begin, end);
+}
 
 }  // namespace
 
@@ -246,11 +255,32 @@ void paged_attention(const PagedAttentionParams& p) {
            " is not a multiple of num_kv_heads ", p.num_kv_heads);
   PE_CHECK(p.head_dim > 0 && p.head_dim % 16 == 0, "head_dim must be a positive multiple of 16, got ", p.head_dim);
   PE_CHECK(p.block_size > 0, "block_size must be positive");
-  thread_local Scratch scratch;
-  if (p.dtype == DType::kBFloat16)
-    attention_bf16(p, scratch);
-  else
-    attention_f32(p, scratch);
+  for (int32_t r = 0; r < p.num_rows; ++r) {  // before any thread starts: workers must not throw
+    const int32_t* table = p.block_tables + r * p.block_table_stride;
+    for (int32_t b = 0; b < (std::max(p.context_lens[r], 0) + p.block_size - 1) / p.block_size; ++b)
+      PE_CHECK(table[b] >= 0 && table[b] < p.num_blocks, "block table row ", r, " entry ", b, " = ", table[b],
+               " is outside the cache's ", p.num_blocks, " blocks");
+  }
+  // Threads take contiguous row ranges of about equal work (query-key pairs); a row's result does
+  // not depend on which thread computes it.
+  std::vector<int64_t> work(p.num_rows + 1, 0);
+  for (int32_t r = 0; r < p.num_rows; ++r)
+    work[r + 1] = work[r] + static_cast<int64_t>(p.query_start_loc[r + 1] - p.query_start_loc[r]) *
+                                std::max(p.context_lens[r], 1) + 1;
+  auto row_at = [&](int part, int parts) {
+    if (part == parts) return p.num_rows;
+    const int64_t target = split_begin(work.back(), part, parts);
+    return static_cast<int32_t>(std::lower_bound(work.begin(), work.end(), target) - work.begin());
+  };
+  auto run = [&](int t, int nt) {
+    const int32_t begin = t == 0 ? 0 : row_at(t, nt), end = row_at(t + 1, nt);
+    p.dtype == DType::kBFloat16 ? attention_rows_bf16(p, begin, end) : attention_rows_f32(p, begin, end);
+  };
+  if (work.back() < kMinParallelWork) {
+    run(0, 1);
+  } else {
+    shared_pool().run(run);
+  }
 }
 
 }  // namespace pyengine::cpu

@@ -114,6 +114,10 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one step; returns the requests that received tokens (or finished) in it."""
+        with self.runner.step_threads():
+            return self._step()
+
+    def _step(self) -> list[Request]:
         t0 = time.perf_counter()
         if self.proposer is not None:
             if self.draft_length is None:

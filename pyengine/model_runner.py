@@ -1,7 +1,9 @@
 """Owns the model's paged KV cache and runs one forward over a scheduled batch."""
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -67,6 +69,22 @@ class ModelRunner:
             if self.graph_runner is not None:  # captured decode/verify steps read the slots from static buffers
                 self.graph_runner.state_cache = self.state_cache
         # ---- end recurrent state ----
+
+    @contextlib.contextmanager
+    def step_threads(self) -> Iterator[None]:
+        """Around one engine step: a CPU model whose linears run pyengine's GEMM (its own thread
+        pool, see pyengine.ops.cpu.PackedLinear) keeps torch at one thread meanwhile. Otherwise a
+        torch op of the step (e.g. the logits cast) wakes torch's OpenMP workers, which then spin
+        for milliseconds on the cores the GEMM threads need: decode GEMMs ran 1.8x slower."""
+        if self.device.type != "cpu" or not getattr(self.model, "owns_cpu_threads", False):
+            yield
+            return
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def _tensor(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(array))

@@ -143,3 +143,34 @@ def test_norms_and_activation_match_reference(dtype: torch.dtype) -> None:
     g = torch.randn(4, 2 * 333, generator=gen).to(dtype) * 6
     torch.testing.assert_close(cpu_ops.silu_and_mul(g).float(), layer_reference.silu_and_mul(g).float(),
                                **_tol(dtype))
+
+
+needs_bf16_gemm = pytest.mark.skipif(not cpu_ops.PackedLinear.supported(torch.zeros(2, 2, dtype=torch.bfloat16)),
+                                     reason="CPU lacks avx512_bf16")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 40])
+def test_packed_linear_matches_fp32_matmul(m: int) -> None:
+    """bf16 inputs, fp32 accumulation, one rounding: within one bf16 step of the exact product."""
+    gen = torch.Generator().manual_seed(m)
+    k, n = 96, 70  # n not a multiple of the 16-column panels
+    w = torch.randn(k, n, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    layer = cpu_ops.PackedLinear(w)
+    exact = x.double() @ w.double()
+    torch.testing.assert_close(layer(x).double(), exact, atol=1e-3, rtol=8e-3)
+    torch.testing.assert_close(layer(x, bias).double(), exact + bias.double(), atol=1e-3, rtol=8e-3)
+
+
+@needs_bf16_gemm
+def test_packed_linear_rows_are_batch_invariant() -> None:
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(576, 960, generator=gen).to(torch.bfloat16)
+    x = torch.randn(37, 576, generator=gen).to(torch.bfloat16)
+    layer = cpu_ops.PackedLinear(w)
+    batched = layer(x)
+    for r in (0, 15, 16, 36):
+        assert torch.equal(layer(x[r:r + 1]), batched[r:r + 1])
+    assert torch.equal(layer(x[:5]), batched[:5])

@@ -7,6 +7,7 @@ import functools
 import random
 
 import pytest
+import torch
 
 from pyengine import SamplingParams
 from tests.spec_harness import RecordingScheduler, assert_lossless, run
@@ -204,3 +205,21 @@ def test_smollm2_ngram_greedy_equals_plain(smollm2_path: str) -> None:
     outs, stats, _, llm = run(None, prompts, spec=spec, params=params, max_model_len=512)
     assert_lossless(llm, prompts, plain, outs)
     assert stats["num_accepted_tokens"] > 0
+
+
+def test_bf16_cpu_spec_equals_plain_exactly(tiny: str) -> None:
+    """bf16 on the CPU: every op of the decode path (pyengine's GEMM on avx512_bf16 CPUs, the C++
+    attention, norms, RoPE) computes a token the same way whatever else is in the step, so ngram
+    speculation at batch 8 must reproduce plain decoding exactly, without even a near-tie."""
+    from pyengine.ops.cpu import PackedLinear
+
+    prompts = make_prompts(8, seed=3)
+    plain, _, _, llm = run(tiny, prompts, max_tokens=24, dtype="bfloat16")
+    if not PackedLinear.supported(torch.zeros(2, 2, dtype=torch.bfloat16)):
+        pytest.skip("CPU lacks avx512_bf16: the bf16 linears run oneDNN, whose kernels vary with M")
+    assert isinstance(llm.model.layers[0].qkv_proj, PackedLinear)
+    spec = {"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 4,
+            "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    outs, stats, rec, _ = run(tiny, prompts, max_tokens=24, spec=spec, dtype="bfloat16", block_size=4)
+    assert stats["num_accepted_tokens"] > 0 and rec.had_ragged_step()
+    assert outs == plain
