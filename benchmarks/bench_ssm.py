@@ -4,7 +4,8 @@ bandwidth measured in the same run, side by side with the same computation in Py
 Shapes: Mamba2-2.7B-like (80 heads x 64 head dim x 128 state, 1 group; conv dim 5120, W = 4), bf16
 activations, fp32 SSM state; batch 1..256; k = 0 (T = 1) and k = 3 (T = 4, verify). Bytes counted
 = what the step must move: the read slot plus T written slots of state (SSM: fp32 H*P*N each;
-conv: W - 1 rows read, W - 2 + T written) plus inputs and outputs. Kernel time is taken inside a
+conv: W - 1 rows read, W - 2 + T written) plus inputs, outputs and the conv weights and bias (read
+once per call; SSM: A, D, dt_bias). Kernel time is taken inside a
 CUDA graph of 20 back-to-back calls (gpu_timing.time_ms_graph), as a captured decode step runs
 them; `*_kernel_eager_call_ms` times one Python call between CUDA events (launch overhead included).
 
@@ -71,14 +72,15 @@ def bench(batch: int, k: int, copy_gbps: float) -> dict:
     dt = torch.randn(ntok, H, device="cuda", dtype=bf)
     B, C = (torch.randn(ntok, G, N, device="cuda", dtype=bf) for _ in range(2))
     A, D, bias = -torch.rand(H, device="cuda"), torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
-    ssu_bytes = batch * (1 + T) * H * P * N * 4 + ntok * (2 * H * P + H + 2 * G * N) * 2
+    ssu_bytes = batch * (1 + T) * H * P * N * 4 + ntok * (2 * H * P + H + 2 * G * N) * 2 + 3 * H * 4
     ssu_call = lambda: ssm_cuda.selective_state_update(state, x, dt, A, B, C, D, z, bias, qsl, idx, acc)  # noqa: E731
     k_ms, k_call_ms = time_ms_graph(ssu_call), time_ms(ssu_call)
     e_ms = time_ms(lambda: eager_ssu(state, x, dt, A, B, C, D, bias, idx, acc, T), reps=5)
     conv_state = torch.randn(slots, W - 1 + k, CONV_DIM, device="cuda", dtype=bf)
     xc = torch.randn(ntok, CONV_DIM, device="cuda", dtype=bf)
     w, b = torch.randn(CONV_DIM, W, device="cuda", dtype=bf), torch.randn(CONV_DIM, device="cuda", dtype=bf)
-    conv_bytes = batch * CONV_DIM * ((W - 1) + (W - 2 + T)) * 2 + ntok * CONV_DIM * 2 * 2
+    # state: W - 1 rows read, W - 2 + T rows written; x read and y written; weights and bias read
+    conv_bytes = batch * CONV_DIM * ((W - 1) + (W - 2 + T)) * 2 + ntok * CONV_DIM * 2 * 2 + CONV_DIM * (W + 1) * 2
     conv_call = lambda: ssm_cuda.causal_conv1d_update(xc, conv_state, w, b, qsl, idx, acc)  # noqa: E731
     kc_ms, kc_call_ms = time_ms_graph(conv_call), time_ms(conv_call)
     ec_ms = time_ms(lambda: eager_conv(xc, conv_state, w, b, idx, acc, T), reps=5)

@@ -2,8 +2,9 @@
 // causal_conv1d_fn (prefill, varlen) and selective_state_update (multi-token, slot per token).
 // Semantics in ssm_state.h (reference: pyengine/ops/ssm_reference.py). All arithmetic in fp32.
 //
-// conv kernels: one thread per (row, channel); the window lives in registers, the state line is
-// read (at offset a - 1) before it is rewritten, and no two threads touch the same element.
+// conv kernels: one thread per (row, channel) (the update: per row and 4 channels, see
+// conv1d_update_kernel); the window lives in registers, the state line is read (at offset a - 1)
+// before it is rewritten, and no two threads touch the same element.
 // selective_state_update (and, writing only the final state, the prefill scan: one token after
 // the other in registers, correct first; the chunked tensor-core form is future work): one block
 // per (row, head, 8 head-dim rows); a 32-lane group owns two
@@ -19,6 +20,15 @@
 namespace {
 
 constexpr int kConvThreads = 128;
+// conv update: threads per block, bytes of channels per access (4 bf16 channels per thread), tokens
+// per load chunk. Measured on the H100 at conv dim 5120, bf16, batch 1..256, k = 0 and 3 (graph
+// timing as bench_ssm.py): 8-byte accesses beat 16-byte ones everywhere (batch 64, k = 3: 5.2 vs
+// 6.1 us; batch 1, k = 3: 3.2 vs 4.2 us, the thread's arithmetic is the critical path of a
+// one-wave grid) and 4-byte ones at batch >= 64; 64-thread blocks edge out 128 (more blocks to
+// spread over the 132 SMs at batch 64: 2.9 vs 3.2 us at k = 0) and 256 is worst.
+constexpr int kConvUpdateThreads = 64;
+constexpr int kConvVecBytes = 8;
+constexpr int kConvTokenChunk = 4;
 constexpr int kLanes = 32;
 constexpr int kWarpsPerBlock = 4;
 constexpr int kRowsPerWarp = 2;
@@ -57,6 +67,10 @@ template <>
 struct RawVec<8> {
   using type = uint2;
 };
+template <>
+struct RawVec<4> {
+  using type = uint32_t;
+};
 template <typename T, int V>
 struct ChanVec {
   using Raw = typename RawVec<V * (int)sizeof(T)>::type;
@@ -69,6 +83,23 @@ struct ChanVec {
       const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
       for (int i = 0; i < V; ++i) f[i] = Io<T>::ld(e + i);
+    }
+  }
+  // the V elements unconverted (registers hold 16-bit values packed, two per register)
+  static PE_DEVICE void ld_raw(const T* p, T* r) {
+    if constexpr (std::is_void<Raw>::value) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) r[i] = p[i];
+    } else {
+      *reinterpret_cast<Raw*>(r) = *reinterpret_cast<const Raw*>(p);
+    }
+  }
+  static PE_DEVICE void st_raw(T* p, const T* r) {
+    if constexpr (std::is_void<Raw>::value) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) p[i] = r[i];
+    } else {
+      *reinterpret_cast<Raw*>(p) = *reinterpret_cast<const Raw*>(r);
     }
   }
   static PE_DEVICE void st(T* p, const float* f) {
@@ -85,79 +116,113 @@ struct ChanVec {
   }
 };
 
-// One thread per (row, V channels). The old window is read whole before the shifted one is
-// written; the thread owns its channels, so nothing else touches those elements.
-// KW: compile-time bound on the width (4 covers Mamba2; 8 is kSsmMaxConvWidth).
-template <typename T, int V, int KW>
-__global__ void __launch_bounds__(kConvThreads) conv1d_update_kernel(CausalConv1dParams p) {
+// One thread per (row, V channels), V * sizeof(T) = kConvVecBytes where the layout allows. Every
+// load a thread needs is issued before the first value is used: the row metadata, the weights (W
+// accesses of V elements: the [V, W] weight block is contiguous), the bias, the W - 1 history
+// rows and the first TC inputs. Each history row is read once; the shifted window is written from
+// registers. Inputs are loaded TC tokens at a time, before any store of that chunk: the stores
+// could alias x as far as the compiler knows, so a load placed after a store waits a whole round
+// trip (one per token of a verify row before this was chunked). The thread owns its channels, so
+// reading the old window before rewriting it needs no synchronisation.
+// KW: compile-time width bound; EXACT: W == KW (Mamba2's W = 4), else taps below K - W are zero.
+// The window is right-aligned in registers (indices fixed at compile time): full[0 .. K - 2] is
+// the history, full[K - 1 + tt] the chunk's token tt; output tt uses full[tt .. tt + K - 1] with
+// the weights right-aligned the same way, accumulated in the same order as the reference loop.
+// (__launch_bounds__ with an explicit minimum of one block per SM is the build that was measured;
+// ptxas allocates registers differently without it, e.g. 64 instead of 78 for bf16, not measured.)
+template <typename T, int V, int KW, bool EXACT, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1) conv1d_update_kernel(CausalConv1dParams p) {
   using Vec = ChanVec<T, V>;
-  const int n = blockIdx.y;
-  const int c = (blockIdx.x * kConvThreads + threadIdx.x) * V;
-  if (c >= p.dim) return;
-  // Right-aligned window (register indices fixed at compile time): buf[K - 1] is the current
-  // token, buf[K - W .. K - 2] the W - 1 inputs before it, w right-aligned the same way. The
-  // weights are loaded first, in flight together with the row metadata the state loads wait on.
   constexpr int K = KW;
-  const int W = p.width;
-  float buf[K][V], w[K][V], bias[V];
-#pragma unroll
-  for (int i = 0; i < V; ++i) {
-    bias[i] = p.bias ? Io<T>::ld(static_cast<const T*>(p.bias) + c + i) : 0.f;
-#pragma unroll
-    for (int m = 0; m < K; ++m) {
-      const int j = m - (K - W);
-      w[m][i] = j >= 0 ? Io<T>::ld(static_cast<const T*>(p.weight) + (int64_t)(c + i) * W + j) : 0.f;
-    }
-  }
+  constexpr int TC = kConvTokenChunk;
+  const int n = blockIdx.y;
+  const int c = (blockIdx.x * THREADS + threadIdx.x) * V;
+  if (c >= p.dim) return;
+  // Row metadata first: every state and input address waits on it.
   const int s0 = p.query_start_loc[n], num = p.query_start_loc[n + 1] - s0;
-  const T* x = static_cast<const T*>(p.x);
-  T* y = static_cast<T*>(p.y);
   const int line = p.state_idx[(int64_t)n * p.slots_per_row];
+  const int acc_n = p.num_accepted[n];
+  const int W = EXACT ? KW : p.width;
+  // Weights, bias and window stay in registers as loaded (16-bit types packed two per register,
+  // half the registers of floats) and are converted where used. wr[i * K + m]: channel i, tap m
+  // (right-aligned: taps below K - W are zero), the [dim, W] layout itself when EXACT.
+  alignas(16) T wr[V * K];
+  alignas(16) T br[V];
+  const T* wp = static_cast<const T*>(p.weight);
+  if constexpr (EXACT) {
+#pragma unroll
+    for (int q = 0; q < K; ++q) Vec::ld_raw(wp + (int64_t)c * K + q * V, wr + q * V);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+#pragma unroll
+      for (int m = 0; m < K; ++m) {
+        const int j = m - (K - W);
+        if (j >= 0) wr[i * K + m] = wp[(int64_t)(c + i) * W + j];
+        else Io<T>::st(wr + i * K + m, 0.f);
+      }
+  }
+  if (p.bias) {
+    Vec::ld_raw(static_cast<const T*>(p.bias) + c, br);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) Io<T>::st(br + i, 0.f);
+  }
+  const T* x = static_cast<const T*>(p.x) + c;
+  T* y = static_cast<T*>(p.y) + c;
   if (line < 0) {
     const float zero[V] = {};
-    for (int t = 0; t < num; ++t) Vec::st(y + (s0 + t) * p.y_stride_token + c, zero);
+    for (int t = 0; t < num; ++t) Vec::st(y + (int64_t)(s0 + t) * p.y_stride_token, zero);
     return;
   }
-  // The first token's input is loaded with the old window (the window stores below could alias
-  // x as far as the compiler knows, and would otherwise hold this load back a round trip).
-  float x0[V] = {};
-  if (num > 0) Vec::ld(x + s0 * p.x_stride_token + c, x0);
-  const int off = max(p.num_accepted[n], 1) - 1;
+  if (num <= 0) return;  // a row without tokens leaves its window as it is (as the reference does)
+  const int off = max(acc_n, 1) - 1;
   T* state = static_cast<T*>(p.conv_state) + (int64_t)line * p.state_rows * p.dim + c;
+  alignas(16) T full[K - 1 + TC][V];
 #pragma unroll
   for (int m = 0; m < K - 1; ++m) {
     const int j = m - (K - W);  // history row of the old window
+    if (j >= 0) {
+      Vec::ld_raw(state + (int64_t)(off + j) * p.dim, full[m]);
+    } else {
 #pragma unroll
-    for (int i = 0; i < V; ++i) buf[m][i] = 0.f;
-    if (j >= 0) Vec::ld(state + (int64_t)(off + j) * p.dim, buf[m]);
+      for (int i = 0; i < V; ++i) Io<T>::st(&full[m][i], 0.f);
+    }
   }
+#pragma unroll
+  for (int tt = 0; tt < TC; ++tt)
+    if (tt < num) Vec::ld_raw(x + (int64_t)(s0 + tt) * p.x_stride_token, full[K - 1 + tt]);
   // the shifted window starts with rows off+1 .. off+W-2 of the old state (old row j -> new j-1)
 #pragma unroll
   for (int m = 0; m < K - 1; ++m) {
     const int j = m - (K - W);
-    if (j >= 1) Vec::st(state + (int64_t)(j - 1) * p.dim, buf[m]);
+    if (j >= 1) Vec::st_raw(state + (int64_t)(j - 1) * p.dim, full[m]);
   }
-  for (int t = 0; t < num; ++t) {
-    if (t == 0) {
+  for (int t0 = 0; t0 < num; t0 += TC) {
+    if (t0 > 0) {  // next chunk (rows of more than TC tokens): the last K - 1 values are its history
 #pragma unroll
-      for (int i = 0; i < V; ++i) buf[K - 1][i] = x0[i];
-    } else {
-      Vec::ld(x + (s0 + t) * p.x_stride_token + c, buf[K - 1]);
+      for (int m = 0; m < K - 1; ++m)
+#pragma unroll
+        for (int i = 0; i < V; ++i) full[m][i] = full[m + TC][i];
+#pragma unroll
+      for (int tt = 0; tt < TC; ++tt)
+        if (t0 + tt < num) Vec::ld_raw(x + (int64_t)(s0 + t0 + tt) * p.x_stride_token, full[K - 1 + tt]);
     }
-    float acc[V];
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      acc[i] = bias[i];
+    for (int tt = 0; tt < TC; ++tt) {
+      if (t0 + tt < num) {
+        float acc[V];
 #pragma unroll
-      for (int m = 0; m < K; ++m) acc[i] += w[m][i] * buf[m][i];
-      if (p.silu) acc[i] = silu(acc[i]);
+        for (int i = 0; i < V; ++i) {
+          acc[i] = Io<T>::ld(br + i);
+#pragma unroll
+          for (int m = 0; m < K; ++m) acc[i] += Io<T>::ld(wr + i * K + m) * Io<T>::ld(&full[tt + m][i]);
+          if (p.silu) acc[i] = silu(acc[i]);
+        }
+        Vec::st(y + (int64_t)(s0 + t0 + tt) * p.y_stride_token, acc);
+        Vec::st_raw(state + (int64_t)(W - 2 + t0 + tt) * p.dim, full[K - 1 + tt]);  // ... then the T inputs
+      }
     }
-    Vec::st(y + (s0 + t) * p.y_stride_token + c, acc);
-    Vec::st(state + (int64_t)(W - 2 + t) * p.dim, buf[K - 1]);  // ... then the T inputs
-#pragma unroll
-    for (int m = 0; m < K - 1; ++m)
-#pragma unroll
-      for (int i = 0; i < V; ++i) buf[m][i] = buf[m + 1][i];
   }
 }
 
@@ -306,23 +371,27 @@ int dispatch(const Params& p, void* stream) {
 
 template <typename T>
 struct ConvUpdate {
-  template <int V>
+  template <int V, int KW, bool EXACT>
   static void launch(const CausalConv1dParams& p, peStream_t s) {
     const int threads = (p.dim + V - 1) / V;
-    const dim3 grid((threads + kConvThreads - 1) / kConvThreads, p.num_rows);
-    if (p.width <= 4) conv1d_update_kernel<T, V, 4><<<grid, kConvThreads, 0, s>>>(p);
-    else conv1d_update_kernel<T, V, kSsmMaxConvWidth><<<grid, kConvThreads, 0, s>>>(p);
+    const dim3 grid((threads + kConvUpdateThreads - 1) / kConvUpdateThreads, p.num_rows);
+    conv1d_update_kernel<T, V, KW, EXACT, kConvUpdateThreads><<<grid, kConvUpdateThreads, 0, s>>>(p);
+  }
+  template <int V>
+  static void launch_width(const CausalConv1dParams& p, peStream_t s) {
+    if (p.width == 4) launch<V, 4, true>(p, s);
+    else if (p.width < 4) launch<V, 4, false>(p, s);
+    else launch<V, kSsmMaxConvWidth, false>(p, s);
   }
   static int run(const CausalConv1dParams& p, peStream_t s) {
-    // 4 channels per access (8 bytes for 16-bit types): on the H100, 16-byte accesses (8
-    // channels, half the threads) measured slower at batch 64 (0.24 vs 0.34 of copy)
-    constexpr int kVec = 4;
+    constexpr int kVec = kConvVecBytes / sizeof(T);
     const uintptr_t align = kVec * sizeof(T);
+    auto aligned = [&](const void* q) { return reinterpret_cast<uintptr_t>(q) % align == 0; };
     const bool vec = p.dim % kVec == 0 && p.x_stride_token % kVec == 0 && p.y_stride_token % kVec == 0 &&
-                     reinterpret_cast<uintptr_t>(p.x) % align == 0 && reinterpret_cast<uintptr_t>(p.y) % align == 0 &&
-                     reinterpret_cast<uintptr_t>(p.conv_state) % align == 0;
-    if (vec) launch<kVec>(p, s);
-    else launch<1>(p, s);
+                     aligned(p.x) && aligned(p.y) && aligned(p.conv_state) && aligned(p.weight) &&
+                     (p.bias == nullptr || aligned(p.bias));
+    if (vec) launch_width<kVec>(p, s);
+    else launch_width<1>(p, s);
     return static_cast<int>(peGetLastError());
   }
 };

@@ -35,9 +35,12 @@ def random_rows(rng: random.Random, num_rows: int, k: int, num_slots: int, pad_r
             torch.tensor(acc, dtype=torch.int32, device=dev), qsl[-1])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("width,k,dim", [(4, 3, 200), (2, 0, 64), (6, 7, 33)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width,k,dim", [(4, 3, 200), (2, 0, 64), (6, 7, 33), (6, 3, 64), (4, 5, 96), (3, 1, 5120)])
 def test_causal_conv1d_update_matches_reference(dtype, width: int, k: int, dim: int) -> None:
+    """Covers the kernel's paths: 8-byte channel vectors (dim a multiple of 4) or one channel per
+    thread (dim 33), W == 4 (vector weight loads) or not, rows of more than 4 tokens (k = 5, 7: the
+    inputs are loaded 4 tokens at a time)."""
     rng, gen = random.Random(width * 10 + k), torch.Generator(device="cuda").manual_seed(k)
     qsl, idx, acc, ntok = random_rows(rng, 12, k, 12 * (1 + k) + 5)
     pool = torch.randn(12 * (1 + k) + 5, width - 1 + k, dim, device="cuda", generator=gen).to(dtype)
@@ -49,6 +52,37 @@ def test_causal_conv1d_update_matches_reference(dtype, width: int, k: int, dim: 
     y_ref = ref.causal_conv1d_update(x, pool_ref, w, b, qsl, idx, acc)
     torch.testing.assert_close(y.float(), y_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(pool, pool_ref), "state windows differ (a pure copy: must be bit-identical)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_conv1d_update_batch_invariant_and_empty_rows(dtype) -> None:
+    """Each row's output and window are bit-identical whether it runs alone or in a batch; a row
+    with no tokens (and a PAD row) leaves its window untouched, as in the reference."""
+    rng, gen = random.Random(5), torch.Generator(device="cuda").manual_seed(5)
+    W, k, dim = 4, 3, 5120
+    qsl, idx, acc, ntok = random_rows(rng, 40, k, 40 * (1 + k) + 3)
+    lens = (qsl[1:] - qsl[:-1]).tolist()
+    lens[7] = 0  # an empty row
+    qsl = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    ntok = int(qsl[-1])
+    pool = torch.randn(40 * (1 + k) + 3, W - 1 + k, dim, device="cuda", generator=gen).to(dtype)
+    x = torch.randn(ntok, dim, device="cuda", generator=gen).to(dtype)
+    w = torch.randn(dim, W, device="cuda", generator=gen).to(dtype)
+    b = torch.randn(dim, device="cuda", generator=gen).to(dtype)
+    pool_batch, pool_ref = pool.clone(), pool.clone()
+    y = ssm_cuda.causal_conv1d_update(x, pool_batch, w, b, qsl, idx, acc)
+    y_ref = ref.causal_conv1d_update(x, pool_ref, w, b, qsl, idx, acc)
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(pool_batch, pool_ref)
+    for n in range(idx.shape[0]):
+        s, e = int(qsl[n]), int(qsl[n + 1])
+        pool_one = pool.clone()
+        qsl_one = torch.tensor([0, e - s], dtype=torch.int32, device="cuda")
+        y_one = ssm_cuda.causal_conv1d_update(x[s:e], pool_one, w, b, qsl_one, idx[n:n + 1], acc[n:n + 1])
+        assert torch.equal(y_one, y[s:e]), f"row {n}: output depends on the batch"
+        line = int(idx[n, 0])
+        if line >= 0:
+            assert torch.equal(pool_one[line], pool_batch[line]), f"row {n}: window depends on the batch"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
