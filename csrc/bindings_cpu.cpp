@@ -22,7 +22,7 @@ void register_cpu_ops(py::module_& m) {
           [](uintptr_t q, int64_t q_row_stride, uintptr_t k_cache, uintptr_t v_cache, uintptr_t out, uintptr_t lse,
              uintptr_t block_tables, int64_t block_table_stride, uintptr_t query_start_loc, uintptr_t context_lens,
              int32_t num_rows, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-             int64_t num_blocks, float scale, int32_t dtype) {
+             int64_t num_blocks, float scale, int32_t dtype, bool use_pool) {
             PagedAttentionParams p;
             p.q = ptr(q), p.q_row_stride = q_row_stride, p.k_cache = ptr(k_cache), p.v_cache = ptr(v_cache);
             p.out = ptr(out), p.lse = ptr<float>(lse), p.block_tables = ptr<const int32_t>(block_tables);
@@ -30,7 +30,7 @@ void register_cpu_ops(py::module_& m) {
             p.context_lens = ptr<const int32_t>(context_lens), p.num_rows = num_rows, p.num_heads = num_heads;
             p.num_kv_heads = num_kv_heads, p.head_dim = head_dim, p.block_size = block_size;
             p.num_blocks = num_blocks, p.scale = scale;
-            p.dtype = static_cast<DType>(dtype);
+            p.dtype = static_cast<DType>(dtype), p.use_pool = use_pool;
             paged_attention(p);
           });
   cpu.def("rope_and_cache",

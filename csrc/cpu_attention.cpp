@@ -276,7 +276,7 @@ void paged_attention(const PagedAttentionParams& p) {
     const int32_t begin = t == 0 ? 0 : row_at(t, nt), end = row_at(t + 1, nt);
     p.dtype == DType::kBFloat16 ? attention_rows_bf16(p, begin, end) : attention_rows_f32(p, begin, end);
   };
-  if (work.back() < kMinParallelWork) {
+  if (!p.use_pool || work.back() < kMinParallelWork) {
     run(0, 1);
   } else {
     shared_pool().run(run);

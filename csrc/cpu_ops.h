@@ -28,6 +28,7 @@ struct PagedAttentionParams {
   int64_t num_blocks = 0;  // of the caches: block ids read must lie in [0, num_blocks)
   float scale = 1.0f;
   DType dtype = DType::kFloat32;  // of q, out and the caches
+  bool use_pool = false;          // split rows over the shared pool (cpu_thread_pool.h)
 };
 
 // Causal varlen attention: query i of a row of q_len tokens sees keys [0, ctx - (q_len - 1 - i)).

@@ -4,9 +4,12 @@ Same signatures and semantics as pyengine.ops.reference / layer_reference, for f
 tensors; any other dtype, or a layout the loops do not take, runs the reference. The extension
 gets raw data pointers, sizes and row strides (like the GPU kernels, it never sees torch).
 
-paged_attention (head_dim a multiple of 16) runs single-threaded and reads K/V in place, which wins for decode and verify
+paged_attention (head_dim a multiple of 16) reads K/V in place, which wins for decode and verify
 steps (a few queries per row); a step with much more attention work than that (long prefills)
-runs the reference, whose SDPA kernel uses every core.
+runs the reference, whose SDPA kernel uses every core. Its rows are split over the C++ pool only
+while torch runs one thread: inside an engine step of a model that owns the CPU threads
+(ModelRunner.step_threads). With torch's OpenMP workers active, pool workers would fight them for
+the cores.
 """
 from __future__ import annotations
 
@@ -65,7 +68,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _K.paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                        0 if lse is None else lse.data_ptr(), bt.data_ptr(), bt.shape[1], qsl.data_ptr(),
                        ctx.data_ptr(), ctx.shape[0], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-                       k_cache.shape[0], scale, code)
+                       k_cache.shape[0], scale, code, torch.get_num_threads() == 1)
     return (out, lse) if lse is not None else out
 
 
