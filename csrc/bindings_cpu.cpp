@@ -51,16 +51,18 @@ void register_cpu_ops(py::module_& m) {
     p.num_tokens = num_tokens, p.hidden = hidden, p.eps = eps, p.dtype = static_cast<DType>(dtype);
     rms_norm(p);
   });
-  cpu.def("has_bf16_gemm", &has_bf16_gemm);
+  cpu.def("has_gemm", [](int32_t dtype) { return has_gemm(static_cast<DType>(dtype)); });
   cpu.def("set_num_threads", &set_pool_threads, "threads of the CPU ops' pool, the caller included");
-  py::class_<PackedBf16Weight>(cpu, "PackedBf16Weight")
-      .def(py::init([](uintptr_t w, int64_t k, int64_t n) { return PackedBf16Weight(ptr<const bf16>(w), k, n); }))
-      .def_property_readonly("k", &PackedBf16Weight::k)
-      .def_property_readonly("n", &PackedBf16Weight::n)
-      .def("matmul", [](const PackedBf16Weight& self, uintptr_t x, int64_t x_row_stride, int64_t m, uintptr_t bias,
+  py::class_<PackedWeight>(cpu, "PackedWeight")
+      .def(py::init([](uintptr_t w, int64_t k, int64_t n, int32_t dtype) {
+        return PackedWeight(ptr(w), k, n, static_cast<DType>(dtype));
+      }))
+      .def_property_readonly("k", &PackedWeight::k)
+      .def_property_readonly("n", &PackedWeight::n)
+      .def("matmul", [](const PackedWeight& self, uintptr_t x, int64_t x_row_stride, int64_t m, uintptr_t bias,
                         uintptr_t y) {
         py::gil_scoped_release release;  // the pool's threads run while Python may do other work
-        self.matmul(ptr<const bf16>(x), x_row_stride, m, ptr<const bf16>(bias), ptr<bf16>(y));
+        self.matmul(ptr(x), x_row_stride, m, ptr(bias), ptr(y));
       });
   cpu.def("silu_and_mul", [](uintptr_t x, uintptr_t out, int32_t num_tokens, int32_t inter, int32_t dtype) {
     silu_and_mul(ptr(x), ptr(out), num_tokens, inter, static_cast<DType>(dtype));

@@ -1,4 +1,4 @@
-// The bf16 decode GEMM of cpu_gemm.h: an AVX-512 BF16 micro-kernel of up to 16 rows x 16 columns
+// The decode GEMM of cpu_gemm.h: AVX-512 (BF16) micro-kernels of up to 16 rows x 16 columns
 // (16 zmm accumulators, the weights streamed once, x broadcast from L1), threads splitting the
 // panels into contiguous ranges.
 #include "cpu_gemm.h"
@@ -47,55 +47,98 @@ PE_BF16_TARGET void micro_kernel(const bf16* x, int64_t x_row_stride, const uint
   }
 }
 
-using MicroKernel = void (*)(const bf16*, int64_t, const uint32_t*, int64_t, const bf16*, bf16*, int64_t, int);
+// fp32: one k per 64-byte line (16 columns), one FMA per row with x[r][k] broadcast.
+template <int R>
+__attribute__((target("avx512f"))) void micro_kernel_f32(const float* x, int64_t x_row_stride, const uint32_t* panel,
+                                                         int64_t k_steps, const float* bias, float* y,
+                                                         int64_t y_row_stride, int cols) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const float* w = reinterpret_cast<const float*>(panel);
+  for (int64_t k = 0; k < k_steps; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (k + kPrefetchLines) * kPanel), _MM_HINT_T0);
+    const __m512 wk = _mm512_loadu_ps(w + k * kPanel);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * x_row_stride + k]), wk, acc[r]);
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_row_stride, mask, _mm512_add_ps(acc[r], b));
+}
+
+template <typename T>
+using MicroKernel = void (*)(const T*, int64_t, const uint32_t*, int64_t, const T*, T*, int64_t, int);
 
 template <int... R>
-constexpr auto make_kernels(std::integer_sequence<int, R...>) {
-  return std::array<MicroKernel, sizeof...(R)>{&micro_kernel<R + 1>...};
+constexpr auto make_bf16_kernels(std::integer_sequence<int, R...>) {
+  return std::array<MicroKernel<bf16>, sizeof...(R)>{&micro_kernel<R + 1>...};
 }
-const auto kKernels = make_kernels(std::make_integer_sequence<int, kRows>{});
-
-}  // namespace
-
-bool has_bf16_gemm() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
+template <int... R>
+constexpr auto make_f32_kernels(std::integer_sequence<int, R...>) {
+  return std::array<MicroKernel<float>, sizeof...(R)>{&micro_kernel_f32<R + 1>...};
 }
+const auto kBf16Kernels = make_bf16_kernels(std::make_integer_sequence<int, kRows>{});
+const auto kF32Kernels = make_f32_kernels(std::make_integer_sequence<int, kRows>{});
 
-PackedBf16Weight::PackedBf16Weight(const bf16* w, int64_t k, int64_t n)
-    : k_(k), n_(n), k_pairs_(k / 2), panels_(ceil_div(n, kPanel)) {
-  PE_CHECK(k > 0 && k % 2 == 0 && n > 0, "packed bf16 weight needs an even K and N > 0, got ", k, " x ", n);
-  packed_.assign(static_cast<size_t>(panels_ * k_pairs_ * kPanel), 0u);
-  for (int64_t p = 0; p < panels_; ++p)
-    for (int64_t kp = 0; kp < k_pairs_; ++kp)
-      for (int c = 0; c < kPanel && p * kPanel + c < n; ++c) {
-        const int64_t col = p * kPanel + c;
-        const uint32_t lo = w[(2 * kp) * n + col], hi = w[(2 * kp + 1) * n + col];
-        packed_[(p * k_pairs_ + kp) * kPanel + c] = lo | (hi << 16);
-      }
-}
-
-void PackedBf16Weight::matmul(const bf16* x, int64_t x_row_stride, int64_t m, const bf16* bias, bf16* y) const {
-  PE_CHECK(has_bf16_gemm(), "this CPU lacks avx512_bf16");
-  if (m <= 0) return;
-  const uint32_t* packed = packed_.data();
+// Rows of x through one panel at a time; threads take contiguous panel ranges.
+template <typename T>
+void run_panels(const std::array<MicroKernel<T>, kRows>& kernels, const uint32_t* packed, int64_t panels,
+                int64_t k_steps, int64_t n, const T* x, int64_t x_row_stride, int64_t m, const T* bias, T* y) {
   auto run = [&](int t, int nt) {
-    const int64_t begin = split_begin(panels_, t, nt), end = split_begin(panels_, t + 1, nt);
+    const int64_t begin = split_begin(panels, t, nt), end = split_begin(panels, t + 1, nt);
     for (int64_t p = begin; p < end; ++p) {
-      const int cols = static_cast<int>(std::min<int64_t>(kPanel, n_ - p * kPanel));
-      const uint32_t* panel = packed + p * k_pairs_ * kPanel;
+      const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
+      const uint32_t* panel = packed + p * k_steps * kPanel;
       for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
-        kKernels[rows - 1](x + r0 * x_row_stride, x_row_stride, panel, k_pairs_, bias ? bias + p * kPanel : nullptr,
-                           y + r0 * n_ + p * kPanel, n_, cols);
+        kernels[rows - 1](x + r0 * x_row_stride, x_row_stride, panel, k_steps, bias ? bias + p * kPanel : nullptr,
+                          y + r0 * n + p * kPanel, n, cols);
       }
     }
   };
   shared_pool().run(run);
+}
+
+}  // namespace
+
+bool has_gemm(DType dtype) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  return avx512 && (dtype == DType::kFloat32 || __builtin_cpu_supports("avx512bf16"));
+#else
+  (void)dtype;
+  return false;
+#endif
+}
+
+PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype)
+    : k_(k), n_(n), k_steps_(dtype == DType::kBFloat16 ? k / 2 : k), panels_(ceil_div(n, kPanel)), dtype_(dtype) {
+  PE_CHECK(k > 0 && n > 0, "packed weight needs K, N > 0, got ", k, " x ", n);
+  PE_CHECK(dtype == DType::kFloat32 || k % 2 == 0, "a packed bf16 weight needs an even K, got ", k);
+  packed_.assign(static_cast<size_t>(panels_ * k_steps_ * kPanel), 0u);
+  for (int64_t p = 0; p < panels_; ++p)
+    for (int64_t ks = 0; ks < k_steps_; ++ks)
+      for (int c = 0; c < kPanel && p * kPanel + c < n; ++c) {
+        const int64_t col = p * kPanel + c;
+        uint32_t& dst = packed_[(p * k_steps_ + ks) * kPanel + c];
+        if (dtype == DType::kBFloat16) {  // the (w[2k], w[2k+1]) pair of vdpbf16ps
+          const bf16* wb = static_cast<const bf16*>(w);
+          dst = static_cast<uint32_t>(wb[(2 * ks) * n + col]) | (static_cast<uint32_t>(wb[(2 * ks + 1) * n + col]) << 16);
+        } else {
+          std::memcpy(&dst, static_cast<const float*>(w) + ks * n + col, sizeof(dst));
+        }
+      }
+}
+
+void PackedWeight::matmul(const void* x, int64_t x_row_stride, int64_t m, const void* bias, void* y) const {
+  PE_CHECK(has_gemm(dtype_), "this CPU lacks the instructions of the packed GEMM");
+  if (m <= 0) return;
+  if (dtype_ == DType::kBFloat16)
+    run_panels(kBf16Kernels, packed_.data(), panels_, k_steps_, n_, static_cast<const bf16*>(x), x_row_stride, m,
+               static_cast<const bf16*>(bias), static_cast<bf16*>(y));
+  else
+    run_panels(kF32Kernels, packed_.data(), panels_, k_steps_, n_, static_cast<const float*>(x), x_row_stride, m,
+               static_cast<const float*>(bias), static_cast<float*>(y));
 }
 
 }  // namespace pyengine::cpu

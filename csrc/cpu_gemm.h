@@ -1,41 +1,44 @@
-// bf16 GEMM for CPU decode: y[M, N] = x[M, K] @ W[K, N] (+ bias), weights packed once at load.
+// GEMM for CPU decode, bf16 or fp32: y[M, N] = x[M, K] @ W[K, N] (+ bias), weights packed once.
 //
 // Why not oneDNN: at decode sizes (M of 1 to a few dozen rows) the step streams every weight once,
-// and oneDNN's bf16 kernels reached ~21 GB/s of the machine's ~30 (SmolLM2, 2 cores); its kernel
-// choice also depends on M, so a row's result could change with the batch around it. Here a row's
-// output is the same k-ordered sum of vdpbf16ps products for any M (rows are independent and the
-// packing fixes the order), which keeps bf16 greedy speculation identical to plain decoding.
+// and oneDNN's bf16 kernels reached ~21-24 GB/s of the machine's ~30-45 (SmolLM2, 2 cores); its
+// kernel choice also depends on M, so a row's result could change with the batch around it. Here a
+// row's output is the same k-ordered sum for any M (rows are independent and the packing fixes the
+// order), which keeps greedy speculation identical to plain decoding.
 //
-// Layout: 16-column panels; within a panel, for each pair of k, the 16 columns' (w[2k], w[2k+1])
-// pairs: one 64-byte line feeds 16 vdpbf16ps (one per row of x). Panels are contiguous, so each
-// thread streams its share of the matrix in address order.
+// Layout: 16-column panels of 64-byte lines: per k (fp32) or per pair of k (bf16: the columns'
+// (w[2k], w[2k+1]) pairs of vdpbf16ps), one line feeds one FMA per row of x. Panels are
+// contiguous, so each thread streams its share of the matrix in address order.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "cpu_vec.h"
 #include "huge_page_allocator.h"
 
 namespace pyengine::cpu {
 
-// avx512_bf16 (vdpbf16ps) present at run time.
-bool has_bf16_gemm();
+// The instructions the kernels of `dtype` need (AVX-512; for bf16 also avx512_bf16) at run time.
+bool has_gemm(DType dtype);
 
-class PackedBf16Weight {
+class PackedWeight {
  public:
-  // w: [K, N] row-major bf16 ("in, out"), K even.
-  PackedBf16Weight(const bf16* w, int64_t k, int64_t n);
+  // w: [K, N] row-major ("in, out") of `dtype`; bf16 needs an even K.
+  PackedWeight(const void* w, int64_t k, int64_t n, DType dtype);
 
   int64_t k() const { return k_; }
   int64_t n() const { return n_; }
 
   // y [M, N] (row stride N) = x [M, K] (row stride x_row_stride) @ W + bias (bias [N] or null).
-  void matmul(const bf16* x, int64_t x_row_stride, int64_t m, const bf16* bias, bf16* y) const;
+  // All of `dtype`.
+  void matmul(const void* x, int64_t x_row_stride, int64_t m, const void* bias, void* y) const;
 
  private:
-  int64_t k_, n_, k_pairs_, panels_;
-  std::vector<uint32_t, HugePageAllocator<uint32_t>> packed_;  // [panels][k_pairs][16] bf16 pairs
+  int64_t k_, n_, k_steps_, panels_;
+  DType dtype_;
+  std::vector<uint32_t, HugePageAllocator<uint32_t>> packed_;  // [panels][k_steps][16] fp32 or bf16 pairs
 };
 
 }  // namespace pyengine::cpu

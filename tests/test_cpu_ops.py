@@ -151,24 +151,28 @@ needs_bf16_gemm = pytest.mark.skipif(not cpu_ops.PackedLinear.supported(torch.ze
 
 @needs_bf16_gemm
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 40])
-def test_packed_linear_matches_fp32_matmul(m: int) -> None:
-    """bf16 inputs, fp32 accumulation, one rounding: within one bf16 step of the exact product."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_matches_exact_matmul(m: int, dtype: torch.dtype) -> None:
+    """fp32 accumulation and one rounding to the dtype: within fp32 noise (fp32) or one bf16 step
+    (bf16) of the exact product of the same inputs."""
     gen = torch.Generator().manual_seed(m)
     k, n = 96, 70  # n not a multiple of the 16-column panels
-    w = torch.randn(k, n, generator=gen).to(torch.bfloat16)
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    w = torch.randn(k, n, generator=gen).to(dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
     layer = cpu_ops.PackedLinear(w)
     exact = x.double() @ w.double()
-    torch.testing.assert_close(layer(x).double(), exact, atol=1e-3, rtol=8e-3)
-    torch.testing.assert_close(layer(x, bias).double(), exact + bias.double(), atol=1e-3, rtol=8e-3)
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-3, "rtol": 8e-3}
+    torch.testing.assert_close(layer(x).double(), exact, **tol)
+    torch.testing.assert_close(layer(x, bias).double(), exact + bias.double(), **tol)
 
 
 @needs_bf16_gemm
-def test_packed_linear_rows_are_batch_invariant() -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_rows_are_batch_invariant(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(5)
-    w = torch.randn(576, 960, generator=gen).to(torch.bfloat16)
-    x = torch.randn(37, 576, generator=gen).to(torch.bfloat16)
+    w = torch.randn(576, 960, generator=gen).to(dtype)
+    x = torch.randn(37, 576, generator=gen).to(dtype)
     layer = cpu_ops.PackedLinear(w)
     batched = layer(x)
     for r in (0, 15, 16, 36):

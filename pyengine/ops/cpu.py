@@ -120,28 +120,31 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear:
-    """A bf16 [in, out] weight in the layout of the C++ decode GEMM (csrc/cpu_gemm.h): called as
-    y = layer(x, bias), one row's result independent of the other rows. Threads: torch's count."""
+    """An fp32 or bf16 [in, out] weight in the layout of the C++ decode GEMM (csrc/cpu_gemm.h):
+    called as y = layer(x, bias), one row's result independent of the other rows. Threads:
+    torch's count when packed; the pool runs them only inside ModelRunner.step_threads."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        assert weight.dtype == torch.bfloat16 and weight.dim() == 2
+        assert self.supported(weight)
         w = weight.detach().contiguous()
+        self.dtype = w.dtype
         self.in_features, self.out_features = w.shape
-        self.packed = _K.PackedBf16Weight(w.data_ptr(), self.in_features, self.out_features)
+        self.packed = _K.PackedWeight(w.data_ptr(), self.in_features, self.out_features, _DTYPE_CODE[w.dtype])
         _K.set_num_threads(torch.get_num_threads())
 
     @staticmethod
     def supported(weight: torch.Tensor) -> bool:
-        return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-                and weight.shape[0] % 2 == 0 and _K.has_bf16_gemm())
+        code = _DTYPE_CODE.get(weight.dtype)
+        return (code is not None and weight.device.type == "cpu" and weight.dim() == 2
+                and (weight.dtype == torch.float32 or weight.shape[0] % 2 == 0) and _K.has_gemm(code))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"PackedLinear needs bf16 [M, {self.in_features}], got {x.dtype} {tuple(x.shape)}")
-        if x.stride(1) != 1 or x.stride(0) % 2:
+        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"PackedLinear needs {self.dtype} [M, {self.in_features}], got {x.dtype} {tuple(x.shape)}")
+        if x.stride(1) != 1 or (self.dtype == torch.bfloat16 and x.stride(0) % 2):
             x = x.contiguous()
         if bias is not None:
-            bias = bias.to(torch.bfloat16).contiguous()
-        y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+            bias = bias.to(self.dtype).contiguous()
+        y = torch.empty(x.shape[0], self.out_features, dtype=self.dtype)
         self.packed.matmul(x.data_ptr(), x.stride(0), x.shape[0], 0 if bias is None else bias.data_ptr(), y.data_ptr())
         return y
