@@ -1,5 +1,6 @@
 // pybind11 bindings of the CPU layer ops (submodule pyengine._C.cpu). Tensors cross as raw data
 // pointers (integers) with their sizes and row strides; pyengine/ops/cpu.py checks them first.
+// The ops return an error message (empty on success) instead of throwing: see cpu_ops.h.
 #include <pybind11/pybind11.h>
 
 #include "cpu_gemm.h"
@@ -31,7 +32,7 @@ void register_cpu_ops(py::module_& m) {
             p.num_kv_heads = num_kv_heads, p.head_dim = head_dim, p.block_size = block_size;
             p.num_blocks = num_blocks, p.scale = scale;
             p.dtype = static_cast<DType>(dtype), p.use_pool = use_pool;
-            paged_attention(p);
+            return paged_attention(p);
           });
   cpu.def("rope_and_cache",
           [](uintptr_t qk, int64_t qk_row_stride, uintptr_t v, int64_t v_row_stride, uintptr_t cos, uintptr_t sin,
@@ -42,16 +43,19 @@ void register_cpu_ops(py::module_& m) {
             p.cos = ptr(cos), p.sin = ptr(sin), p.k_cache = ptr(k_cache), p.v_cache = ptr(v_cache);
             p.slot_mapping = ptr<const int64_t>(slot_mapping), p.num_slots = num_slots, p.num_tokens = num_tokens, p.num_heads = num_heads;
             p.num_kv_heads = num_kv_heads, p.head_dim = head_dim, p.dtype = static_cast<DType>(dtype);
-            rope_and_cache(p);
+            return rope_and_cache(p);
           });
   cpu.def("rms_norm", [](uintptr_t x, uintptr_t residual, uintptr_t out, uintptr_t weight, int32_t num_tokens,
                          int32_t hidden, float eps, int32_t dtype) {
     RmsNormParams p;
     p.x = ptr(x), p.residual = ptr(residual), p.out = ptr(out), p.weight = ptr(weight);
     p.num_tokens = num_tokens, p.hidden = hidden, p.eps = eps, p.dtype = static_cast<DType>(dtype);
-    rms_norm(p);
+    return rms_norm(p);
   });
   cpu.def("has_gemm", [](int32_t dtype) { return has_gemm(static_cast<DType>(dtype)); });
+  cpu.def("check_packed_weight", [](int64_t k, int64_t n, int32_t dtype) {
+    return PackedWeight::check(k, n, static_cast<DType>(dtype));
+  });
   cpu.def("set_num_threads", &set_pool_threads, "threads of the CPU ops' pool, the caller included");
   py::class_<PackedWeight>(cpu, "PackedWeight")
       .def(py::init([](uintptr_t w, int64_t k, int64_t n, int32_t dtype) {

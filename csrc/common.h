@@ -2,9 +2,10 @@
 #pragma once
 
 #include <cstdint>
-#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 namespace pyengine {
 
@@ -17,11 +18,19 @@ struct NoFreeBlocksError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Message building without iostreams: on the GPU machine (GCC 13 under the Python of its torch
+// image) formatting through std::ostringstream crashed the process whenever an error message was
+// built, so a ValueError became a segfault; std::to_string and appends need no stream or locale.
+inline void append_to(std::string& s, std::string_view v) { s += v; }
+inline void append_to(std::string& s, char v) { s += v; }
+template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
+inline void append_to(std::string& s, T v) { s += std::to_string(v); }
+
 template <typename... Args>
 std::string concat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string s;
+  (append_to(s, args), ...);
+  return s;
 }
 
 #define PE_CHECK(cond, ...)                                         \

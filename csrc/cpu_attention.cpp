@@ -250,16 +250,18 @@ PE_CPU_CLONES void attention_rows_bf16(const PagedAttentionParams& p, int32_t be
 
 }  // namespace
 
-void paged_attention(const PagedAttentionParams& p) {
-  PE_CHECK(p.num_kv_heads > 0 && p.num_heads % p.num_kv_heads == 0, "num_heads ", p.num_heads,
-           " is not a multiple of num_kv_heads ", p.num_kv_heads);
-  PE_CHECK(p.head_dim > 0 && p.head_dim % 16 == 0, "head_dim must be a positive multiple of 16, got ", p.head_dim);
-  PE_CHECK(p.block_size > 0, "block_size must be positive");
-  for (int32_t r = 0; r < p.num_rows; ++r) {  // before any thread starts: workers must not throw
+std::string paged_attention(const PagedAttentionParams& p) {
+  if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0)
+    return concat("num_heads ", p.num_heads, " is not a multiple of num_kv_heads ", p.num_kv_heads);
+  if (p.head_dim <= 0 || p.head_dim % 16 != 0)
+    return concat("head_dim must be a positive multiple of 16, got ", p.head_dim);
+  if (p.block_size <= 0) return "block_size must be positive";
+  for (int32_t r = 0; r < p.num_rows; ++r) {  // every block read must exist, before any work starts
     const int32_t* table = p.block_tables + r * p.block_table_stride;
     for (int32_t b = 0; b < (std::max(p.context_lens[r], 0) + p.block_size - 1) / p.block_size; ++b)
-      PE_CHECK(table[b] >= 0 && table[b] < p.num_blocks, "block table row ", r, " entry ", b, " = ", table[b],
-               " is outside the cache's ", p.num_blocks, " blocks");
+      if (table[b] < 0 || table[b] >= p.num_blocks)
+        return concat("block table row ", r, " entry ", b, " = ", table[b], " is outside the cache's ", p.num_blocks,
+                      " blocks");
   }
   // Threads take contiguous row ranges of about equal work (query-key pairs); a row's result does
   // not depend on which thread computes it.
@@ -281,6 +283,7 @@ void paged_attention(const PagedAttentionParams& p) {
   } else {
     shared_pool().run(run);
   }
+  return {};
 }
 
 }  // namespace pyengine::cpu

@@ -111,10 +111,19 @@ bool has_gemm(DType dtype) {
 #endif
 }
 
+std::string PackedWeight::check(int64_t k, int64_t n, DType dtype) {
+  if (k <= 0 || n <= 0) return concat("packed weight needs K, N > 0, got ", k, " x ", n);
+  if (dtype == DType::kBFloat16 && k % 2 != 0) return concat("a packed bf16 weight needs an even K, got ", k);
+  if (!has_gemm(dtype)) return "this CPU lacks the instructions of the packed GEMM";
+  return {};
+}
+
 PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype)
     : k_(k), n_(n), k_steps_(dtype == DType::kBFloat16 ? k / 2 : k), panels_(ceil_div(n, kPanel)), dtype_(dtype) {
-  PE_CHECK(k > 0 && n > 0, "packed weight needs K, N > 0, got ", k, " x ", n);
-  PE_CHECK(dtype == DType::kFloat32 || k % 2 == 0, "a packed bf16 weight needs an even K, got ", k);
+  if (!check(k, n, dtype).empty()) {  // the binding checks first; an empty weight computes nothing
+    k_ = n_ = k_steps_ = panels_ = 0;
+    return;
+  }
   packed_.assign(static_cast<size_t>(panels_ * k_steps_ * kPanel), 0u);
   for (int64_t p = 0; p < panels_; ++p)
     for (int64_t ks = 0; ks < k_steps_; ++ks)
@@ -131,8 +140,7 @@ PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype)
 }
 
 void PackedWeight::matmul(const void* x, int64_t x_row_stride, int64_t m, const void* bias, void* y) const {
-  PE_CHECK(has_gemm(dtype_), "this CPU lacks the instructions of the packed GEMM");
-  if (m <= 0) return;
+  if (m <= 0 || panels_ == 0) return;
   if (dtype_ == DType::kBFloat16)
     run_panels(kBf16Kernels, packed_.data(), panels_, k_steps_, n_, static_cast<const bf16*>(x), x_row_stride, m,
                static_cast<const bf16*>(bias), static_cast<bf16*>(y));

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -25,7 +26,9 @@ bool has_gemm(DType dtype);
 
 class PackedWeight {
  public:
-  // w: [K, N] row-major ("in, out") of `dtype`; bf16 needs an even K.
+  // Why a weight of this shape and dtype cannot be packed here (empty: it can).
+  static std::string check(int64_t k, int64_t n, DType dtype);
+  // w: [K, N] row-major ("in, out") of `dtype`; check() must have passed.
   PackedWeight(const void* w, int64_t k, int64_t n, DType dtype);
 
   int64_t k() const { return k_; }

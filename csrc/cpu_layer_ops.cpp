@@ -86,7 +86,6 @@ PE_INLINE void rope_and_cache_impl(const RopeAndCacheParams& p) {
     }
     const int64_t slot = p.slot_mapping[t];
     if (slot < 0) continue;
-    PE_CHECK(slot < p.num_slots, "slot_mapping[", t, "] = ", slot, " is outside the cache's ", p.num_slots, " slots");
     const int64_t width = static_cast<int64_t>(p.num_kv_heads) * D;
     std::copy_n(row + static_cast<int64_t>(p.num_heads) * D, width, k_cache + slot * width);
     std::copy_n(v + t * p.v_row_stride, width, v_cache + slot * width);
@@ -106,9 +105,10 @@ PE_CPU_CLONES void rope_and_cache_bf16(const RopeAndCacheParams& p) { rope_and_c
 
 }  // namespace
 
-void rms_norm(const RmsNormParams& p) {
-  PE_CHECK(p.hidden > 0, "rms_norm: hidden must be positive");
+std::string rms_norm(const RmsNormParams& p) {
+  if (p.hidden <= 0) return "rms_norm: hidden must be positive";
   p.dtype == DType::kBFloat16 ? rms_norm_bf16(p) : rms_norm_f32(p);
+  return {};
 }
 
 void silu_and_mul(const void* x, void* out, int32_t num_tokens, int32_t inter, DType dtype) {
@@ -116,9 +116,13 @@ void silu_and_mul(const void* x, void* out, int32_t num_tokens, int32_t inter, D
                             : silu_and_mul_f32(x, out, num_tokens, inter);
 }
 
-void rope_and_cache(const RopeAndCacheParams& p) {
-  PE_CHECK(p.head_dim % 2 == 0, "rope_and_cache: head_dim must be even, got ", p.head_dim);
+std::string rope_and_cache(const RopeAndCacheParams& p) {
+  if (p.head_dim % 2 != 0) return concat("rope_and_cache: head_dim must be even, got ", p.head_dim);
+  for (int32_t t = 0; t < p.num_tokens; ++t)  // before anything is written
+    if (p.slot_mapping[t] >= p.num_slots)
+      return concat("slot_mapping[", t, "] = ", p.slot_mapping[t], " is outside the cache's ", p.num_slots, " slots");
   p.dtype == DType::kBFloat16 ? rope_and_cache_bf16(p) : rope_and_cache_f32(p);
+  return {};
 }
 
 }  // namespace pyengine::cpu

@@ -5,9 +5,13 @@
 //
 // Python (pyengine/ops/cpu.py) validates shapes and passes raw data pointers: like the GPU
 // kernels, this code never sees torch. Row strides are in elements.
+//
+// Misuse is reported by value: each entry point returns an error message (empty on success) that
+// pyengine/ops/cpu.py raises as ValueError; the pool's worker threads must never throw.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace pyengine::cpu {
 
@@ -32,7 +36,7 @@ struct PagedAttentionParams {
 };
 
 // Causal varlen attention: query i of a row of q_len tokens sees keys [0, ctx - (q_len - 1 - i)).
-void paged_attention(const PagedAttentionParams& p);
+std::string paged_attention(const PagedAttentionParams& p);
 
 struct RopeAndCacheParams {
   void* qk = nullptr;  // [T, Hq + Hkv, D], heads contiguous, token rows qk_row_stride apart
@@ -49,7 +53,7 @@ struct RopeAndCacheParams {
   DType dtype = DType::kFloat32;
 };
 
-void rope_and_cache(const RopeAndCacheParams& p);
+std::string rope_and_cache(const RopeAndCacheParams& p);
 
 struct RmsNormParams {
   void* x = nullptr;               // [T, H] contiguous; the output when out is null
@@ -61,7 +65,7 @@ struct RmsNormParams {
   DType dtype = DType::kFloat32;
 };
 
-void rms_norm(const RmsNormParams& p);
+std::string rms_norm(const RmsNormParams& p);
 
 // out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] contiguous.
 void silu_and_mul(const void* x, void* out, int32_t num_tokens, int32_t inter, DType dtype);

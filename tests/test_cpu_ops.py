@@ -178,3 +178,19 @@ def test_packed_linear_rows_are_batch_invariant(dtype: torch.dtype) -> None:
     for r in (0, 15, 16, 36):
         assert torch.equal(layer(x[r:r + 1]), batched[r:r + 1])
     assert torch.equal(layer(x[:5]), batched[:5])
+
+
+def test_cpu_ops_report_misuse_as_value_error() -> None:
+    """The C++ side returns its error messages instead of throwing (csrc/cpu_ops.h): each reaches
+    Python as a ValueError, and nothing is written before the check."""
+    k_cache = torch.full((2, 4, 1, 16), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    qk = torch.randn(2, 2, 16)
+    v = torch.randn(2, 1, 16)
+    with pytest.raises(ValueError, match="outside the cache's 8 slots"):
+        cpu_ops.rope_and_cache(qk, v, None, None, k_cache, v_cache, torch.tensor([0, 8]))
+    assert k_cache.isnan().all()
+    with pytest.raises(ValueError, match="even K|lacks the instructions"):
+        cpu_ops.PackedLinear(torch.zeros(3, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="float64"):
+        cpu_ops.PackedLinear(torch.zeros(4, 16, dtype=torch.float64))

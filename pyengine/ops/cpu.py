@@ -32,6 +32,12 @@ _META_KEY = "cpu_paged_attention"
 MAX_QUERY_KEY_PAIRS = 1 << 15
 
 
+def _raise(error: str) -> None:
+    """The C++ ops report misuse as a message rather than an exception (csrc/cpu_ops.h says why)."""
+    if error:
+        raise ValueError(error)
+
+
 def _heads_contiguous(x: torch.Tensor) -> bool:
     """[T, H, D] whose heads are contiguous inside a token row (rows may be strided)."""
     return x.stride(2) == 1 and x.stride(1) == x.shape[2]
@@ -65,10 +71,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32) if return_lse else None
-    _K.paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+    _raise(_K.paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                        0 if lse is None else lse.data_ptr(), bt.data_ptr(), bt.shape[1], qsl.data_ptr(),
                        ctx.data_ptr(), ctx.shape[0], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-                       k_cache.shape[0], scale, code, torch.get_num_threads() == 1)
+                       k_cache.shape[0], scale, code, torch.get_num_threads() == 1))
     return (out, lse) if lse is not None else out
 
 
@@ -82,10 +88,10 @@ def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, 
         cos = cos.to(qk.dtype).contiguous()
         sin = sin.to(qk.dtype).contiguous()
     slots = slot_mapping.contiguous()
-    _K.rope_and_cache(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0),
+    _raise(_K.rope_and_cache(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0),
                       0 if cos is None else cos.data_ptr(), 0 if sin is None else sin.data_ptr(),
                       k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k_cache.shape[0] * k_cache.shape[1], qk.shape[0],
-                      qk.shape[1] - v.shape[1], v.shape[1], qk.shape[2], code)
+                      qk.shape[1] - v.shape[1], v.shape[1], qk.shape[2], code))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -94,7 +100,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return layer_reference.rms_norm(x, weight, eps)
     x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty_like(x)
-    _K.rms_norm(x.data_ptr(), 0, out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, code)
+    _raise(_K.rms_norm(x.data_ptr(), 0, out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, code))
     return out
 
 
@@ -104,7 +110,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if code is None or weight.dtype != x.dtype:
         return layer_reference.fused_add_rms_norm(x, residual, weight, eps)
     weight = weight.contiguous()
-    _K.rms_norm(x.data_ptr(), residual.data_ptr(), 0, weight.data_ptr(), x.shape[0], x.shape[1], eps, code)
+    _raise(_K.rms_norm(x.data_ptr(), residual.data_ptr(), 0, weight.data_ptr(), x.shape[0], x.shape[1], eps, code))
     return x, residual
 
 
@@ -125,10 +131,12 @@ class PackedLinear:
     torch's count when packed; the pool runs them only inside ModelRunner.step_threads."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        assert self.supported(weight)
         w = weight.detach().contiguous()
+        if w.dtype not in _DTYPE_CODE or w.dim() != 2 or w.device.type != "cpu":
+            raise ValueError(f"PackedLinear takes a 2-D fp32/bf16 CPU weight, got {w.dtype} {tuple(w.shape)} on {w.device}")
         self.dtype = w.dtype
         self.in_features, self.out_features = w.shape
+        _raise(_K.check_packed_weight(self.in_features, self.out_features, _DTYPE_CODE[w.dtype]))
         self.packed = _K.PackedWeight(w.data_ptr(), self.in_features, self.out_features, _DTYPE_CODE[w.dtype])
         _K.set_num_threads(torch.get_num_threads())
 
