@@ -219,6 +219,8 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def _pack_for_cpu_gemm(self) -> bool:
+        if not ops.cpu_kernels_enabled():
+            return False
         try:
             from pyengine.ops.cpu import PackedLinear
         except ImportError:

@@ -44,7 +44,7 @@ def _backend(device: torch.device) -> ModuleType:
         global _cpu_impl, _cpu_checked
         if not _cpu_checked:
             _cpu_checked = True
-            if os.environ.get("PYENGINE_CPU_KERNELS", "1") != "0":
+            if cpu_kernels_enabled():
                 try:
                     from pyengine.ops import cpu as cpu_ops
 
@@ -54,6 +54,11 @@ def _backend(device: torch.device) -> ModuleType:
         if _cpu_impl is not None:
             return _cpu_impl
     return reference
+
+
+def cpu_kernels_enabled() -> bool:
+    """False when PYENGINE_CPU_KERNELS=0: CPU models then run the PyTorch references and oneDNN."""
+    return os.environ.get("PYENGINE_CPU_KERNELS", "1") != "0"
 
 
 def _impl(device: torch.device, name: str) -> Any:
