@@ -37,8 +37,11 @@ class ThreadPool {
   pid_t pid() const { return pid_; }
 
   // Runs fn(thread_index, num_threads) on every thread of the pool, the caller being thread 0.
+  // Callers are serialised: the GEMM binding releases the GIL, so two Python threads (two engines)
+  // can arrive here at once, and the job slot holds one job.
   void run(const std::function<void(int, int)>& fn) {
     if (num_threads_ == 1) return fn(0, 1);
+    std::lock_guard<std::mutex> caller(run_mutex_);
     job_ = &fn;
     pending_.store(num_threads_ - 1);
     generation_.fetch_add(1);  // seq_cst: pairs with the workers' sleeping_ store (no lost wake-up)
@@ -75,6 +78,7 @@ class ThreadPool {
   const int num_threads_;
   const pid_t pid_;
   std::vector<std::thread> workers_;
+  std::mutex run_mutex_;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::atomic<uint64_t> generation_{0};

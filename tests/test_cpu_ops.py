@@ -194,3 +194,31 @@ def test_cpu_ops_report_misuse_as_value_error() -> None:
         cpu_ops.PackedLinear(torch.zeros(3, 16, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="float64"):
         cpu_ops.PackedLinear(torch.zeros(4, 16, dtype=torch.float64))
+
+
+@needs_bf16_gemm
+def test_packed_linear_from_two_python_threads() -> None:
+    """The GEMM releases the GIL and shares one C++ pool: concurrent callers (two engines in two
+    threads) must each get their own, correct result."""
+    import threading
+
+    gen = torch.Generator().manual_seed(9)
+    layers = [cpu_ops.PackedLinear(torch.randn(64, 64, generator=gen)) for _ in range(2)]
+    inputs = [torch.randn(4, 64, generator=gen) for _ in range(2)]
+    expected = [layer(x) for layer, x in zip(layers, inputs)]
+    cpu_ops._K.set_num_threads(2)
+    mismatches: list[int] = []
+
+    def work(i: int) -> None:
+        for n in range(5000):  # alternating signs: a skipped part would keep the other sign's values
+            sign = 1.0 if n % 2 else -1.0
+            if not torch.equal(layers[i](sign * inputs[i]), sign * expected[i]):
+                mismatches.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "concurrent GEMM calls deadlocked"
+    assert not mismatches
