@@ -43,9 +43,9 @@ def _heads_contiguous(x: torch.Tensor) -> bool:
     return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
-def _step_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+def _step_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """int32 contiguous block tables, query starts and context lengths, and the step's number of
-    query-key pairs; built once per step and shared by every layer (None: not on the CPU)."""
+    query-key pairs; built once per step and shared by every layer."""
     tables = meta.cache.get(_META_KEY)
     if tables is None:
         qsl = meta.query_start_loc.to(torch.int32).contiguous()
@@ -60,9 +60,7 @@ def _step_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     code = _DTYPE_CODE.get(q.dtype)
-    tables = _step_tables(meta)
-    assert tables is not None
-    bt, qsl, ctx, pairs = tables
+    bt, qsl, ctx, pairs = _step_tables(meta)
     if (code is None or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or pairs > MAX_QUERY_KEY_PAIRS
             or q.shape[0] == 0 or q.shape[2] % 16):
         return reference.paged_attention(q, k_cache, v_cache, meta, scale, return_lse=return_lse)
