@@ -15,7 +15,8 @@ token embedding then gathers its columns.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +30,9 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 _LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W (+ bias) for a dense [in, out] weight, a oneDNN-prepacked one, or a bf16
+def linear(x: torch.Tensor, w: torch.Tensor | Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W (+ bias) for a dense [in, out] weight, a oneDNN-prepacked one, or a
     pyengine.ops.cpu.PackedLinear (see prepack_for_cpu)."""
     if not isinstance(w, torch.Tensor):
         return w(x, bias)
@@ -198,45 +200,37 @@ class LlamaForCausalLM(nn.Module):
         so load_weights cannot run again."""
         if self.lm_head.device.type != "cpu":
             return False
-        if self._pack_for_cpu_gemm():
-            return True
-        if not torch.backends.mkldnn.is_available():
-            return False
-        try:
-            probe = _prepack(torch.zeros(2, 2, dtype=self.dtype))
-            linear(torch.zeros(1, 2, dtype=self.dtype), probe)
-        except (RuntimeError, NotImplementedError):
+        pack = self._cpu_packer()
+        if pack is None:
             return False
         for layer in self.layers:
             for name in _LINEAR_NAMES:
-                packed = _prepack(getattr(layer, name).detach())
+                packed = pack(getattr(layer, name).detach())
                 delattr(layer, name)  # drop the Parameter; a plain attribute takes its name
                 setattr(layer, name, packed)
         # lm_head stays dense as well when tied: token embedding gathers from it.
-        self.__dict__["_packed_lm_head"] = _prepack(self.lm_head.detach())
+        self.__dict__["_packed_lm_head"] = pack(self.lm_head.detach())
         if self.embed_tokens is not None:
             self.lm_head.data = torch.empty(0, dtype=self.dtype)
+        self.owns_cpu_threads = pack is not _prepack  # see ModelRunner.step_threads
         return True
 
-    def _pack_for_cpu_gemm(self) -> bool:
-        if not ops.cpu_kernels_enabled():
-            return False
+    def _cpu_packer(self) -> Callable[[torch.Tensor], Any] | None:
+        """pyengine's PackedLinear where this CPU runs it, else oneDNN's prepack, else None."""
+        if ops.cpu_kernels_enabled():
+            try:
+                from pyengine.ops.cpu import PackedLinear
+            except ImportError:
+                PackedLinear = None
+            if PackedLinear is not None and PackedLinear.supported(self.lm_head):
+                return PackedLinear
+        if not torch.backends.mkldnn.is_available():
+            return None
         try:
-            from pyengine.ops.cpu import PackedLinear
-        except ImportError:
-            return False
-        if not PackedLinear.supported(self.lm_head):
-            return False
-        for layer in self.layers:
-            for name in _LINEAR_NAMES:
-                packed = PackedLinear(getattr(layer, name))
-                delattr(layer, name)
-                setattr(layer, name, packed)
-        self.__dict__["_packed_lm_head"] = PackedLinear(self.lm_head)
-        if self.embed_tokens is not None:
-            self.lm_head.data = torch.empty(0, dtype=self.dtype)
-        self.owns_cpu_threads = True  # see ModelRunner.step_threads
-        return True
+            linear(torch.zeros(1, 2, dtype=self.dtype), _prepack(torch.zeros(2, 2, dtype=self.dtype)))
+        except (RuntimeError, NotImplementedError):
+            return None
+        return _prepack
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors ([out, in] linears) into the fused, transposed parameters; every
