@@ -1,6 +1,7 @@
 // Paged attention on the CPU: K/V read in place through the block table (no gather copy), fp32
-// math, one (row, kv head) at a time with its whole GQA group, so each key and value is converted
-// once and used by every query of the group.
+// math, one (row, kv head) at a time: every query of the head's GQA group scores the keys (16 at
+// a time, one shared reduction), then sums the values, with the query and its accumulators in
+// registers.
 //
 // Per query the arithmetic is fixed by the query alone: scores in key order, one max, exp, one
 // sum, and the weighted values summed in key order. The same token therefore gets bit-identical
@@ -8,7 +9,6 @@
 // speculative decoding relies on (spec output == plain output).
 #include <algorithm>
 #include <cmath>
-
 #include <limits>
 #include <vector>
 
@@ -208,8 +208,7 @@ PE_INLINE void prefetch_row(const PagedAttentionParams& p, int32_t r) {
   const int32_t ctx = std::max(p.context_lens[r], 0);
   const int32_t* table = p.block_tables + r * p.block_table_stride;
   const int64_t token_bytes = static_cast<int64_t>(p.num_kv_heads) * p.head_dim * sizeof(T);
-  for (int32_t b = 0, j = 0; j < ctx; ++b, j += p.block_size) {
-    if (table[b] < 0 || table[b] >= p.num_blocks) return;  // attend() reports it
+  for (int32_t b = 0, j = 0; j < ctx; ++b, j += p.block_size) {  // entries checked by paged_attention()
     const int64_t bytes = std::min(p.block_size, ctx - j) * token_bytes;
     const int64_t offset = static_cast<int64_t>(table[b]) * p.block_size * token_bytes;
     for (const void* cache : {p.k_cache, p.v_cache}) {
@@ -275,7 +274,7 @@ std::string paged_attention(const PagedAttentionParams& p) {
     return static_cast<int32_t>(std::lower_bound(work.begin(), work.end(), target) - work.begin());
   };
   auto run = [&](int t, int nt) {
-    const int32_t begin = t == 0 ? 0 : row_at(t, nt), end = row_at(t + 1, nt);
+    const int32_t begin = row_at(t, nt), end = row_at(t + 1, nt);
     p.dtype == DType::kBFloat16 ? attention_rows_bf16(p, begin, end) : attention_rows_f32(p, begin, end);
   };
   if (!p.use_pool || work.back() < kMinParallelWork) {

@@ -3,22 +3,25 @@
 // panels into contiguous ranges.
 #include "cpu_gemm.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <array>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <utility>
 
 #include "common.h"
 #include "cpu_thread_pool.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define PE_HAVE_GEMM 1  // elsewhere has_gemm() is false and Python keeps oneDNN or dense weights
+#endif
+
 namespace pyengine::cpu {
 namespace {
 
 constexpr int kPanel = 16;  // columns per panel (one zmm of fp32 accumulators)
+
+#ifdef PE_HAVE_GEMM
 constexpr int kRows = 16;   // rows per micro-kernel call (16 accumulators)
 constexpr int kPrefetchLines = 16;  // weight lines requested ahead (1 KiB): crosses 4 KiB pages
 
@@ -97,11 +100,12 @@ void run_panels(const std::array<MicroKernel<T>, kRows>& kernels, const uint32_t
   };
   shared_pool().run(run);
 }
+#endif  // PE_HAVE_GEMM
 
 }  // namespace
 
 bool has_gemm(DType dtype) {
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef PE_HAVE_GEMM
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl");
   return avx512 && (dtype == DType::kFloat32 || __builtin_cpu_supports("avx512bf16"));
@@ -140,13 +144,17 @@ PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype)
 }
 
 void PackedWeight::matmul(const void* x, int64_t x_row_stride, int64_t m, const void* bias, void* y) const {
-  if (m <= 0 || panels_ == 0) return;
+  if (m <= 0 || panels_ == 0) return;  // panels_ == 0 also wherever check() fails (no PE_HAVE_GEMM)
+#ifdef PE_HAVE_GEMM
   if (dtype_ == DType::kBFloat16)
     run_panels(kBf16Kernels, packed_.data(), panels_, k_steps_, n_, static_cast<const bf16*>(x), x_row_stride, m,
                static_cast<const bf16*>(bias), static_cast<bf16*>(y));
   else
     run_panels(kF32Kernels, packed_.data(), panels_, k_steps_, n_, static_cast<const float*>(x), x_row_stride, m,
                static_cast<const float*>(bias), static_cast<float*>(y));
+#else
+  (void)x, (void)x_row_stride, (void)bias, (void)y;
+#endif
 }
 
 }  // namespace pyengine::cpu

@@ -129,20 +129,23 @@ class PackedLinear:
     torch's count when packed; the pool runs them only inside ModelRunner.step_threads."""
 
     def __init__(self, weight: torch.Tensor) -> None:
+        _raise(self._unsupported(weight))
         w = weight.detach().contiguous()
-        if w.dtype not in _DTYPE_CODE or w.dim() != 2 or w.device.type != "cpu":
-            raise ValueError(f"PackedLinear takes a 2-D fp32/bf16 CPU weight, got {w.dtype} {tuple(w.shape)} on {w.device}")
         self.dtype = w.dtype
         self.in_features, self.out_features = w.shape
-        _raise(_K.check_packed_weight(self.in_features, self.out_features, _DTYPE_CODE[w.dtype]))
         self.packed = _K.PackedWeight(w.data_ptr(), self.in_features, self.out_features, _DTYPE_CODE[w.dtype])
         _K.set_num_threads(torch.get_num_threads())
 
     @staticmethod
+    def _unsupported(weight: torch.Tensor) -> str:
+        """Why this weight cannot be packed here (empty: it can); shape and CPU rules are C++'s."""
+        if weight.dtype not in _DTYPE_CODE or weight.dim() != 2 or weight.device.type != "cpu":
+            return f"PackedLinear takes a 2-D fp32/bf16 CPU weight, got {weight.dtype} {tuple(weight.shape)} on {weight.device}"
+        return _K.check_packed_weight(weight.shape[0], weight.shape[1], _DTYPE_CODE[weight.dtype])
+
+    @staticmethod
     def supported(weight: torch.Tensor) -> bool:
-        code = _DTYPE_CODE.get(weight.dtype)
-        return (code is not None and weight.device.type == "cpu" and weight.dim() == 2
-                and (weight.dtype == torch.float32 or weight.shape[0] % 2 == 0) and _K.has_gemm(code))
+        return not PackedLinear._unsupported(weight)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.in_features:
