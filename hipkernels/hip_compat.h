@@ -59,6 +59,25 @@ PE_DEVICE uint16_t pe_float_to_bf16_bits(float f) {  // round to nearest even, N
   return (uint16_t)(u >> 16);
 }
 
+// One element of a storage type <-> float (fp32 math everywhere; one rounding on store).
+template <typename T>
+struct Io;
+template <>
+struct Io<float> {
+  static PE_DEVICE float ld(const float* p) { return *p; }
+  static PE_DEVICE void st(float* p, float v) { *p = v; }
+};
+template <>
+struct Io<pe_half> {
+  static PE_DEVICE float ld(const pe_half* p) { return __half2float(*p); }
+  static PE_DEVICE void st(pe_half* p, float v) { *p = __float2half_rn(v); }
+};
+template <>
+struct Io<pe_bf16> {
+  static PE_DEVICE float ld(const pe_bf16* p) { return pe_bf16_bits_to_float(p->x); }
+  static PE_DEVICE void st(pe_bf16* p, float v) { p->x = pe_float_to_bf16_bits(v); }
+};
+
 // Eight 16-bit values in one 16-byte vector <-> eight floats.
 template <typename T>
 struct PeVec8;

@@ -18,33 +18,23 @@
 
 namespace {
 
-// One element of storage type T <-> float.
+// One element of storage type T <-> float, on its raw bits (hip_compat.h's Io does the conversion).
 template <typename T>
-struct Cvt;
-
-template <>
-struct Cvt<pe_half> {
-  using Raw = uint16_t;
+struct Cvt {
+  using Raw = typename std::conditional<std::is_same<T, float>::value, float, uint16_t>::type;
+  static_assert(sizeof(Raw) == sizeof(T), "a storage type is its raw bits");
   static PE_DEVICE float load(Raw b) {
-    __half h;
-    __builtin_memcpy(&h, &b, 2);
-    return __half2float(h);
+    T v;
+    __builtin_memcpy(&v, &b, sizeof(T));
+    return Io<T>::ld(&v);
   }
-  static PE_DEVICE Raw store(float f) { return PeVec8<pe_half>::from_float(f); }
-};
-
-template <>
-struct Cvt<pe_bf16> {
-  using Raw = uint16_t;
-  static PE_DEVICE float load(Raw b) { return pe_bf16_bits_to_float(b); }
-  static PE_DEVICE Raw store(float f) { return pe_float_to_bf16_bits(f); }
-};
-
-template <>
-struct Cvt<float> {
-  using Raw = float;
-  static PE_DEVICE float load(Raw b) { return b; }
-  static PE_DEVICE Raw store(float f) { return f; }
+  static PE_DEVICE Raw store(float f) {
+    T v;
+    Io<T>::st(&v, f);
+    Raw b;
+    __builtin_memcpy(&b, &v, sizeof(T));
+    return b;
+  }
 };
 
 // N consecutive elements as one memory access: a 16-byte vector, or a single element (N == 1).

@@ -33,24 +33,6 @@ constexpr int kLanes = 32;
 constexpr int kWarpsPerBlock = 4;
 constexpr int kRowsPerWarp = 2;
 
-template <typename T>
-struct Io;
-template <>
-struct Io<float> {
-  static PE_DEVICE float ld(const float* p) { return *p; }
-  static PE_DEVICE void st(float* p, float v) { *p = v; }
-};
-template <>
-struct Io<pe_half> {
-  static PE_DEVICE float ld(const pe_half* p) { return __half2float(*p); }
-  static PE_DEVICE void st(pe_half* p, float v) { *p = __float2half_rn(v); }
-};
-template <>
-struct Io<pe_bf16> {
-  static PE_DEVICE float ld(const pe_bf16* p) { return pe_bf16_bits_to_float(p->x); }
-  static PE_DEVICE void st(pe_bf16* p, float v) { p->x = pe_float_to_bf16_bits(v); }
-};
-
 PE_DEVICE float silu(float v) { return v / (1.f + __expf(-v)); }
 
 // V consecutive elements (conv channels, SSM state entries) in one access where V * sizeof(T) is
