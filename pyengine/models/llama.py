@@ -194,8 +194,10 @@ class LlamaForCausalLM(nn.Module):
         CPUs (avx512_bf16 for bf16) pyengine's own GEMM (pyengine.ops.cpu.PackedLinear), else a
         oneDNN-prepacked weight.
 
-        Measured on SmolLM2-135M, 2 cores, all linears of one step at batch 16: bf16 7.8 ms with
-        PackedLinear vs 11.3 with oneDNN (batch 1: 5.9 vs 8.2); fp32 18.2 ms vs 21.7 (dense ~45).
+        benchmarks/bench_cpu_gemm.py (SmolLM2-135M shapes, 2 cores), all linears of one step,
+        PackedLinear vs oneDNN: bf16 8.3 vs 11.2 ms at batch 16 and 6.3 vs 8.1 at batch 1; fp32
+        21.6 vs 20.9 at batch 16 (a tie) and 13.3 vs 15.9 at batch 1. fp32 also keeps the packed
+        GEMM for its batch-invariant rows.
         Returns False (model unchanged) where neither is available. The dense copies are dropped,
         so load_weights cannot run again."""
         if self.lm_head.device.type != "cpu":

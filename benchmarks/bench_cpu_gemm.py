@@ -1,0 +1,84 @@
+"""pyengine's packed CPU GEMM (pyengine.ops.cpu.PackedLinear) against oneDNN's prepacked linear on the
+linears of one SmolLM2-135M decode step (30 layers' qkv, o, gate_up, down, and the lm_head), random
+weights, fp32 and bf16, batch 1 and 16. Both run in this process, taking turns, best of --repeats;
+PackedLinear with its own pool (torch at one thread, as inside an engine step), oneDNN with torch's
+--threads. Prints JSON (ms per step of linears and the weight bytes streamed per second).
+
+    python benchmarks/bench_cpu_gemm.py [--threads 2] [--repeats 5] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+
+import torch
+
+from pyengine.ops.cpu import PackedLinear
+
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]  # [in, out]
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    result: dict = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "command": "python benchmarks/bench_cpu_gemm.py " + " ".join(
+                        f"--{k} {v}" for k, v in (("threads", args.threads), ("repeats", args.repeats))),
+                    "loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "rows": []}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.set_num_threads(args.threads)
+        weights = [torch.randn(k, n).to(dtype) for k, n in SHAPES]
+        packed = [PackedLinear(w) for w in weights]  # pool threads = torch's count now
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None) for w in weights]
+        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        for m in (1, 16):
+            xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
+
+            def run_packed() -> None:
+                for layer, (k, _) in zip(packed, SHAPES):
+                    layer(xs[k])
+
+            def run_onednn() -> None:
+                for w, (k, _) in zip(onednn, SHAPES):
+                    torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+
+            times: dict[str, float] = {"packed": float("inf"), "onednn": float("inf")}
+            for _ in range(2):  # turns, so a burst of interference cannot land on one side only
+                torch.set_num_threads(1)
+                times["packed"] = min(times["packed"], best_ms(run_packed, args.repeats))
+                torch.set_num_threads(args.threads)
+                times["onednn"] = min(times["onednn"], best_ms(run_onednn, args.repeats))
+            row = {"dtype": str(dtype).replace("torch.", ""), "batch": m,
+                   "packed_ms": round(times["packed"], 2), "onednn_ms": round(times["onednn"], 2),
+                   "packed_gb_s": round(nbytes / times["packed"] / 1e6, 1),
+                   "onednn_gb_s": round(nbytes / times["onednn"] / 1e6, 1),
+                   "speedup": round(times["onednn"] / times["packed"], 3)}
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
