@@ -22,11 +22,15 @@ namespace {
 constexpr int kConvThreads = 128;
 // conv update: threads per block, bytes of channels per access (4 bf16 channels per thread), tokens
 // per load chunk. Measured on the H100 at conv dim 5120, bf16, batch 1..256, k = 0 and 3 (graph
-// timing as bench_ssm.py): 8-byte accesses beat 16-byte ones everywhere (batch 64, k = 3: 5.2 vs
-// 6.1 us; batch 1, k = 3: 3.2 vs 4.2 us, the thread's arithmetic is the critical path of a
-// one-wave grid) and 4-byte ones at batch >= 64; 64-thread blocks edge out 128 (more blocks to
-// spread over the 132 SMs at batch 64: 2.9 vs 3.2 us at k = 0) and 256 is worst.
-constexpr int kConvUpdateThreads = 64;
+// timing as bench_ssm.py, 2026-11-22, hipkernels/NOTES_ssm.md): 8-byte accesses beat 16-byte ones
+// (batch 64, k = 3: 4.24 vs 4.75 us; batch 1, k = 3: 2.34 vs 2.75 us: the thread's arithmetic is
+// on the critical path of a one-wave grid, and 16 bytes double it per thread); 128-thread blocks
+// match or beat 64 from batch 64 on (k = 0, batch 64: 2.82 vs 3.04 us; batch 128: 4.17 vs 4.49)
+// and lose at most 0.08 us at batch 1..16; 256 and 512 are slower (batch 64: 3.0 and 4.2 us).
+// Several rows per thread (the weights loaded once for them) was slower at every batch but
+// k = 3 batch 256: batch 64, k = 0: 2.97 us with two rows (4.8 with four, IEEE division), the
+// per-thread arithmetic again.
+constexpr int kConvUpdateThreads = 128;
 constexpr int kConvVecBytes = 8;
 constexpr int kConvTokenChunk = 4;
 constexpr int kLanes = 32;
@@ -34,6 +38,12 @@ constexpr int kWarpsPerBlock = 4;
 constexpr int kRowsPerWarp = 2;
 
 PE_DEVICE float silu(float v) { return v / (1.f + __expf(-v)); }
+// The same with the fast division (reciprocal and multiply): within 2 ulp of v / (1 + e^-v), and
+// 0 where e^-v > 2^126 (v < -87: the exact value is below 1e-36 in magnitude). The IEEE division
+// is an instruction sequence with a slow-path branch per channel on the critical path of
+// conv1d_update_kernel's one-wave grid: batch 1, k = 3 went from 3.00 to 2.22 us with this, batch
+// 64, k = 0 from 3.04 to 2.83 us (64-thread blocks). The other kernels keep the IEEE division.
+PE_DEVICE float silu_fast(float v) { return __fdividef(v, 1.f + __expf(-v)); }
 
 // V consecutive elements (conv channels, SSM state entries) in one access where V * sizeof(T) is
 // 16 or 8 bytes, else element by element.
@@ -152,20 +162,23 @@ __global__ void __launch_bounds__(THREADS, 1) conv1d_update_kernel(CausalConv1dP
   }
   const T* x = static_cast<const T*>(p.x) + c;
   T* y = static_cast<T*>(p.y) + c;
-  if (line < 0) {
-    const float zero[V] = {};
-    for (int t = 0; t < num; ++t) Vec::st(y + (int64_t)(s0 + t) * p.y_stride_token, zero);
-    return;
-  }
-  if (num <= 0) return;  // a row without tokens leaves its window as it is (as the reference does)
+  // No branch before the window's loads in the source: with the PAD / empty-row returns first,
+  // the compiler placed the num_accepted load behind them, so the window's loads waited for a
+  // second dependent round trip after the metadata one. Now num_accepted goes out with the other
+  // metadata (ptxas still places the state and weight loads after the PAD branch, which waits for
+  // the same metadata). A PAD row reads the weights instead of a state line (W - 1 rows of dim from
+  // the start of the [dim, W] weights: in bounds) and discards them. Measured with 128-thread
+  // blocks: within 0.07 us at k = 0 and below batch 128; k = 3, batch 128 / 256: 6.59 -> 6.41 /
+  // 15.5 -> 14.1 us.
   const int off = max(acc_n, 1) - 1;
   T* state = static_cast<T*>(p.conv_state) + (int64_t)line * p.state_rows * p.dim + c;
+  const T* hist = line >= 0 ? state + (int64_t)off * p.dim : wp + c;
   alignas(16) T full[K - 1 + TC][V];
 #pragma unroll
   for (int m = 0; m < K - 1; ++m) {
     const int j = m - (K - W);  // history row of the old window
     if (j >= 0) {
-      Vec::ld_raw(state + (int64_t)(off + j) * p.dim, full[m]);
+      Vec::ld_raw(hist + (int64_t)j * p.dim, full[m]);
     } else {
 #pragma unroll
       for (int i = 0; i < V; ++i) Io<T>::st(&full[m][i], 0.f);
@@ -174,6 +187,12 @@ __global__ void __launch_bounds__(THREADS, 1) conv1d_update_kernel(CausalConv1dP
 #pragma unroll
   for (int tt = 0; tt < TC; ++tt)
     if (tt < num) Vec::ld_raw(x + (int64_t)(s0 + tt) * p.x_stride_token, full[K - 1 + tt]);
+  if (line < 0) {
+    const float zero[V] = {};
+    for (int t = 0; t < num; ++t) Vec::st(y + (int64_t)(s0 + t) * p.y_stride_token, zero);
+    return;
+  }
+  if (num <= 0) return;  // a row without tokens leaves its window as it is (as the reference does)
   // the shifted window starts with rows off+1 .. off+W-2 of the old state (old row j -> new j-1)
 #pragma unroll
   for (int m = 0; m < K - 1; ++m) {
@@ -199,7 +218,7 @@ __global__ void __launch_bounds__(THREADS, 1) conv1d_update_kernel(CausalConv1dP
           acc[i] = Io<T>::ld(br + i);
 #pragma unroll
           for (int m = 0; m < K; ++m) acc[i] += Io<T>::ld(wr + i * K + m) * Io<T>::ld(&full[tt + m][i]);
-          if (p.silu) acc[i] = silu(acc[i]);
+          if (p.silu) acc[i] = silu_fast(acc[i]);
         }
         Vec::st(y + (int64_t)(s0 + t0 + tt) * p.y_stride_token, acc);
         Vec::st_raw(state + (int64_t)(W - 2 + t0 + tt) * p.dim, full[K - 1 + tt]);  // ... then the T inputs

@@ -55,17 +55,20 @@ def test_causal_conv1d_update_matches_reference(dtype, width: int, k: int, dim: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_causal_conv1d_update_batch_invariant_and_empty_rows(dtype) -> None:
+@pytest.mark.parametrize("num_rows,k", [(40, 3), (100, 0), (100, 3)])
+def test_causal_conv1d_update_batch_invariant_and_empty_rows(dtype, num_rows: int, k: int) -> None:
     """Each row's output and window are bit-identical whether it runs alone or in a batch; a row
-    with no tokens (and a PAD row) leaves its window untouched, as in the reference."""
-    rng, gen = random.Random(5), torch.Generator(device="cuda").manual_seed(5)
-    W, k, dim = 4, 3, 5120
-    qsl, idx, acc, ntok = random_rows(rng, 40, k, 40 * (1 + k) + 3)
+    with no tokens (and a PAD row) leaves its window untouched, as in the reference. From 64 rows
+    on, a thread handles several rows (the batch run) while a row alone gets one: 101 rows (the
+    last one PAD) also leave a partial group of rows at the end."""
+    rng, gen = random.Random(5 + num_rows + k), torch.Generator(device="cuda").manual_seed(5)
+    W, dim = 4, 5120
+    qsl, idx, acc, ntok = random_rows(rng, num_rows, k, num_rows * (1 + k) + 3)
     lens = (qsl[1:] - qsl[:-1]).tolist()
     lens[7] = 0  # an empty row
     qsl = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
     ntok = int(qsl[-1])
-    pool = torch.randn(40 * (1 + k) + 3, W - 1 + k, dim, device="cuda", generator=gen).to(dtype)
+    pool = torch.randn(num_rows * (1 + k) + 3, W - 1 + k, dim, device="cuda", generator=gen).to(dtype)
     x = torch.randn(ntok, dim, device="cuda", generator=gen).to(dtype)
     w = torch.randn(dim, W, device="cuda", generator=gen).to(dtype)
     b = torch.randn(dim, device="cuda", generator=gen).to(dtype)
