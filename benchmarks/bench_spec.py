@@ -4,7 +4,7 @@ counts; every prompt of a set is used at every batch size (batch 1 runs them one
 one JSON document last. The methods of a cell take turns run by run, and each keeps
 its best run.
 
-    python benchmarks/bench_spec.py --batch-sizes 1 8 32 --max-tokens 96 [--draft-model PATH]
+    python benchmarks/bench_spec.py --batch-sizes 1 8 32 --max-tokens 96 [--draft-model PATH | --draft-layers N]
 
 --num-spec-tokens stays 4 by default: on the 2-core CPU a verify token costs about 0.8 ms against
 a 21 ms batch-1 step, and 6 or 8 drafts were no faster on these prompts (the adaptive policy
@@ -19,13 +19,17 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 
 import torch
 
 from pyengine import LLM, SamplingParams
 from pyengine.engine import LLMEngine
+from pyengine.loader import default_model_path
 from pyengine.speculative import SpeculativeConfig
+
+from layer_skip_draft import write_layer_skip_draft  # noqa: E402  (benchmarks/ is on sys.path)
 
 CODE = '''def mean(values):
     total = 0
@@ -103,12 +107,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--num-spec-tokens", type=int, default=4)
     ap.add_argument("--draft-model", help="a draft model (same tokenizer); omitted: draft-model rows are skipped")
+    ap.add_argument("--draft-layers", type=int,
+                    help="no draft model given: use the target's first N blocks as one (layer_skip_draft.py)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--repeats", type=int, default=3, help="best of this many runs per cell")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(device="cpu", max_model_len=2048, max_num_seqs=max(args.batch_sizes))
+    draft_note = args.draft_model or "none given: no draft model smaller than SmolLM2-135M ships here"
+    if args.draft_layers and not args.draft_model:
+        args.draft_model = os.path.join(tempfile.mkdtemp(), "layer_skip_draft.gguf")
+        write_layer_skip_draft(default_model_path(), args.draft_model, args.draft_layers)
+        draft_note = (f"layer-skip draft: the target's first {args.draft_layers} blocks with its embedding, final "
+                      "norm and head (benchmarks/layer_skip_draft.py)")
     methods: dict[str, SpeculativeConfig | None] = {
         "plain": None,
         "ngram": SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": args.num_spec_tokens,
@@ -137,7 +149,7 @@ def main() -> None:
                         "engine, so batch 1 covers each prompt alone",
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus", "date": datetime.date.today().isoformat(),
         "command": "python " + " ".join(sys.argv), "results": results,
-        "draft_model": args.draft_model or "none given: no draft model smaller than SmolLM2-135M ships here",
+        "draft_model": draft_note,
     }, indent=1))
 
 
