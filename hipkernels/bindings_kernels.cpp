@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kv_cache_write.h"
+#include "mla_attention.h"
 #include "paged_attention.h"
 #include "binding_utils.h"
 #include "runtime.h"
@@ -15,6 +16,7 @@ namespace py = pybind11;
 
 void register_ssm_kernels(py::module_& k);  // bindings_ssm.cpp (recurrent-state kernels)
 void register_layer_ops_kernels(py::module_& k);  // bindings_layer_ops.cpp (norms, SwiGLU, RoPE + KV write)
+void register_skinny_gemm_kernels(py::module_& k);  // bindings_skinny_gemm.cpp (few-row GEMM for decode)
 
 namespace {
 
@@ -27,6 +29,7 @@ void register_kernels(py::module_& m) {
   py::module_ k = m.def_submodule("kernels", "GPU kernels (raw device pointers and streams)");
   register_ssm_kernels(k);
   register_layer_ops_kernels(k);
+  register_skinny_gemm_kernels(k);
 
   k.def(
       "reshape_and_cache",
@@ -114,8 +117,8 @@ void register_kernels(py::module_& m) {
         p.split_block = split_block;
         p.scale = scale;
         p.dtype = dtype;
-        p.mla = mla;
-        check(launch_paged_attention(p, ptr<void>(stream)), "paged_attention");
+        if (mla) check(launch_mla_attention(p, ptr<void>(stream)), "paged_attention (mla)");
+        else check(launch_paged_attention(p, ptr<void>(stream)), "paged_attention");
       },
       py::arg("q"), py::arg("q_stride_token"), py::arg("q_stride_head"), py::arg("k_cache"), py::arg("v_cache"),
       py::arg("out"), py::arg("out_stride_token"), py::arg("out_stride_head"), py::arg("lse"), py::arg("ws_out"),

@@ -116,5 +116,22 @@ struct PeVec8<pe_bf16> {
   static PE_DEVICE uint16_t from_float(float f) { return pe_float_to_bf16_bits(f); }
 };
 
+// Programmatic dependent launch (CUDA, sm_90). A kernel launched with the PDL attribute may start
+// while the previous kernel of its stream still runs: pe_pdl_wait() returns once that kernel has
+// finished and its writes are visible, so what comes before it may read only data that no kernel
+// of the step writes (weights). pe_pdl_launch_dependents() lets such a next kernel start now rather
+// than at this kernel's end. Both do nothing under hipcc or for a kernel launched without PDL.
+PE_DEVICE void pe_pdl_wait() {
+#if defined(PE_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+PE_DEVICE void pe_pdl_launch_dependents() {
+#if defined(PE_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Data type codes shared by the bindings and the Python wrappers.
 enum PeDType { PE_FLOAT16 = 0, PE_BFLOAT16 = 1, PE_FLOAT32 = 2 };

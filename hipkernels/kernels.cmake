@@ -42,7 +42,7 @@ target_compile_options(pyengine_kernels PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-x cu -gencode=arch=compute_90a,code=sm_90a -O3 --expt-relaxed-constexpr>)
 
 target_sources(_C PRIVATE ${_PYENGINE_KDIR}/bindings_kernels.cpp ${_PYENGINE_KDIR}/bindings_ssm.cpp
-  ${_PYENGINE_KDIR}/bindings_layer_ops.cpp
+  ${_PYENGINE_KDIR}/bindings_layer_ops.cpp ${_PYENGINE_KDIR}/bindings_skinny_gemm.cpp
   $<TARGET_OBJECTS:pyengine_kernels>)
 target_include_directories(_C PRIVATE ${_PYENGINE_KDIR})
 target_compile_definitions(_C PRIVATE PYENGINE_WITH_KERNELS)

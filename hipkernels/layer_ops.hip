@@ -146,6 +146,7 @@ struct NormLoads {
 template <typename T, int N, bool kAdd>
 __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(RmsNormParams p, float inv_hidden) {
   __shared__ float partial[kNormMaxThreads / PE_WARP_SIZE];
+  pe_pdl_launch_dependents();  // a PDL-launched GEMM after the norm may start streaming its weights
   const int64_t t = blockIdx.x;
   const int chunks = p.hidden / N;
   NormLoads<T, N, kAdd> in[kNormRegChunks];
@@ -202,6 +203,7 @@ template <typename T, int N>
 __global__ void __launch_bounds__(kEltThreads) silu_and_mul_kernel(SiluAndMulParams p) {
   using C = Chunk<T, N>;
   using Raw = typename C::Raw;
+  pe_pdl_launch_dependents();  // as in rms_norm: the down projection's weights may start streaming
   const int64_t chunks_per_row = p.inter / N;
   const int64_t idx = (int64_t)blockIdx.x * kEltThreads + threadIdx.x;
   if (idx >= p.num_tokens * chunks_per_row) return;

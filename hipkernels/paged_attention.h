@@ -1,5 +1,6 @@
 // Paged attention over a block-table KV cache, any query length per row in one launch
-// (plain C++ interface; the kernels live in paged_attention.hip).
+// (plain C++ interface; the GQA kernels and the split-KV combine live in paged_attention.hip, the MLA
+// kernels in mla_attention.hip, launched through mla_attention.h with the same parameter struct).
 //
 // Semantics (the PyTorch references in pyengine/ops/reference.py and mla_reference.py are the spec):
 // row r owns query tokens [query_start_loc[r], query_start_loc[r+1]) (q_len of them), the last q_len
@@ -54,8 +55,11 @@ struct PagedAttentionParams {
   int split_block = kPagedAttnSplitBlock;  // keys per split unit, a multiple of 64
   float scale = 1.0f;
   int dtype = 0;          // PeDType: 0 fp16, 1 bf16
-  bool mla = false;
 };
 
-// Returns 0 on success, -1 for an unsupported configuration, else the runtime's error code.
+// GQA. Returns 0 on success, -1 for an unsupported configuration, else the runtime's error code.
 int launch_paged_attention(const PagedAttentionParams& p, void* stream);
+
+// Merges the workspace partials of the split rows into out/lse (a no-op when max_splits == 1).
+// The attention launchers call it; exposed for the MLA launcher, whose workspace has the same layout.
+int launch_paged_attention_combine(const PagedAttentionParams& p, void* stream);

@@ -1,5 +1,5 @@
-// Paged attention (decode, verify, prefill chunks and mixed batches in one launch) plus the
-// split-KV combine. Semantics and the split rule: paged_attention.h.
+// Paged GQA attention (decode, verify, prefill chunks and mixed batches in one launch) plus the
+// split-KV combine that the MLA kernel shares. Semantics and the split rule: paged_attention.h.
 //
 // Work decomposition: one block of kThreads threads per (row, kv head, key split, tile of MT
 // query-head pairs). The pairs of a row are m = i * G + g (query token i, head g of the KV group),
@@ -12,74 +12,23 @@
 // pairs of the tile, so the tile size never changes a result.
 #include "hip_compat.h"
 #include "paged_attention.h"
+#include "attention_common.h"
 
 #include <math.h>
 
 namespace {
 
+using pe_attn::copy16_async;
+using pe_attn::copy_commit;
+using pe_attn::copy_wait;
+using pe_attn::kLn2;
+using pe_attn::kLog2e;
+using pe_attn::neg_inf;
+using pe_attn::pos_inf;
+using pe_attn::row_splits;
+using pe_attn::store8;
+
 constexpr int kThreads = 128;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-PE_DEVICE float neg_inf() { return -__int_as_float(0x7f800000); }
-PE_DEVICE float pos_inf() { return __int_as_float(0x7f800000); }
-
-// Per-row split rule (see paged_attention.h); the Python wrapper sizes the workspace from it.
-PE_DEVICE void row_splits(int ctx, int q_len, int split_block, int* nsplit, int* split_size) {
-  if (q_len > kPagedAttnSplitMaxQueryLen || ctx <= split_block) {
-    *nsplit = 1;
-    *split_size = ctx > 0 ? ctx : 1;
-    return;
-  }
-  const int chunks = (ctx + split_block - 1) / split_block;
-  const int size = split_block * ((chunks + kPagedAttnMaxSplits - 1) / kPagedAttnMaxSplits);
-  *split_size = size;
-  *nsplit = (ctx + size - 1) / size;
-}
-
-template <typename T>
-PE_DEVICE void store8(T* dst, const float* f) {
-  uint16_t b[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) b[j] = PeVec8<T>::from_float(f[j]);
-  uint4 v;
-  v.x = b[0] | ((uint32_t)b[1] << 16);
-  v.y = b[2] | ((uint32_t)b[3] << 16);
-  v.z = b[4] | ((uint32_t)b[5] << 16);
-  v.w = b[6] | ((uint32_t)b[7] << 16);
-  *reinterpret_cast<uint4*>(dst) = v;
-}
-
-// Asynchronous 16-byte global -> shared copies. On NVIDIA (sm_80 and later) these are cp.async
-// (zero-filled when the source is not valid, so that no byte of an unused page is read); the
-// portable fallback (HIP, older targets) copies synchronously through registers, and the barrier
-// that follows each wait makes the stores visible exactly as with cp.async.
-#if defined(PE_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#define PE_PA_CP_ASYNC 1
-#endif
-
-PE_DEVICE void pa_copy16(void* smem, const void* gmem, bool valid) {
-#if defined(PE_PA_CP_ASYNC)
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
-#else
-  *reinterpret_cast<uint4*>(smem) = valid ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0u, 0u, 0u, 0u);
-#endif
-}
-
-PE_DEVICE void pa_copy_commit() {
-#if defined(PE_PA_CP_ASYNC)
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-template <int N>
-PE_DEVICE void pa_copy_wait() {
-#if defined(PE_PA_CP_ASYNC)
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
 
 // Blocks per SM to ask the register allocator for: 3 (at most 168 registers) where the queries and
 // accumulators of a thread need at most 128 registers per key in flight, else no cap (spills).
@@ -89,8 +38,8 @@ constexpr int kMinBlocks() {
 }
 
 // T: pe_half or pe_bf16. DQK/DV: head dims. LPT: lanes per key. MT: query-head pairs per block.
-// U: keys per group per tile. SHARED_KV: V is the first DV values of K (MLA). STAGES: depth of the
-// shared-memory K/V pipeline.
+// U: keys per group per tile. STAGES: depth of the shared-memory K/V pipeline. (MLA, where V is a
+// prefix of K and one latent head serves 128 query heads, has its own kernel: mla_attention.hip.)
 //
 // Keys are processed in tiles of KT = NG * U keys (NG = kThreads / LPT groups); the block copies
 // tile t + STAGES - 1 into shared memory (cp.async) while it computes tile t from shared memory,
@@ -98,7 +47,7 @@ constexpr int kMinBlocks() {
 // memory system always has STAGES - 1 tiles of the block in flight whatever the arithmetic costs.
 // Group g takes keys g, g + NG, ... of a tile; its LPT lanes split the head dim in 16-byte vectors.
 // The arithmetic of a query-head pair depends only on (LPT, U, the row), never on MT or the batch.
-template <typename T, int DQK, int DV, int LPT, int MT, int U, bool SHARED_KV, int STAGES>
+template <typename T, int DQK, int DV, int LPT, int MT, int U, int STAGES>
 __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>())) paged_attention_kernel(PagedAttentionParams p) {
   constexpr int NV_K = DQK / 8;                    // 16-byte vectors per K row
   constexpr int NV_V = DV / 8;
@@ -106,13 +55,11 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>()))
   constexpr int VPL_V = (NV_V + LPT - 1) / LPT;
   constexpr int NG = kThreads / LPT;               // key groups per block
   constexpr int KT = NG * U;                       // keys per tile
-  constexpr int ROW_V = SHARED_KV ? 0 : DV;        // V elements staged per key
-  constexpr int TILE_ELEMS = KT * (DQK + ROW_V);   // 16-bit elements per stage
+  constexpr int TILE_ELEMS = KT * (DQK + DV);      // 16-bit elements per stage
   constexpr int PIPE_BYTES = STAGES * TILE_ELEMS * 2;
   constexpr int MERGE_BYTES = NG * MT * DV * 4;
   constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
   static_assert(DQK % 8 == 0 && DV % 8 == 0 && LPT <= 32 && (LPT & (LPT - 1)) == 0, "layout");
-  static_assert(!SHARED_KV || NV_V <= NV_K, "V must be a prefix of K");
   static_assert(SMEM_BYTES + NG * MT * 8 <= 48 * 1024, "static shared memory");
   static_assert(STAGES >= 2, "pipeline");
 
@@ -158,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>()))
   const int ntiles = k_end > k_begin ? (k_end - k_begin + KT - 1) / KT : 0;
 
   const T* kcache = static_cast<const T*>(p.k_cache);
-  const T* vcache = static_cast<const T*>(SHARED_KV ? p.k_cache : p.v_cache);
+  const T* vcache = static_cast<const T*>(p.v_cache);
   const int32_t* btab = p.block_tables + (int64_t)row * p.max_blocks_per_row;
   const int bs = p.block_size;
   const int64_t k_slot_stride = (int64_t)Hkv * DQK;
@@ -169,7 +116,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>()))
   constexpr int TPK = kThreads / KT;
   static_assert(kThreads % KT == 0, "copy layout");
   constexpr int CV_K = (NV_K + TPK - 1) / TPK;
-  constexpr int CV_V = SHARED_KV ? 0 : (NV_V + TPK - 1) / TPK;
+  constexpr int CV_V = (NV_V + TPK - 1) / TPK;
   const int my_kt = tid / TPK;
   const int sub = tid - my_kt * TPK;
   const bool bs_pow2 = (bs & (bs - 1)) == 0;
@@ -192,19 +139,17 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>()))
 #pragma unroll
       for (int i = 0; i < CV_K; ++i) {
         const int v = sub + TPK * i;
-        if (NV_K % TPK == 0 || v < NV_K) pa_copy16(kdst + v * 8, ksrc + v * 8, valid);
+        if (NV_K % TPK == 0 || v < NV_K) copy16_async(kdst + v * 8, ksrc + v * 8, valid);
       }
-      if (!SHARED_KV) {
-        const T* vsrc = vcache + slot * v_slot_stride + (int64_t)kvh * DV;
-        T* vdst = stage + KT * DQK + my_kt * DV;
+      const T* vsrc = vcache + slot * v_slot_stride + (int64_t)kvh * DV;
+      T* vdst = stage + KT * DQK + my_kt * DV;
 #pragma unroll
-        for (int i = 0; i < CV_V; ++i) {
-          const int v = sub + TPK * i;
-          if (NV_V % TPK == 0 || v < NV_V) pa_copy16(vdst + v * 8, vsrc + v * 8, valid);
-        }
+      for (int i = 0; i < CV_V; ++i) {
+        const int v = sub + TPK * i;
+        if (NV_V % TPK == 0 || v < NV_V) copy16_async(vdst + v * 8, vsrc + v * 8, valid);
       }
     }
-    pa_copy_commit();
+    copy_commit();
   };
 
   // Start the pipeline before the query loads so that they overlap.
@@ -246,14 +191,13 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>()))
   }
 
   for (int t = 0; t < ntiles; ++t) {
-    pa_copy_wait<STAGES - 2>();  // tile t has landed (this thread's copies) ...
+    copy_wait<STAGES - 2>();  // tile t has landed (this thread's copies) ...
     __syncthreads();             // ... everyone's, and everyone is done with tile t - 1
     issue(t + STAGES - 1, nblk);
     nblk = load_block(t + STAGES);
 
     const T* sk = s_kv + (t % STAGES) * TILE_ELEMS;
-    const T* sv = SHARED_KV ? sk : sk + KT * DQK;
-    constexpr int V_ROW = SHARED_KV ? DQK : DV;
+    const T* sv = sk + KT * DQK;
     const int tile_base = k_begin + t * KT;
     // Scores.
     float s[U][MT];
@@ -316,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>()))
         const int v = lane + LPT * i;
         if (NV_V % LPT == 0 || v < NV_V) {
           float vf[8];
-          PeVec8<T>::to_float(*reinterpret_cast<const uint4*>(sv + kt * V_ROW + v * 8), vf);
+          PeVec8<T>::to_float(*reinterpret_cast<const uint4*>(sv + kt * DV + v * 8), vf);
 #pragma unroll
           for (int mm = 0; mm < MT; ++mm)
 #pragma unroll
@@ -325,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>()))
       }
     }
   }
-  pa_copy_wait<0>();
+  copy_wait<0>();
   __syncthreads();  // the pipeline buffers become the merge buffer
 
   // Merge the key groups of the block.
@@ -426,12 +370,12 @@ __global__ void __launch_bounds__(kThreads) paged_attention_combine_kernel(Paged
 
 constexpr int kStages = 5;
 
-template <typename T, int DQK, int DV, int LPT, int MT, int U, bool SHARED_KV>
+template <typename T, int DQK, int DV, int LPT, int MT, int U>
 void launch_main(const PagedAttentionParams& p, peStream_t s) {
   const int G = p.num_q_heads / p.num_kv_heads;
   const int m_tiles = (p.max_query_len * G + MT - 1) / MT;
   const dim3 grid((unsigned)p.max_splits, (unsigned)m_tiles, (unsigned)(p.num_rows * p.num_kv_heads));
-  paged_attention_kernel<T, DQK, DV, LPT, MT, U, SHARED_KV, kStages><<<grid, kThreads, 0, s>>>(p);
+  paged_attention_kernel<T, DQK, DV, LPT, MT, U, kStages><<<grid, kThreads, 0, s>>>(p);
 }
 
 // (LPT, U) fix the order of the arithmetic; they depend on the head dim and the group size only
@@ -440,51 +384,49 @@ template <typename T, int D>
 void launch_gqa(const PagedAttentionParams& p, peStream_t s, int mt) {
   if constexpr (D == 64) {
     switch (mt) {
-      case 1: launch_main<T, D, D, 8, 1, 2, false>(p, s); break;
-      case 2: launch_main<T, D, D, 8, 2, 2, false>(p, s); break;
-      case 4: launch_main<T, D, D, 8, 4, 2, false>(p, s); break;
-      default: launch_main<T, D, D, 8, 8, 2, false>(p, s); break;
+      case 1: launch_main<T, D, D, 8, 1, 2>(p, s); break;
+      case 2: launch_main<T, D, D, 8, 2, 2>(p, s); break;
+      case 4: launch_main<T, D, D, 8, 4, 2>(p, s); break;
+      default: launch_main<T, D, D, 8, 8, 2>(p, s); break;
     }
   } else if constexpr (D == 128) {
     switch (mt) {
-      case 1: launch_main<T, D, D, 16, 1, 2, false>(p, s); break;
-      case 2: launch_main<T, D, D, 16, 2, 2, false>(p, s); break;
-      case 4: launch_main<T, D, D, 16, 4, 2, false>(p, s); break;
-      default: launch_main<T, D, D, 16, 8, 2, false>(p, s); break;
+      case 1: launch_main<T, D, D, 16, 1, 2>(p, s); break;
+      case 2: launch_main<T, D, D, 16, 2, 2>(p, s); break;
+      case 4: launch_main<T, D, D, 16, 4, 2>(p, s); break;
+      default: launch_main<T, D, D, 16, 8, 2>(p, s); break;
     }
   } else {
     switch (mt) {
-      case 1: launch_main<T, D, D, 16, 1, 1, false>(p, s); break;
-      case 2: launch_main<T, D, D, 16, 2, 1, false>(p, s); break;
-      case 4: launch_main<T, D, D, 16, 4, 1, false>(p, s); break;
-      default: launch_main<T, D, D, 32, 8, 2, false>(p, s); break;
+      case 1: launch_main<T, D, D, 16, 1, 1>(p, s); break;
+      case 2: launch_main<T, D, D, 16, 2, 1>(p, s); break;
+      case 4: launch_main<T, D, D, 16, 4, 1>(p, s); break;
+      default: launch_main<T, D, D, 32, 8, 2>(p, s); break;
     }
   }
 }
 
 template <typename T>
+void launch_combine(const PagedAttentionParams& p, peStream_t s) {
+  const int qmax = p.max_query_len < kPagedAttnSplitMaxQueryLen ? p.max_query_len : kPagedAttnSplitMaxQueryLen;
+  const int chunks = (p.num_q_heads * (p.head_dim_v / 8) + kThreads - 1) / kThreads;
+  const dim3 grid((unsigned)p.num_rows, (unsigned)qmax, (unsigned)chunks);
+  paged_attention_combine_kernel<T><<<grid, kThreads, 0, s>>>(p);
+}
+
+template <typename T>
 int launch_typed(const PagedAttentionParams& p, peStream_t s) {
-  if (p.mla) {
-    if (p.head_dim_qk != 576 || p.head_dim_v != 512 || p.num_kv_heads != 1) return -1;
-    launch_main<T, 576, 512, 32, 4, 2, true>(p, s);
-  } else {
-    if (p.head_dim_qk != p.head_dim_v) return -1;
-    const int G = p.num_q_heads / p.num_kv_heads;
-    int mt = 1;
-    while (mt < G && mt < 8) mt *= 2;  // depends on the model only, never on the batch
-    switch (p.head_dim_qk) {
-      case 64: launch_gqa<T, 64>(p, s, mt); break;
-      case 128: launch_gqa<T, 128>(p, s, mt); break;
-      case 256: launch_gqa<T, 256>(p, s, mt); break;
-      default: return -1;
-    }
+  if (p.head_dim_qk != p.head_dim_v) return -1;
+  const int G = p.num_q_heads / p.num_kv_heads;
+  int mt = 1;
+  while (mt < G && mt < 8) mt *= 2;  // depends on the model only, never on the batch
+  switch (p.head_dim_qk) {
+    case 64: launch_gqa<T, 64>(p, s, mt); break;
+    case 128: launch_gqa<T, 128>(p, s, mt); break;
+    case 256: launch_gqa<T, 256>(p, s, mt); break;
+    default: return -1;
   }
-  if (p.max_splits > 1) {
-    const int qmax = p.max_query_len < kPagedAttnSplitMaxQueryLen ? p.max_query_len : kPagedAttnSplitMaxQueryLen;
-    const int chunks = (p.num_q_heads * (p.head_dim_v / 8) + kThreads - 1) / kThreads;
-    const dim3 grid((unsigned)p.num_rows, (unsigned)qmax, (unsigned)chunks);
-    paged_attention_combine_kernel<T><<<grid, kThreads, 0, s>>>(p);
-  }
+  if (p.max_splits > 1) launch_combine<T>(p, s);
   return 0;
 }
 
@@ -501,5 +443,14 @@ int launch_paged_attention(const PagedAttentionParams& p, void* stream) {
   else if (p.dtype == PE_BFLOAT16) rc = launch_typed<pe_bf16>(p, s);
   else rc = -1;
   if (rc != 0) return rc;
+  return static_cast<int>(peGetLastError());
+}
+
+int launch_paged_attention_combine(const PagedAttentionParams& p, void* stream) {
+  if (p.num_rows == 0 || p.max_query_len == 0 || p.max_splits <= 1) return 0;
+  const peStream_t s = static_cast<peStream_t>(stream);
+  if (p.dtype == PE_FLOAT16) launch_combine<pe_half>(p, s);
+  else if (p.dtype == PE_BFLOAT16) launch_combine<pe_bf16>(p, s);
+  else return -1;
   return static_cast<int>(peGetLastError());
 }

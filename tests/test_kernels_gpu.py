@@ -138,6 +138,18 @@ def test_context_shorter_than_query_gives_zero_and_inf():
     check_close(out, ref, lse, ref_lse, rows, torch.float16)
 
 
+@pytest.fixture(params=["fast", "small"])
+def mla_tile(request, monkeypatch):
+    """Each MLA attention test runs with both tile configurations of hipkernels/mla_tile.h: "fast"
+    (wgmma, ~226 KB of shared memory) and "small" (FMA products in 57.5 KB: what AMD gfx90a runs),
+    forced on NVIDIA through PYENGINE_MLA_SMALL_TILE, which the launcher reads at every launch."""
+    if request.param == "small":
+        monkeypatch.setenv("PYENGINE_MLA_SMALL_TILE", "1")
+    else:
+        monkeypatch.delenv("PYENGINE_MLA_SMALL_TILE", raising=False)
+    return request.param
+
+
 def mla_case(rows, block_size, heads, dtype, seed=0):
     from pyengine.ops import mla_reference
 
@@ -151,6 +163,7 @@ def mla_case(rows, block_size, heads, dtype, seed=0):
     return out, lse, ref, ref_lse
 
 
+@pytest.mark.usefixtures("mla_tile")
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("heads", [16, 128])
 def test_mla_matches_reference(heads, block_size):
@@ -159,6 +172,20 @@ def test_mla_matches_reference(heads, block_size):
     check_close(out, ref, lse, ref_lse, rows, torch.bfloat16)
 
 
+@pytest.mark.usefixtures("mla_tile")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [20, 64])
+def test_mla_head_tiles_across_tokens_and_splits(heads, dtype):
+    """The MLA kernel tiles (token, head) pairs 64 (fast) or 16 (small) at a time: with 20 heads a
+    tile spans query tokens (each with its own causal limit) and ends mid-token; rows of several key
+    splits (> 512 keys) with q_len up to 16 go through the split workspace, longer ones (17) write
+    directly."""
+    rows = [(1500, 2), (3000, 1), (0, 0), (5, 7), (600, 16), (70, 17), (1025, 9)]
+    out, lse, ref, ref_lse = mla_case(rows, 16, heads, dtype, seed=heads)
+    check_close(out, ref, lse, ref_lse, rows, dtype)
+
+
+@pytest.mark.usefixtures("mla_tile")
 @pytest.mark.parametrize("q_len", range(1, 10))
 def test_mla_verify_lengths(q_len):
     rows = [(1000 + q_len, q_len), (q_len, q_len)]
@@ -166,6 +193,7 @@ def test_mla_verify_lengths(q_len):
     check_close(out, ref, lse, ref_lse, rows, torch.float16)
 
 
+@pytest.mark.usefixtures("mla_tile")
 def test_mla_long_context_32k():
     rows = [(32768, 1), (32000, 4)]
     out, lse, ref, ref_lse = mla_case(rows, 64, 16, torch.bfloat16)
@@ -210,6 +238,7 @@ def test_gqa_batch_invariant():
     _row_alone_vs_in_batch(run)
 
 
+@pytest.mark.usefixtures("mla_tile")
 def test_mla_batch_invariant():
     def run(rows, which):
         gen = torch.Generator(device=DEV).manual_seed(3)
@@ -229,6 +258,18 @@ def test_mla_batch_invariant():
         return out[q0:q0 + q_len], lse[q0:q0 + q_len]
 
     _row_alone_vs_in_batch(run)
+
+
+def test_mla_small_tile_is_another_path(monkeypatch):
+    """PYENGINE_MLA_SMALL_TILE really switches kernels: both match the reference (tests above), but
+    the FMA products sum in another order than wgmma, so the fp32 lse cannot agree bit for bit."""
+    rows = [(700, 3), (2100, 1)]
+    monkeypatch.delenv("PYENGINE_MLA_SMALL_TILE", raising=False)
+    _, lse_fast, _, _ = mla_case(rows, 16, 128, torch.bfloat16)
+    monkeypatch.setenv("PYENGINE_MLA_SMALL_TILE", "1")
+    _, lse_small, _, _ = mla_case(rows, 16, 128, torch.bfloat16)
+    torch.testing.assert_close(lse_small, lse_fast, atol=1e-3, rtol=1e-3)
+    assert not torch.equal(lse_small, lse_fast)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -12,6 +12,7 @@ all tensors of a call); other dtypes run the PyTorch reference. meta.max_query_l
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -241,7 +242,8 @@ def paged_attention_mla(
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA (absorbed) attention of q [T, Hq, 576] over the latent cache [blocks, block_size, 576]
-    (V = first 512 values of each row) -> out [T, Hq, 512] (and lse [T, Hq] when return_lse)."""
+    (V = first 512 values of each row) -> out [T, Hq, 512] (and lse [T, Hq] when return_lse).
+    Runs the tensor-core kernel of hipkernels/mla_attention.hip (mla=True in the launch below)."""
     _check_cuda(q, kv_cache)
     width = MLA_KV_LORA_RANK + MLA_ROPE_DIM
     if q.dim() != 3 or q.shape[2] != width or kv_cache.dim() != 3 or kv_cache.shape[2] != width:
@@ -349,3 +351,75 @@ def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, 
             t, qk.shape[1] - hkv, hkv, d, qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos_stride,
             sin_stride, _DTYPE_CODE[qk.dtype], _stream(qk.device),
         )
+
+
+# ---- skinny GEMM for decode (hipkernels/skinny_gemm.hip) ------------------------------------------
+
+# PYENGINE_SKINNY_GEMM=0 keeps every projection on cuBLAS (benchmarks compare the two in one build);
+# PYENGINE_PDL=0 launches the skinny GEMM without programmatic dependent launch.
+SKINNY_GEMM = os.environ.get("PYENGINE_SKINNY_GEMM", "1") != "0"
+PDL = os.environ.get("PYENGINE_PDL", "1") != "0"
+# Rows up to which skinny_linear takes a projection. H100 (results/skinny_gemm_h100.json,
+# results/decode_8b_skinny_h100.json): at M = 1 the 8B decode step's graph is 0.22 ms faster than
+# with cuBLAS (PDL hides each projection's ramp behind the norm or SwiGLU before it); at M = 2 the
+# kernel alone breaks even with cuBLAS, at M >= 4 it loses (8 rows per block: 150 registers).
+SKINNY_MAX_M = 1
+# skinny_linear's prefetch (the next projection's weight pulled into L2 at the end of this one):
+# compile-checked, not yet measured on a GPU, so off (hipkernels/NOTES_layer_ops.md).
+SKINNY_PREFETCH = False
+_SKINNY_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n = _NUM_SMS.get(index)
+    if n is None:
+        n = _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
+
+
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, split: int = 0,
+                tile_n: int = 0, pdl: bool | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ w [K, N] (+ bias [N]) -> [M, N] in x's dtype (fp16/bf16, fp32 accumulation, one
+    rounding). w is llama.py's [in, out] weight, contiguous. Each output's summation order depends on
+    (K, N, split, tile_n) only: a row's result is the same alone and in any batch. split (1, 2, 4, 8)
+    and tile_n (64, 128): 0 takes the default for the shape; benchmarks sweep them. prefetch: a
+    contiguous tensor (the weight a later GEMM reads) pulled into L2 once this one's work is done."""
+    _check_cuda(x, w)
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"x must be [M, K] and w [K, N], got {tuple(x.shape)} / {tuple(w.shape)}")
+    m, k, n = x.shape[0], x.shape[1], w.shape[1]
+    if x.dtype not in _SKINNY_DTYPES or w.dtype != x.dtype:
+        raise ValueError(f"skinny_gemm takes fp16/bf16 x and w of one dtype, got {x.dtype} / {w.dtype}")
+    if not w.is_contiguous() or w.data_ptr() % 16 or k % 8 or n % 8:
+        raise ValueError(f"w must be contiguous and 16-byte aligned with K, N multiples of 8, got {tuple(w.shape)}")
+    bias_ptr = 0
+    if bias is not None:
+        _check_cuda(x, bias)
+        if tuple(bias.shape) != (n,) or bias.dtype != x.dtype:
+            raise ValueError(f"bias must be [{n}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+        bias = bias.contiguous()
+        bias_ptr = bias.data_ptr()
+    pf_ptr = pf_bytes = 0
+    if prefetch is not None and prefetch.device == x.device and prefetch.is_contiguous() and prefetch.data_ptr() % 16 == 0:
+        pf_ptr, pf_bytes = prefetch.data_ptr(), prefetch.numel() * prefetch.element_size() // 16 * 16
+    x = _aligned_rows(x)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    with torch.cuda.device(x.device):
+        _K.skinny_gemm(x.data_ptr(), w.data_ptr(), bias_ptr, y.data_ptr(), m, n, k, x.stride(0), y.stride(0),
+                       _SKINNY_DTYPES[x.dtype], _num_sms(x.device), split, tile_n, PDL if pdl is None else pdl,
+                       pf_ptr, pf_bytes, _stream(x.device))
+    return y
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                  prefetch: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x @ w (+ bias) through skinny_gemm where it is the faster choice (few rows, fp16/bf16, the
+    layout and alignment it takes), else None: the caller then runs cuBLAS. prefetch: see skinny_gemm."""
+    if (not SKINNY_GEMM or x.dim() != 2 or x.shape[0] > SKINNY_MAX_M or x.dtype not in _SKINNY_DTYPES
+            or w.dtype != x.dtype or w.dim() != 2 or not w.is_contiguous() or w.data_ptr() % 16
+            or x.shape[1] != w.shape[0] or x.shape[1] % 8 or w.shape[1] % 8 or x.device != w.device
+            or (bias is not None and bias.dtype != x.dtype)):
+        return None
+    return skinny_gemm(x, w, bias, prefetch=prefetch if SKINNY_PREFETCH else None)

@@ -1,0 +1,77 @@
+// Device helpers shared by the paged-attention kernels (paged_attention.hip: GQA and the split-KV
+// combine; mla_attention.hip: MLA): infinities, the per-row split rule, 8-value stores, and the
+// asynchronous global -> shared copies. Include after hip_compat.h and paged_attention.h.
+#pragma once
+
+#include "hip_compat.h"
+#include "paged_attention.h"
+
+namespace pe_attn {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+PE_DEVICE float neg_inf() { return -__int_as_float(0x7f800000); }
+PE_DEVICE float pos_inf() { return __int_as_float(0x7f800000); }
+
+// Per-row split rule (see paged_attention.h); the Python wrapper sizes the workspace from it. It
+// reads only the row's own context and query length, so a row's result never depends on the batch.
+PE_DEVICE void row_splits(int ctx, int q_len, int split_block, int* nsplit, int* split_size) {
+  if (q_len > kPagedAttnSplitMaxQueryLen || ctx <= split_block) {
+    *nsplit = 1;
+    *split_size = ctx > 0 ? ctx : 1;
+    return;
+  }
+  const int chunks = (ctx + split_block - 1) / split_block;
+  const int size = split_block * ((chunks + kPagedAttnMaxSplits - 1) / kPagedAttnMaxSplits);
+  *split_size = size;
+  *nsplit = (ctx + size - 1) / size;
+}
+
+// Eight floats -> one 16-byte vector of T (pe_half / pe_bf16), one rounding each.
+template <typename T>
+PE_DEVICE void store8(T* dst, const float* f) {
+  uint16_t b[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) b[j] = PeVec8<T>::from_float(f[j]);
+  uint4 v;
+  v.x = b[0] | ((uint32_t)b[1] << 16);
+  v.y = b[2] | ((uint32_t)b[3] << 16);
+  v.z = b[4] | ((uint32_t)b[5] << 16);
+  v.w = b[6] | ((uint32_t)b[7] << 16);
+  *reinterpret_cast<uint4*>(dst) = v;
+}
+
+// Asynchronous 16-byte global -> shared copies. On NVIDIA (sm_80 and later) these are cp.async
+// (zero-filled when the source is not valid, so that no byte of an unused page is read); the
+// portable fallback (HIP, older targets) copies synchronously through registers, and the barrier
+// that follows each wait makes the stores visible exactly as with cp.async.
+#if defined(PE_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define PE_ATTN_CP_ASYNC 1
+#endif
+
+PE_DEVICE void copy16_async(void* smem, const void* gmem, bool valid) {
+#if defined(PE_ATTN_CP_ASYNC)
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+#else
+  *reinterpret_cast<uint4*>(smem) = valid ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+
+PE_DEVICE void copy_commit() {
+#if defined(PE_ATTN_CP_ASYNC)
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N>
+PE_DEVICE void copy_wait() {
+#if defined(PE_ATTN_CP_ASYNC)
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+}  // namespace pe_attn
