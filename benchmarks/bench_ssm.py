@@ -8,6 +8,8 @@ conv: W - 1 rows read, W - 2 + T written) plus inputs, outputs and the conv weig
 once per call; SSM: A, D, dt_bias). Kernel time is taken inside a
 CUDA graph of 20 back-to-back calls (gpu_timing.time_ms_graph), as a captured decode step runs
 them; `*_kernel_eager_call_ms` times one Python call between CUDA events (launch overhead included).
+The graph replays the same buffers, so a conv step's few MB stay in L2; `conv_kernel_cold_*` cycles
+the calls through copies of the data so that each reads HBM (see conv_cold_ms).
 
     python benchmarks/bench_ssm.py --out benchmarks/results/ssm_h100.json
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import sys
 
@@ -84,6 +87,7 @@ def bench(batch: int, k: int, copy_gbps: float) -> dict:
     conv_call = lambda: ssm_cuda.causal_conv1d_update(xc, conv_state, w, b, qsl, idx, acc)  # noqa: E731
     kc_ms, kc_call_ms = time_ms_graph(conv_call), time_ms(conv_call)
     ec_ms = time_ms(lambda: eager_conv(xc, conv_state, w, b, idx, acc, T), reps=5)
+    kc_cold_ms = conv_cold_ms(batch, k, acc, qsl, w, b, conv_bytes)
     gbps = lambda nbytes, ms: nbytes / ms / 1e6  # noqa: E731
     # A copy moving the same bytes (half read, half written), timed the same way: what a kernel of
     # this size can reach at all (small steps are bound by latency and launch, not bandwidth).
@@ -95,9 +99,32 @@ def bench(batch: int, k: int, copy_gbps: float) -> dict:
         "ssu_kernel_ms": k_ms, "ssu_kernel_gbps": gbps(ssu_bytes, k_ms), "ssu_kernel_frac_copy": gbps(ssu_bytes, k_ms) / copy_gbps,
         "ssu_kernel_eager_call_ms": k_call_ms, "ssu_eager_ms": e_ms, "ssu_eager_gbps": gbps(ssu_bytes, e_ms),
         "conv_kernel_ms": kc_ms, "conv_kernel_gbps": gbps(conv_bytes, kc_ms), "conv_kernel_frac_copy": gbps(conv_bytes, kc_ms) / copy_gbps,
+        "conv_kernel_cold_ms": kc_cold_ms, "conv_kernel_cold_frac_copy": gbps(conv_bytes, kc_cold_ms) / copy_gbps,
         "conv_kernel_eager_call_ms": kc_call_ms, "conv_eager_ms": ec_ms,
         "conv_same_size_copy_gbps": same_copy_gbps, "conv_kernel_frac_same_size_copy": gbps(conv_bytes, kc_ms) / same_copy_gbps, "conv_eager_gbps": gbps(conv_bytes, ec_ms),
     }
+
+
+def conv_cold_ms(batch: int, k: int, acc: torch.Tensor, qsl: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+                 conv_bytes: int) -> float:
+    """conv update time with its state and inputs out of L2: the graph's calls cycle through enough
+    copies of them (>= 150 MB, at most 256 copies) that each call finds its data in HBM, as in a
+    model step where the other layers' weights have passed through L2 since. The plain graph timing
+    replays one copy, which stays in the 50 MB L2 (fractions of copy above 1 at large batches)."""
+    T = 1 + k
+    slots = batch * T
+    copies = min(256, max(20, -(-150_000_000 // conv_bytes)))
+    state = torch.randn(copies * slots, W - 1 + k, CONV_DIM, device="cuda", dtype=torch.bfloat16)
+    xs = torch.randn(copies, batch * T, CONV_DIM, device="cuda", dtype=torch.bfloat16)
+    base = torch.arange(slots, dtype=torch.int32, device="cuda").view(batch, T)
+    idxs = [base + c * slots for c in range(copies)]
+    turn = itertools.count()
+
+    def call() -> torch.Tensor:
+        c = next(turn) % copies
+        return ssm_cuda.causal_conv1d_update(xs[c], state, w, b, qsl, idxs[c], acc)
+
+    return time_ms_graph(call, inner=copies)
 
 
 def bench_prefill_scan(rows: int, length: int) -> dict:

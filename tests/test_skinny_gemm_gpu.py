@@ -76,11 +76,12 @@ def test_matches_float64_reference(k: int, n: int, dtype: torch.dtype) -> None:
         assert_close_to_reference(y, x[:m], w, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("split,tile_n", CONFIGS)
-def test_every_configuration_matches_reference(split: int, tile_n: int) -> None:
+def test_every_configuration_matches_reference(split: int, tile_n: int, dtype: torch.dtype) -> None:
     for k, n in [(4096, 6144), (136, 200), (8, 8)]:
-        x, w, b = operands(k, n, 5, torch.bfloat16, seed=split * tile_n + k, bias=True)
-        y = poisoned_run(lambda: cuda_ops.skinny_gemm(x, w, b, split=split, tile_n=tile_n), 5, n, torch.bfloat16)
+        x, w, b = operands(k, n, 5, dtype, seed=split * tile_n + k, bias=True)
+        y = poisoned_run(lambda: cuda_ops.skinny_gemm(x, w, b, split=split, tile_n=tile_n), 5, n, dtype)
         assert_close_to_reference(y, x, w, b)
 
 

@@ -365,7 +365,8 @@ PDL = os.environ.get("PYENGINE_PDL", "1") != "0"
 # kernel alone breaks even with cuBLAS, at M >= 4 it loses (8 rows per block: 150 registers).
 SKINNY_MAX_M = 1
 # skinny_linear's prefetch (the next projection's weight pulled into L2 at the end of this one):
-# compile-checked, not yet measured on a GPU, so off (hipkernels/NOTES_layer_ops.md).
+# off, it did not help on the H100 (8B batch 1, graph forward 5.90-5.93 ms on vs 5.89 off;
+# results/decode_8b_prefetch_h100.json).
 SKINNY_PREFETCH = False
 _SKINNY_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _NUM_SMS: dict[int, int] = {}
