@@ -123,7 +123,8 @@ class LLMEngine:
             if self.draft_length is None:
                 self.proposer.propose(self.scheduler, self.k)
             else:  # a length per decode request
-                lengths = self.draft_length.draft_lengths(self._decode_ids())
+                ids = self._decode_ids()
+                lengths = self.draft_length.draft_lengths(ids, self._can_finish_last(ids))
                 self.proposer.propose(self.scheduler, max(lengths.values(), default=0), lengths)
         batch = self.scheduler.schedule()
         assert batch.num_rows > 0, "the scheduler made no progress with requests pending"
@@ -151,6 +152,25 @@ class LLMEngine:
         sched, reqs = self.scheduler, self.requests
         return [sid for sid in sched.running_ids()
                 if sched.num_computed(sid) == len(reqs[sid].prompt_token_ids) + len(reqs[sid].output_token_ids) - 1]
+
+    def _can_finish_last(self, seq_ids: list[int]) -> np.ndarray | None:
+        """Per decode request: can it still be the last running request to finish? None while
+        requests wait for admission (a row that finishes early is replaced, so every committed
+        token counts). A request has at most `most` tokens left (max_tokens, max_model_len) and at
+        least `fewest` (the same if only the length can stop it, else 1: EOS or a stop may come any
+        time); one whose most is below another running request's fewest finishes first."""
+        if self.scheduler.num_waiting or len(seq_ids) < 2:
+            return None
+
+        def left(sid: int) -> tuple[int, int]:
+            req = self.requests[sid]
+            p, done = req.params, len(req.output_token_ids)
+            most = min(p.max_tokens - done, self.cfg.max_model_len - len(req.prompt_token_ids) - done)
+            only_length_stops = p.ignore_eos and not p.stop and not p.stop_token_ids
+            return most, (most if only_length_stops else 1)
+
+        fewest = max(left(sid)[1] for sid in self.scheduler.running_ids())
+        return np.fromiter((left(sid)[0] >= fewest for sid in seq_ids), bool, len(seq_ids))
 
     def _sample(self, batch, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         num_logits = batch.num_logits

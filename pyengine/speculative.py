@@ -134,6 +134,13 @@ class DraftLengthPolicy:
     probe drafts per `probe_every` steps over the batch) gets a probe there, and an accepted probe
     wipes the row's evidence from that position on (its acceptance has changed). A probe the
     proposer cannot fill costs nothing and is repeated next step.
+
+    Rows that cannot finish last get no drafts: with no request waiting for admission the batch
+    only shrinks, so a token that a row commits early does not shorten the run unless that row is
+    the last to finish; it only spares that row's own verify token b later, which the draft cost
+    already, so a draft there pays only if it is always accepted. The engine knows which rows can
+    still be last (a row's most remaining tokens >= another's fewest, see LLMEngine); where it
+    cannot tell (a request may stop at EOS or a stop string any time) every row can.
     """
 
     def __init__(self, k: int, probe_every: int = 48, decay: float = 0.95, margin: float = 0.05,
@@ -158,8 +165,9 @@ class DraftLengthPolicy:
         self.steps = 0
 
     # ---- the plan ------------------------------------------------------------------------------
-    def draft_lengths(self, seq_ids: Sequence[int]) -> dict[int, int]:
-        """Drafts to propose for each running decode request (seq id -> 0..k)."""
+    def draft_lengths(self, seq_ids: Sequence[int], can_finish_last: np.ndarray | None = None) -> dict[int, int]:
+        """Drafts to propose for each running decode request (seq id -> 0..k). can_finish_last:
+        one bool per request (None: all True); a False row gets none (see the class docstring)."""
         self.planned, self.probes = {}, {}
         if not seq_ids:
             return self.planned
@@ -167,27 +175,28 @@ class DraftLengthPolicy:
         rows = np.fromiter((self._slot(s) for s in seq_ids), np.int64, len(seq_ids))
         self.idle[rows] += 1
         num_rows = len(rows)
+        eligible = np.ones(num_rows, dtype=bool) if can_finish_last is None else np.asarray(can_finish_last, dtype=bool)
         # Probes (and the warm-up that gives the time line two token counts) stay cheap where
         # verify tokens cost compute: about k extra tokens per step whatever the batch size.
         probe = max(1, min(self.k, round(self.k / num_rows)))
         line = self._time_line() if self.steps > 4 else None
         if line is None:  # warm-up (or a degenerate fit): alternate probes and plain steps
-            lengths = np.full(num_rows, probe if self.steps % 2 or self.steps > 4 else 0)
+            lengths = np.where(eligible, probe if self.steps % 2 or self.steps > 4 else 0, 0)
         else:
-            lengths = self._best_lengths(rows, *line)
+            lengths = self._best_lengths(rows, eligible, *line)
             # The next position of a row left unverified for long enough: probe it (and beyond).
             interval = self.probe_every * max(1.0, num_rows / self.k)
-            can_grow = np.nonzero(lengths < self.k)[0]
+            can_grow = np.nonzero(eligible & (lengths < self.k))[0]
             stale = can_grow[self.idle[rows[can_grow], lengths[can_grow]] >= interval]
             self.probes = {seq_ids[i]: int(lengths[i]) for i in stale}
             lengths[stale] = np.minimum(lengths[stale] + probe, self.k)
         self.planned = dict(zip(seq_ids, lengths.tolist()))
         return self.planned
 
-    def _best_lengths(self, rows: np.ndarray, a: float, b: float) -> np.ndarray:
-        """Greedy marginal allocation of drafts over rows (see the class docstring)."""
+    def _best_lengths(self, rows: np.ndarray, eligible: np.ndarray, a: float, b: float) -> np.ndarray:
+        """Greedy marginal allocation of drafts over the eligible rows (see the class docstring)."""
         num_rows, k = len(rows), self.k
-        p = self.acceptance(rows)  # [R, k], non-increasing along k
+        p = self.acceptance(rows) * eligible[:, None]  # [R, k], non-increasing along k
         h = self.found[rows] / self.asked[rows]
         # Candidates (row, position) by falling P; ties keep position order within a row, so the
         # drafts taken for a row are always a prefix.

@@ -114,3 +114,13 @@ def test_finished_rows_are_forgotten_and_their_slots_reused() -> None:
     batch = (policy.pool_accepts / policy.pool_trials).cumprod()
     np.testing.assert_allclose(policy.row_acceptance(7), batch)
     assert len(policy.asked) == 8
+
+
+def test_rows_that_cannot_finish_last_get_nothing() -> None:
+    """The engine marks rows that finish before another row whatever happens: their drafts could
+    not shorten the run, so they get none, while the others keep the full length (and no probe)."""
+    policy = DraftLengthPolicy(4)
+    simulate(k=4, rows=3, accept=1.0, cost=BANDWIDTH_BOUND, steps=30, policy=policy)
+    assert policy.draft_lengths([100, 101, 102]) == {100: 4, 101: 4, 102: 4}
+    assert policy.draft_lengths([100, 101, 102], np.array([True, False, True])) == {100: 4, 101: 0, 102: 4}
+    assert 101 not in policy.probes

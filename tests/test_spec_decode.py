@@ -81,6 +81,9 @@ def test_per_request_draft_lengths_equal_plain(tiny: str) -> None:
     policy.steps = 4  # past the warm-up
     policy.observe_step = lambda num_tokens, seconds: None  # type: ignore[method-assign]
     llm.engine.draft_length = policy  # (scripted drafts are otherwise never shortened)
+    # Every row may finish last here (lengths by acceptance alone; the next test covers the rule
+    # that rows which cannot finish last get no drafts).
+    llm.engine._can_finish_last = lambda seq_ids: None  # type: ignore[method-assign]
     rec = RecordingScheduler(llm.engine.scheduler)
     llm.engine.scheduler = rec
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -90,6 +93,48 @@ def test_per_request_draft_lengths_equal_plain(tiny: str) -> None:
     assert len(late) >= 3, "too few steps with all 8 requests decoding"
     for s in late:  # rows are in admission order: even seq ids accept everything
         assert (s.num_drafts[0:8:2] >= k - 1).all() and (s.num_drafts[1:8:2] == 0).all(), s.num_drafts
+
+
+def test_rows_that_cannot_finish_last_get_no_drafts(tiny: str) -> None:
+    """Fixed-length requests (ignore_eos, no stops), none waiting: request 0's drafts are always
+    wrong, so it needs every step and finishes last; the others accept everything, run ahead, and
+    from then on get no drafts (their early tokens could not shorten the run). With a stop token
+    id, a request may end any time, so every row may finish last and keeps its drafts."""
+    from pyengine import LLM
+    from pyengine.speculative import DraftLengthPolicy
+
+    k, prompts = 4, make_prompts(4, seed=3)
+    plain = run(tiny, prompts, max_tokens=32)[0]
+    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, plain))}
+
+    def script(seq_id: int, tokens: list[int]) -> list[int]:
+        prompt_len, ref = reference[seq_id]
+        good = ref[len(tokens) - prompt_len:][:k]
+        return [(t + 1) % VOCAB for t in good] if seq_id == 0 else good
+
+    for stop_ids, ahead_rows_draft in ((None, False), ([VOCAB + 7], True)):
+        llm = LLM(model=tiny, device="cpu", speculative_config={"method": "scripted", "num_speculative_tokens": k,
+                                                                 "script": script}, block_size=4)
+        policy = DraftLengthPolicy(k)
+        for n in (4, 20, 4, 20):  # T(n) = 10 ms + 0.1 ms per token: drafts that are accepted pay
+            policy.observe_step(n, 0.010 + 0.0001 * n)
+        policy.steps = 4
+        policy.observe_step = lambda num_tokens, seconds: None  # type: ignore[method-assign]
+        llm.engine.draft_length = policy
+        rec = RecordingScheduler(llm.engine.scheduler)
+        llm.engine.scheduler = rec
+        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop_token_ids=stop_ids)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert outs == plain
+        # After the first few steps, and before the last (where the drafts left are capped by
+        # max_tokens).
+        late = [s for s in rec.steps if s.num_decode_rows == len(s.num_drafts) == 4][3:-1]
+        assert late, "no step with all 4 requests decoding after the first few"
+        ahead = [s.num_drafts[1:] for s in late]
+        if ahead_rows_draft:
+            assert all((d >= k - 1).all() for d in ahead), ahead
+        else:
+            assert all((d == 0).all() for d in ahead), ahead
 
 
 def test_ngram_with_preemption_equals_plain(tiny: str) -> None:
