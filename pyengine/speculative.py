@@ -181,7 +181,10 @@ class DraftLengthPolicy:
         probe = max(1, min(self.k, round(self.k / num_rows)))
         line = self._time_line() if self.steps > 4 else None
         if line is None:  # warm-up (or a degenerate fit): alternate probes and plain steps
-            lengths = np.where(eligible, probe if self.steps % 2 or self.steps > 4 else 0, 0)
+            # ... on about k drafts' worth of rows: a draft model must first catch up on each
+            # probed row's whole context, which a poor draft should not cost the whole batch.
+            probed = np.arange(num_rows) < max(1, self.k // probe)
+            lengths = np.where(eligible & probed, probe if self.steps % 2 or self.steps > 4 else 0, 0)
         else:
             lengths = self._best_lengths(rows, eligible, *line)
             # The next position of a row left unverified for long enough: probe it (and beyond).
