@@ -4,6 +4,10 @@ weights, fp32 and bf16, batch 1 and 16. Both run in this process, taking turns, 
 PackedLinear with its own pool (torch at one thread, as inside an engine step), oneDNN with torch's
 --threads. Prints JSON (ms per step of linears and the weight bytes streamed per second).
 
+It also measures this machine's ceilings, to show what a decode step's linears can cost at best:
+oneDNN's GEMM throughput on a cache-resident, compute-bound shape (fp32 and bf16) and the memory
+bandwidth of a streaming read; `floor_ms` is max(FLOPs / GEMM throughput, weight bytes / bandwidth).
+
     python benchmarks/bench_cpu_gemm.py [--threads 2] [--repeats 5] [--out FILE]
 """
 from __future__ import annotations
@@ -32,6 +36,22 @@ def best_ms(fn, repeats: int) -> float:
     return best * 1e3
 
 
+def ceilings(threads: int, repeats: int) -> dict:
+    """Compute and bandwidth ceilings of this machine, measured with the same thread count."""
+    torch.set_num_threads(threads)
+    out: dict = {}
+    m, k, n = 512, 576, 1024  # weights of 1.2-2.4 MB stay in cache: compute-bound
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(m, k).to(dtype)
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).to(dtype), None)
+        ms = best_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for _ in range(10)],
+                     repeats) / 10
+        out[f"gemm_gflop_s_{str(dtype).replace('torch.', '')}"] = round(2 * m * k * n / ms / 1e6, 1)
+    big = torch.ones(135_000_000)  # 540 MB, SmolLM2's fp32 weights, far beyond the caches
+    out["stream_read_gb_s"] = round(big.numel() * 4 / best_ms(big.sum, repeats) / 1e6, 1)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -43,6 +63,8 @@ def main() -> None:
                     "command": "python benchmarks/bench_cpu_gemm.py " + " ".join(
                         f"--{k} {v}" for k, v in (("threads", args.threads), ("repeats", args.repeats))),
                     "loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "rows": []}
+    # Ceilings are maxima: measured before and after the GEMMs (interference only ever lowers them).
+    first = ceilings(args.threads, args.repeats)
     for dtype in (torch.float32, torch.bfloat16):
         torch.set_num_threads(args.threads)
         weights = [torch.randn(k, n).to(dtype) for k, n in SHAPES]
@@ -71,8 +93,14 @@ def main() -> None:
                    "packed_gb_s": round(nbytes / times["packed"] / 1e6, 1),
                    "onednn_gb_s": round(nbytes / times["onednn"] / 1e6, 1),
                    "speedup": round(times["onednn"] / times["packed"], 3)}
+            row["flops"], row["bytes"] = 2 * m * sum(k * n for k, n in SHAPES), nbytes
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
+    result["ceilings"] = {key: max(v, first[key]) for key, v in ceilings(args.threads, args.repeats).items()}
+    for row in result["rows"]:
+        gflop_s = result["ceilings"][f"gemm_gflop_s_{row['dtype']}"]
+        row["floor_ms"] = round(max(row.pop("flops") / gflop_s / 1e6,
+                                    row.pop("bytes") / result["ceilings"]["stream_read_gb_s"] / 1e6), 2)
     text = json.dumps(result, indent=1)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

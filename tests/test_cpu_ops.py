@@ -151,12 +151,15 @@ needs_bf16_gemm = pytest.mark.skipif(not cpu_ops.PackedLinear.supported(torch.ze
 
 @needs_bf16_gemm
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("n", [70, 30])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_linear_matches_exact_matmul(m: int, dtype: torch.dtype) -> None:
+def test_packed_linear_matches_exact_matmul(m: int, n: int, dtype: torch.dtype) -> None:
     """fp32 accumulation and one rounding to the dtype: within fp32 noise (fp32) or one bf16 step
-    (bf16) of the exact product of the same inputs."""
+    (bf16) of the exact product of the same inputs. n is not a multiple of the 16-column panels;
+    70 (5 panels) gives tiles of 2 and 3 panels on two threads, 30 tiles of one; m covers whole
+    and partial 8-row tiles."""
     gen = torch.Generator().manual_seed(m)
-    k, n = 96, 70  # n not a multiple of the 16-column panels
+    k = 96
     w = torch.randn(k, n, generator=gen).to(dtype)
     x = torch.randn(m, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
