@@ -220,10 +220,10 @@ class LlamaForCausalLM(nn.Module):
         CPUs (avx512_bf16 for bf16) pyengine's own GEMM (pyengine.ops.cpu.PackedLinear), else a
         oneDNN-prepacked weight.
 
-        benchmarks/bench_cpu_gemm.py (SmolLM2-135M shapes, 2 cores), all linears of one step,
-        PackedLinear vs oneDNN: bf16 8.3 vs 11.2 ms at batch 16 and 6.3 vs 8.1 at batch 1; fp32
-        21.6 vs 20.9 at batch 16 (a tie) and 13.3 vs 15.9 at batch 1. fp32 also keeps the packed
-        GEMM for its batch-invariant rows.
+        benchmarks/bench_cpu_gemm.py (SmolLM2-135M shapes, 2 cores; results/cpu_gemm.json), all
+        linears of one step, PackedLinear vs oneDNN: bf16 8.2 vs 10.8 ms at batch 16 and 5.8 vs 7.7
+        at batch 1; fp32 18.2 vs 19.6 at batch 16 and 13.2 vs 14.6 at batch 1. fp32 would keep the
+        packed GEMM for its batch-invariant rows even at a tie.
         Returns False (model unchanged) where neither is available. The dense copies are dropped,
         so load_weights cannot run again."""
         if self.lm_head.device.type != "cpu":
