@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 
 import torch
 
 from pyengine.attention_metadata import AttentionMetadata
 from pyengine.ops import cuda as cuda_ops
-from gpu_timing import copy_bandwidth_gbps, time_ms, time_ms_graph  # noqa: E402  (benchmarks/ is on sys.path)
+from gpu_timing import copy_bandwidth_gbps, time_ms, time_ms_graph, write_result  # noqa: E402  (benchmarks/ is on sys.path)
 
 
 def make_meta(batch: int, ctx: int, q_len: int, block_size: int, num_blocks: int, gen) -> AttentionMetadata:
@@ -132,8 +131,7 @@ def main() -> None:
             bw = nbytes / ms / 1e6
             result["mla"].append({"batch": batch, "context": ctx, "ms": ms, "GBps": bw, "fraction_of_copy": bw / copy_bw})
             print(f"mla  b={batch:4d} ctx={ctx:6d} {ms:8.3f} ms {bw:7.0f} GB/s {bw / copy_bw:5.2f}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(args.out, result)
     print(f"decode_bandwidth_fraction (gqa b=64 ctx=4096): {result['decode_bandwidth_fraction']}")
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pyengine import LLM, SamplingParams  # noqa: E402
 from pyengine.config import ModelConfig  # noqa: E402
-from gpu_timing import copy_bandwidth_gbps, time_ms  # noqa: E402  (benchmarks/ is on sys.path)
+from gpu_timing import copy_bandwidth_gbps, time_ms, write_result  # noqa: E402  (benchmarks/ is on sys.path)
 
 SMOLLM2_HF = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
@@ -236,10 +235,7 @@ def main() -> None:
             del hf
             free()
         result["models"][name] = entry
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", args.out)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

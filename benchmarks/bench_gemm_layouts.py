@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_timing import copy_bandwidth_gbps, time_ms  # noqa: E402
+from gpu_timing import copy_bandwidth_gbps, time_ms, write_result  # noqa: E402
 
 # name: (in, out) of the fused 8B projections (qkv = 32 + 2 * 8 heads of 128).
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
@@ -135,10 +134,7 @@ def main() -> None:
                           f"{row['fraction_of_copy']:.3f} of copy" + (f"  {kern}" if kern else ""), flush=True)
         del weights
         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", args.out)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

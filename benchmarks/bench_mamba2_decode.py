@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import sys
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import llm_from_model, sync_time  # noqa: E402
-from gpu_timing import copy_bandwidth_gbps  # noqa: E402
+from gpu_timing import copy_bandwidth_gbps, write_result  # noqa: E402
 
 from pyengine import LLM, SamplingParams  # noqa: E402
 
@@ -134,10 +133,7 @@ def main() -> None:
                   f"acceptance {r['acceptance_rate']}", flush=True)
         del llm
         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", args.out)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
@@ -23,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_gemm_layouts import SHAPES, STREAM_BYTES, graph_ms  # noqa: E402
-from gpu_timing import copy_bandwidth_gbps  # noqa: E402
+from gpu_timing import copy_bandwidth_gbps, write_result  # noqa: E402
 
 from pyengine.ops import cuda as cuda_ops  # noqa: E402
 
@@ -80,10 +79,7 @@ def main() -> None:
             print(f"{name:8s} m={m:3d} | " + " | ".join(line), flush=True)
         ws.clear()
         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", args.out)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 results are reported against (measured in the same run)."""
 from __future__ import annotations
 
+import json
+import os
 import statistics
 from typing import Callable
 
@@ -47,3 +49,11 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), reps=20)
     return 2 * nbytes / ms / 1e6
+
+
+def write_result(path: str, result: dict) -> None:
+    """The benchmark's JSON document at path (folders created)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", path)
