@@ -169,8 +169,9 @@ class LLMEngine:
             only_length_stops = p.ignore_eos and not p.stop and not p.stop_token_ids
             return most, (most if only_length_stops else 1)
 
-        fewest = max(left(sid)[1] for sid in self.scheduler.running_ids())
-        return np.fromiter((left(sid)[0] >= fewest for sid in seq_ids), bool, len(seq_ids))
+        bounds = {sid: left(sid) for sid in self.scheduler.running_ids()}  # the decode rows among them
+        fewest = max(f for _, f in bounds.values())
+        return np.fromiter((bounds[sid][0] >= fewest for sid in seq_ids), bool, len(seq_ids))
 
     def _sample(self, batch, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         num_logits = batch.num_logits

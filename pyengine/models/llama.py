@@ -10,7 +10,7 @@ memory-bound and MKL streams that layout ~25% faster than F.linear's [out, in] a
 for cuBLAS overall: on the Llama-3-8B projections at M = 1..64, F.linear's [out, in] wins only qkv
 at M = 2..5 (and by < 2% at 64), and is 2-15% slower on o, gate_up, down and lm_head
 (benchmarks/bench_gemm_layouts.py). At decode batch sizes on CUDA, linear() runs pyengine's own
-skinny GEMM on that layout instead (pyengine.ops.cuda.skinny_linear: no split-K reduce kernel, and a
+skinny GEMM on that layout instead (pyengine.ops.skinny_linear: no split-K reduce kernel, and a
 row's result independent of the batch; benchmarks/bench_skinny_gemm.py). A tied lm_head is kept
 only once, as [hidden, vocab]; token embedding then gathers its columns.
 """
@@ -33,37 +33,18 @@ _LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
-           bias: torch.Tensor | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W (+ bias) for a dense [in, out] weight, a oneDNN-prepacked one, or a
-    pyengine.ops.cpu.PackedLinear (see prepack_for_cpu). prefetch: a weight that a later linear reads
-    after latency-bound kernels; the GPU skinny GEMM pulls it into L2 once its own work is done."""
+    pyengine.ops.cpu.PackedLinear (see prepack_for_cpu)."""
     if not isinstance(w, torch.Tensor):
         return w(x, bias)
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     if w.is_cuda:
-        y = _cuda_skinny_linear(x, w, bias, prefetch)
+        y = ops.skinny_linear(x, w, bias)
         if y is not None:
             return y
     return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
-
-
-_skinny_linear: Any = False  # pyengine.ops.cuda.skinny_linear once looked up; None: no GPU kernels
-
-
-def _cuda_skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                        prefetch: torch.Tensor | None) -> torch.Tensor | None:
-    """The skinny GEMM's x @ w (+ bias) where it takes this call, else None (cuBLAS then)."""
-    global _skinny_linear
-    if _skinny_linear is False:
-        try:
-            from pyengine.ops import cuda as cuda_ops
-        except ImportError:  # extension built without GPU kernels
-            cuda_ops = None
-        _skinny_linear = getattr(cuda_ops, "skinny_linear", None)
-    if _skinny_linear is None:
-        return None
-    return _skinny_linear(x, w, bias, prefetch if isinstance(prefetch, torch.Tensor) else None)
 
 
 def _prepack(w: torch.Tensor) -> torch.Tensor:
@@ -146,8 +127,7 @@ class LlamaDecoderLayer(nn.Module):
         paged context. cos/sin [T, head_dim] (rotate_half's sign folded into sin), None: no RoPE."""
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        # o_proj's weight streams into L2 while RoPE and attention (latency-bound) leave HBM idle.
-        qkv = linear(x, self.qkv_proj, self.qkv_bias, prefetch=self.o_proj)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)
         qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)  # strided rows: q|k|v stay in one buffer
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         if self.qk_norm is not None:

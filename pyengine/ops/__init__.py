@@ -17,7 +17,7 @@ from pyengine.attention_metadata import AttentionMetadata
 from pyengine.ops import layer_reference, reference
 
 __all__ = ["reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
-           "rope_and_cache"]
+           "rope_and_cache", "skinny_linear"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _cuda_impl: ModuleType | None = None
@@ -67,6 +67,13 @@ def _impl(device: torch.device, name: str) -> Any:
     if fn is None:
         fn = getattr(reference, name, None) or getattr(layer_reference, name)
     return fn
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x @ w (+ bias) by the backend's few-row GEMM (CUDA: hipkernels/skinny_gemm.hip) where it
+    takes the call, else None: the caller runs its own GEMM."""
+    fn = getattr(_backend(x.device), "skinny_linear", None)
+    return None if fn is None else fn(x, w, bias)
 
 
 def _check_cache(name: str, cache: torch.Tensor) -> None:

@@ -364,10 +364,6 @@ PDL = os.environ.get("PYENGINE_PDL", "1") != "0"
 # with cuBLAS (PDL hides each projection's ramp behind the norm or SwiGLU before it); at M = 2 the
 # kernel alone breaks even with cuBLAS, at M >= 4 it loses (8 rows per block: 150 registers).
 SKINNY_MAX_M = 1
-# skinny_linear's prefetch (the next projection's weight pulled into L2 at the end of this one):
-# off, it did not help on the H100 (8B batch 1, graph forward 5.90-5.93 ms on vs 5.89 off;
-# results/decode_8b_prefetch_h100.json).
-SKINNY_PREFETCH = False
 _SKINNY_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _NUM_SMS: dict[int, int] = {}
 
@@ -414,13 +410,14 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                  prefetch: torch.Tensor | None = None) -> torch.Tensor | None:
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x @ w (+ bias) through skinny_gemm where it is the faster choice (few rows, fp16/bf16, the
-    layout and alignment it takes), else None: the caller then runs cuBLAS. prefetch: see skinny_gemm."""
+    layout and alignment it takes), else None: the caller then runs cuBLAS. No L2 prefetch: pulling
+    o_proj's weight in during qkv did not help on the H100 (8B batch 1, graph forward 5.90-5.93 ms
+    with it, 5.89 without; results/decode_8b_prefetch_h100.json)."""
     if (not SKINNY_GEMM or x.dim() != 2 or x.shape[0] > SKINNY_MAX_M or x.dtype not in _SKINNY_DTYPES
             or w.dtype != x.dtype or w.dim() != 2 or not w.is_contiguous() or w.data_ptr() % 16
             or x.shape[1] != w.shape[0] or x.shape[1] % 8 or w.shape[1] % 8 or x.device != w.device
             or (bias is not None and bias.dtype != x.dtype)):
         return None
-    return skinny_gemm(x, w, bias, prefetch=prefetch if SKINNY_PREFETCH else None)
+    return skinny_gemm(x, w, bias)
