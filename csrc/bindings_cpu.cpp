@@ -58,11 +58,15 @@ void register_cpu_ops(py::module_& m) {
   });
   cpu.def("set_num_threads", &set_pool_threads, "threads of the CPU ops' pool, the caller included");
   py::class_<PackedWeight>(cpu, "PackedWeight")
-      .def(py::init([](uintptr_t w, int64_t k, int64_t n, int32_t dtype) {
-        return PackedWeight(ptr(w), k, n, static_cast<DType>(dtype));
-      }))
+      .def(py::init([](uintptr_t w, int64_t k, int64_t n, int32_t dtype, bool compact) {
+             return PackedWeight(ptr(w), k, n, static_cast<DType>(dtype), compact);
+           }),
+           py::arg("w"), py::arg("k"), py::arg("n"), py::arg("dtype"), py::arg("compact") = true)
       .def_property_readonly("k", &PackedWeight::k)
       .def_property_readonly("n", &PackedWeight::n)
+      .def_property_readonly("format", [](const PackedWeight& self) { return static_cast<int32_t>(self.format()); },
+                             "0 dense, 4 or 8: the bits per weight of cpu_gemm_affine.h's formats")
+      .def_property_readonly("packed_bytes", &PackedWeight::packed_bytes)
       .def("matmul", [](const PackedWeight& self, uintptr_t x, int64_t x_row_stride, int64_t m, uintptr_t bias,
                         uintptr_t y) {
         py::gil_scoped_release release;  // the pool's threads run while Python may do other work

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "common.h"
@@ -19,10 +20,10 @@
 namespace pyengine::cpu {
 namespace {
 
-constexpr int kPanel = 16;  // columns per panel (one zmm of fp32 accumulators)
+constexpr int kPanel = kPanelCols;
 
 #ifdef PE_HAVE_GEMM
-constexpr int kRows = 16;   // rows per micro-kernel call (16 accumulators)
+constexpr int kRows = kGemmRows;
 constexpr int kPrefetchLines = 16;  // weight lines requested ahead (1 KiB): crosses 4 KiB pages
 
 #define PE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -70,6 +71,7 @@ __attribute__((target("avx512f"))) void micro_kernel_f32(const float* x, int64_t
 
 template <typename T>
 using MicroKernel = void (*)(const T*, int64_t, const uint32_t*, int64_t, const T*, T*, int64_t, int);
+static_assert(std::is_same_v<MicroKernel<float>, F32MicroKernel>);
 
 template <int... R>
 constexpr auto make_bf16_kernels(std::integer_sequence<int, R...>) {
@@ -77,20 +79,22 @@ constexpr auto make_bf16_kernels(std::integer_sequence<int, R...>) {
 }
 template <int... R>
 constexpr auto make_f32_kernels(std::integer_sequence<int, R...>) {
-  return std::array<MicroKernel<float>, sizeof...(R)>{&micro_kernel_f32<R + 1>...};
+  return F32MicroKernels{&micro_kernel_f32<R + 1>...};
 }
 const auto kBf16Kernels = make_bf16_kernels(std::make_integer_sequence<int, kRows>{});
 const auto kF32Kernels = make_f32_kernels(std::make_integer_sequence<int, kRows>{});
 
-// Rows of x through one panel at a time; threads take contiguous panel ranges.
+// Rows of x through one panel (panel_words uint32 apart) at a time; threads take contiguous panel
+// ranges. k_steps: the kernels' K (k pairs for bf16).
 template <typename T>
 void run_panels(const std::array<MicroKernel<T>, kRows>& kernels, const uint32_t* packed, int64_t panels,
-                int64_t k_steps, int64_t n, const T* x, int64_t x_row_stride, int64_t m, const T* bias, T* y) {
+                int64_t panel_words, int64_t k_steps, int64_t n, const T* x, int64_t x_row_stride, int64_t m,
+                const T* bias, T* y) {
   auto run = [&](int t, int nt) {
     const int64_t begin = split_begin(panels, t, nt), end = split_begin(panels, t + 1, nt);
     for (int64_t p = begin; p < end; ++p) {
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
-      const uint32_t* panel = packed + p * k_steps * kPanel;
+      const uint32_t* panel = packed + p * panel_words;
       for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
         kernels[rows - 1](x + r0 * x_row_stride, x_row_stride, panel, k_steps, bias ? bias + p * kPanel : nullptr,
@@ -122,12 +126,19 @@ std::string PackedWeight::check(int64_t k, int64_t n, DType dtype) {
   return {};
 }
 
-PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype)
+PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, bool compact)
     : k_(k), n_(n), k_steps_(dtype == DType::kBFloat16 ? k / 2 : k), panels_(ceil_div(n, kPanel)), dtype_(dtype) {
   if (!check(k, n, dtype).empty()) {  // the binding checks first; an empty weight computes nothing
     k_ = n_ = k_steps_ = panels_ = 0;
     return;
   }
+  if (compact && dtype == DType::kFloat32)
+    for (const PanelFormat f : {PanelFormat::kAffine4, PanelFormat::kAffine8})
+      if (pack_affine(static_cast<const float*>(w), k, n, f, packed_)) {
+        format_ = f;
+        return;
+      }
+  packed_.clear();
   packed_.assign(static_cast<size_t>(panels_ * k_steps_ * kPanel), 0u);
   for (int64_t p = 0; p < panels_; ++p)
     for (int64_t ks = 0; ks < k_steps_; ++ks)
@@ -146,12 +157,17 @@ PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype)
 void PackedWeight::matmul(const void* x, int64_t x_row_stride, int64_t m, const void* bias, void* y) const {
   if (m <= 0 || panels_ == 0) return;  // panels_ == 0 also wherever check() fails (no PE_HAVE_GEMM)
 #ifdef PE_HAVE_GEMM
+  const auto* xf = static_cast<const float*>(x);
+  const auto* bf = static_cast<const float*>(bias);
+  auto* yf = static_cast<float*>(y);
   if (dtype_ == DType::kBFloat16)
-    run_panels(kBf16Kernels, packed_.data(), panels_, k_steps_, n_, static_cast<const bf16*>(x), x_row_stride, m,
-               static_cast<const bf16*>(bias), static_cast<bf16*>(y));
+    run_panels(kBf16Kernels, packed_.data(), panels_, k_steps_ * kPanel, k_steps_, n_, static_cast<const bf16*>(x),
+               x_row_stride, m, static_cast<const bf16*>(bias), static_cast<bf16*>(y));
+  else if (format_ == PanelFormat::kDense)
+    run_panels(kF32Kernels, packed_.data(), panels_, k_steps_ * kPanel, k_steps_, n_, xf, x_row_stride, m, bf, yf);
   else
-    run_panels(kF32Kernels, packed_.data(), panels_, k_steps_, n_, static_cast<const float*>(x), x_row_stride, m,
-               static_cast<const float*>(bias), static_cast<float*>(y));
+    run_panels(affine_kernels(format_), packed_.data(), panels_, k_ / kAffineRun * affine_block_words(format_), k_,
+               n_, xf, x_row_stride, m, bf, yf);
 #else
   (void)x, (void)x_row_stride, (void)bias, (void)y;
 #endif

@@ -8,16 +8,18 @@
 //
 // Layout: 16-column panels of 64-byte lines: per k (fp32) or per pair of k (bf16: the columns'
 // (w[2k], w[2k+1]) pairs of vdpbf16ps), one line feeds one FMA per row of x. Panels are
-// contiguous, so each thread streams its share of the matrix in address order.
+// contiguous, so each thread streams its share of the matrix in address order. fp32 weights that
+// hold block-quantised values (GGUF Q4_0/Q4_1/Q8_0) are packed smaller, losslessly: see
+// cpu_gemm_affine.h.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "cpu_gemm_affine.h"
 #include "cpu_ops.h"
 #include "cpu_vec.h"
-#include "huge_page_allocator.h"
 
 namespace pyengine::cpu {
 
@@ -28,11 +30,14 @@ class PackedWeight {
  public:
   // Why a weight of this shape and dtype cannot be packed here (empty: it can).
   static std::string check(int64_t k, int64_t n, DType dtype);
-  // w: [K, N] row-major ("in, out") of `dtype`; check() must have passed.
-  PackedWeight(const void* w, int64_t k, int64_t n, DType dtype);
+  // w: [K, N] row-major ("in, out") of `dtype`; check() must have passed. compact: fp32 weights
+  // that fit cpu_gemm_affine.h's formats are stored that way (same results, fewer bytes).
+  PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, bool compact = true);
 
   int64_t k() const { return k_; }
   int64_t n() const { return n_; }
+  PanelFormat format() const { return format_; }
+  int64_t packed_bytes() const { return static_cast<int64_t>(packed_.size() * sizeof(uint32_t)); }
 
   // y [M, N] (row stride N) = x [M, K] (row stride x_row_stride) @ W + bias (bias [N] or null).
   // All of `dtype`.
@@ -41,7 +46,8 @@ class PackedWeight {
  private:
   int64_t k_, n_, k_steps_, panels_;
   DType dtype_;
-  std::vector<uint32_t, HugePageAllocator<uint32_t>> packed_;  // [panels][k_steps][16] fp32 or bf16 pairs
+  PanelFormat format_ = PanelFormat::kDense;
+  PanelStore packed_;  // dense: [panels][k_steps][16] fp32 or bf16 pairs; else cpu_gemm_affine.h
 };
 
 }  // namespace pyengine::cpu

@@ -183,6 +183,56 @@ def test_packed_linear_rows_are_batch_invariant(dtype: torch.dtype) -> None:
     assert torch.equal(layer(x[:5]), batched[:5])
 
 
+def _gguf_roundtrip(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """[K, N] fp32 whose columns went through a GGUF block quantiser and back, as the loader
+    dequantises a Q4_0/Q4_1/Q8_0 file (blocks of 32 along K, the input dimension)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    kind_ = GGMLQuantizationType[kind]
+    rows = w.t().contiguous().numpy()  # GGUF rows are output features
+    return torch.from_numpy(np.ascontiguousarray(dequantize(quantize(rows, kind_), kind_).astype(np.float32).T))
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("kind,bits", [("Q4_1", 4), ("Q4_0", 4), ("Q8_0", 8)])
+def test_compact_panels_give_the_dense_results_bit_for_bit(kind: str, bits: int) -> None:
+    """Block-quantised fp32 weights are packed as codes + per-run scale and offset and rebuilt in
+    the kernel (csrc/cpu_gemm_affine.h): same outputs as the dense fp32 panels, every bit, for
+    whole and partial row tiles and a partial last panel, in a fraction of the bytes."""
+    gen = torch.Generator().manual_seed(bits)
+    w = _gguf_roundtrip(torch.randn(96, 70, generator=gen) * 0.05, kind)
+    compact, dense = cpu_ops.PackedLinear(w), cpu_ops.PackedLinear(w, compact=False)
+    assert (compact.bits_per_weight, dense.bits_per_weight) == (bits, 32)
+    assert compact.packed_bytes < dense.packed_bytes * (bits + 8) / 32
+    bias = torch.randn(70, generator=gen)
+    for m in (1, 3, 16, 17, 40):
+        x = torch.randn(m, 96, generator=gen)
+        assert torch.equal(compact(x), dense(x))
+        assert torch.equal(compact(x, bias), dense(x, bias))
+    torch.testing.assert_close(compact(x).double(), x.double() @ w.double(), atol=1e-4, rtol=1e-5)
+
+
+@needs_bf16_gemm
+def test_weights_that_are_not_block_quantised_stay_dense() -> None:
+    """The decomposition is checked for every weight: one value off the grid, K not a multiple of
+    the 32-input run, a NaN, or plain random weights keep the whole matrix dense."""
+    gen = torch.Generator().manual_seed(3)
+    quantised = _gguf_roundtrip(torch.randn(64, 48, generator=gen) * 0.05, "Q4_1")
+    assert cpu_ops.PackedLinear(quantised).bits_per_weight == 4
+    off_grid = quantised.clone()
+    off_grid[37, 20] = torch.nextafter(off_grid[37, 20], torch.tensor(1.0))
+    with_nan = quantised.clone()
+    with_nan[5, 3] = float("nan")
+    short_k = _gguf_roundtrip(torch.randn(64, 48, generator=gen) * 0.05, "Q8_0")[:48]
+    for w in (off_grid, with_nan, short_k, torch.randn(64, 48, generator=gen)):
+        layer = cpu_ops.PackedLinear(w)
+        assert layer.bits_per_weight == 32
+        x = torch.randn(5, w.shape[0], generator=gen)
+        torch.testing.assert_close(layer(x), cpu_ops.PackedLinear(w, compact=False)(x), rtol=0, atol=0, equal_nan=True)
+
+
 def test_cpu_ops_report_misuse_as_value_error() -> None:
     """The C++ side returns its error messages instead of throwing (csrc/cpu_ops.h): each reaches
     Python as a ValueError, and nothing is written before the check."""

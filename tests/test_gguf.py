@@ -95,6 +95,21 @@ def test_greedy_matches_hf(smollm2_fp32, hf_model):
         torch.testing.assert_close(logits, ref_logits, atol=2e-3, rtol=1e-3)
 
 
+def test_default_model_streams_its_quantised_weights_compactly(smollm2_fp32):
+    """The default file is Q4_1 (+ a Q8_0 embedding): on an AVX-512 CPU every fp32 linear packs
+    as 4-bit codes and the tied lm_head as 8-bit (csrc/cpu_gemm_affine.h), exact by construction;
+    test_greedy_matches_hf runs on those weights."""
+    from pyengine.ops.cpu import PackedLinear
+
+    model = smollm2_fp32[0]
+    if not isinstance(model.lm_logits_weight, PackedLinear):
+        pytest.skip("this CPU runs oneDNN, not pyengine's packed GEMM")
+    bits = {getattr(layer, name).bits_per_weight for layer in model.layers
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    assert bits == {4}
+    assert model.lm_logits_weight.bits_per_weight == 8
+
+
 def test_missing_and_corrupt_files(tmp_path):
     with pytest.raises(ValueError, match="model file not found"):
         load_model(str(tmp_path / "missing.gguf"), "cpu", torch.float32)

@@ -1,0 +1,50 @@
+// Compact panels for fp32 weights that hold block-quantised values, read back bit for bit.
+//
+// A GGUF model's Q4_0, Q4_1 and Q8_0 tensors, dequantised to fp32 on load (the engine's weights),
+// hold in each run of 32 consecutive inputs of one output column w = fl(s * q + m): one fp32
+// scale s and offset m per run, and small integers q (0..15, or -128..127 with m = 0). Storing
+// q and (s, m) instead of w, and rebuilding each weight in the kernel with that same fused
+// multiply-add, gives the very same fp32 weights at 0.75 (4-bit) or 1.25 (8-bit) bytes each
+// instead of 4: a decode step's linears stream 5x fewer bytes, and the GEMM's results are those of
+// the dense fp32 panels bit for bit (same weights, same k-ordered sums).
+//
+// Nothing here trusts the file: (s, m, q) are found from the fp32 values and every weight is
+// checked to come back exactly; a matrix with one run that does not fit stays dense.
+//
+// Layout: 16-column panels as in cpu_gemm.h; per panel, K / 32 blocks of
+//   s[16] fp32, m[16] fp32, then q lines of 16 bytes (one byte per column):
+//   4-bit: 16 lines, line j holds inputs 2j (low nibble) and 2j + 1 (high nibble);
+//   8-bit: 32 lines of int8.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "huge_page_allocator.h"
+
+namespace pyengine::cpu {
+
+enum class PanelFormat : int32_t { kDense = 0, kAffine4 = 4, kAffine8 = 8 };
+
+constexpr int kAffineRun = 32;  // inputs per (s, m) pair: the block of GGUF's Q4_0/Q4_1/Q8_0
+
+using PanelStore = std::vector<uint32_t, HugePageAllocator<uint32_t>>;
+
+// uint32 words of one 32-input block of one panel: 32 (s, m) words + the q lines.
+constexpr int64_t affine_block_words(PanelFormat f) { return 32 + (f == PanelFormat::kAffine4 ? 64 : 128); }
+
+constexpr int kPanelCols = 16;  // columns per panel: one zmm of fp32 accumulators
+constexpr int kGemmRows = 16;   // rows of x per micro-kernel call: 16 accumulators
+
+// Packs w [K, N] (row-major fp32) into `out` in format f (kAffine4 or kAffine8). Returns false,
+// leaving `out` unspecified, when K is not a multiple of 32 or some run does not fit exactly.
+bool pack_affine(const float* w, int64_t k, int64_t n, PanelFormat f, PanelStore& out);
+
+// One panel times up to kGemmRows rows of x: (x, x_row_stride, panel, K, bias or null, y,
+// y_row_stride, valid columns). kernels[r - 1] takes r rows; run by cpu_gemm.cpp's panel loop.
+using F32MicroKernel = void (*)(const float*, int64_t, const uint32_t*, int64_t, const float*, float*, int64_t, int);
+using F32MicroKernels = std::array<F32MicroKernel, kGemmRows>;
+const F32MicroKernels& affine_kernels(PanelFormat f);
+
+}  // namespace pyengine::cpu
