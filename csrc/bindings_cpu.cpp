@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 
 #include "cpu_gemm.h"
+#include "cpu_llama_stack.h"
 #include "cpu_ops.h"
 #include "cpu_thread_pool.h"
 
@@ -71,6 +72,38 @@ void register_cpu_ops(py::module_& m) {
                         uintptr_t y) {
         py::gil_scoped_release release;  // the pool's threads run while Python may do other work
         self.matmul(ptr(x), x_row_stride, m, ptr(bias), ptr(y));
+      });
+  py::class_<LlamaStack>(cpu, "LlamaStack")
+      .def(py::init([](const py::list& layers, int32_t hidden, int32_t num_heads, int32_t num_kv_heads,
+                       int32_t head_dim, int32_t intermediate, float eps, float scale, int32_t dtype) {
+        // layers: (qkv, o, gate_up, down PackedWeights, input_norm, post_norm data pointers) each
+        std::vector<LlamaLayerWeights> weights;
+        for (const py::handle item : layers) {
+          const auto t = item.cast<py::tuple>();
+          LlamaLayerWeights w;
+          w.qkv = t[0].cast<const PackedWeight*>(), w.o = t[1].cast<const PackedWeight*>();
+          w.gate_up = t[2].cast<const PackedWeight*>(), w.down = t[3].cast<const PackedWeight*>();
+          w.input_norm = ptr(t[4].cast<uintptr_t>()), w.post_norm = ptr(t[5].cast<uintptr_t>());
+          weights.push_back(w);
+        }
+        return LlamaStack(std::move(weights), hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale,
+                          static_cast<DType>(dtype));
+      }))
+      .def_property_readonly("num_layers", &LlamaStack::num_layers)
+      .def("forward", [](const LlamaStack& self, uintptr_t h, uintptr_t residual, int32_t num_tokens, uintptr_t cos,
+                         uintptr_t sin, uintptr_t slot_mapping, uintptr_t block_tables, int64_t block_table_stride,
+                         uintptr_t query_start_loc, uintptr_t context_lens, int32_t num_rows, const py::list& k_caches,
+                         const py::list& v_caches, int32_t block_size, int64_t num_blocks, bool use_pool) {
+        LlamaStepParams p;
+        p.h = ptr(h), p.residual = ptr(residual), p.num_tokens = num_tokens, p.cos = ptr(cos), p.sin = ptr(sin);
+        p.slot_mapping = ptr<const int64_t>(slot_mapping), p.block_tables = ptr<const int32_t>(block_tables);
+        p.block_table_stride = block_table_stride, p.query_start_loc = ptr<const int32_t>(query_start_loc);
+        p.context_lens = ptr<const int32_t>(context_lens), p.num_rows = num_rows;
+        for (const py::handle c : k_caches) p.k_caches.push_back(ptr(c.cast<uintptr_t>()));
+        for (const py::handle c : v_caches) p.v_caches.push_back(ptr(c.cast<uintptr_t>()));
+        p.block_size = block_size, p.num_blocks = num_blocks, p.use_pool = use_pool;
+        py::gil_scoped_release release;
+        return self.forward(p);
       });
   cpu.def("silu_and_mul", [](uintptr_t x, uintptr_t out, int32_t num_tokens, int32_t inter, int32_t dtype) {
     silu_and_mul(ptr(x), ptr(out), num_tokens, inter, static_cast<DType>(dtype));

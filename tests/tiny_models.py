@@ -18,6 +18,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
 CASES = {
     "llama_gqa_untied": (transformers.LlamaConfig, dict(_COMMON, tie_word_embeddings=False)),
     "llama3_rope_tied": (transformers.LlamaConfig, dict(_COMMON, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
+    # head_dim 16: the CPU layer-stack path (pyengine/models/llama_cpu_stack.py) takes it.
+    "llama_head_dim16": (transformers.LlamaConfig, dict(_COMMON, num_attention_heads=4, tie_word_embeddings=False)),
     "qwen2_bias": (transformers.Qwen2Config, dict(_COMMON, tie_word_embeddings=False)),
     "qwen3_qk_norm": (transformers.Qwen3Config, dict(_COMMON, head_dim=16, num_key_value_heads=4, tie_word_embeddings=True)),
 }

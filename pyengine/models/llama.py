@@ -17,6 +17,7 @@ only once, as [hidden, vocab]; token embedding then gathers its columns.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -179,9 +180,13 @@ class LlamaForCausalLM(nn.Module):
             h = F.embedding(input_ids, self.embed_tokens)
         cos = self.rope_cos.index_select(0, positions)  # [T, D], shared by all heads and layers
         sin = self.rope_sin.index_select(0, positions)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, cos, sin, meta, kv_cache)
+        stack = self.__dict__.get("_cpu_stack")  # CPU: every layer in one C++ call, see prepack_for_cpu
+        if stack is not None and stack.applies(meta, kv_caches):
+            h, residual = stack(h, cos, sin, meta, kv_caches)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                h, residual = layer(h, residual, cos, sin, meta, kv_cache)
         assert residual is not None
         return ops.fused_add_rms_norm(h, residual, self.norm, self.config.rms_norm_eps)[0]
 
@@ -221,6 +226,10 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_tokens is not None:
             self.lm_head.data = torch.empty(0, dtype=self.dtype)
         self.owns_cpu_threads = pack is not _prepack  # see ModelRunner.step_threads
+        if self.owns_cpu_threads and os.environ.get("PYENGINE_CPU_STACK", "1") != "0":
+            from pyengine.models.llama_cpu_stack import CpuLlamaStack
+
+            self.__dict__["_cpu_stack"] = CpuLlamaStack.build(self)  # None: layers the C++ loop does not cover
         return True
 
     def _cpu_packer(self) -> Callable[[torch.Tensor], Any] | None:

@@ -43,7 +43,7 @@ def _heads_contiguous(x: torch.Tensor) -> bool:
     return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
-def _step_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def step_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """int32 contiguous block tables, query starts and context lengths, and the step's number of
     query-key pairs; built once per step and shared by every layer."""
     tables = meta.cache.get(_META_KEY)
@@ -60,7 +60,7 @@ def _step_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     code = _DTYPE_CODE.get(q.dtype)
-    bt, qsl, ctx, pairs = _step_tables(meta)
+    bt, qsl, ctx, pairs = step_tables(meta)
     if (code is None or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or pairs > MAX_QUERY_KEY_PAIRS
             or q.shape[0] == 0 or q.shape[2] % 16):
         return reference.paged_attention(q, k_cache, v_cache, meta, scale, return_lse=return_lse)

@@ -1,0 +1,79 @@
+"""The CPU layer stack (csrc/cpu_llama_stack.h, one C++ call for every decoder layer) against the
+op-by-op layer loop of pyengine/models/llama.py: same hidden states and KV caches, bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyengine.loader import load_model
+from pyengine.ops import cpu as cpu_ops
+from tests.tiny_models import make_checkpoint
+from tests.utils_paged import PagedCache, make_meta
+
+needs_packed_gemm = pytest.mark.skipif(not cpu_ops.PackedLinear.supported(torch.zeros(2, 2, dtype=torch.bfloat16)),
+                                       reason="CPU lacks the packed GEMM's AVX-512 BF16")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("llama_head_dim16"))
+    make_checkpoint("llama_head_dim16", path, seed=3)
+    return path
+
+
+def _step(model, rows, cache: PagedCache, tokens: torch.Tensor) -> torch.Tensor:
+    meta, positions = make_meta(rows, cache.block_size)
+    return model(tokens, positions, meta, cache.kv_caches)
+
+
+@needs_packed_gemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_stack_equals_the_layer_loop(checkpoint: str, dtype: torch.dtype) -> None:
+    model, config, _ = load_model(checkpoint, "cpu", dtype)
+    stack = model.__dict__.get("_cpu_stack")
+    assert stack is not None
+    gen = torch.Generator().manual_seed(0)
+    caches = {}
+    outs: dict[str, list[torch.Tensor]] = {}
+    for mode in ("stack", "loop"):
+        model.__dict__["_cpu_stack"] = stack if mode == "stack" else None
+        cache = caches[mode] = PagedCache(config, 40, 4, dtype, seed=1)
+        tables: list[list[int]] = [[], [], []]
+        for t, n in zip(tables, (13, 9, 30)):
+            cache.grow(t, n + 8)
+        gen.manual_seed(0)
+        # A mixed step (two prefills and a 3-token chunk), then decode and verify-shaped steps.
+        steps = [[(tables[0], 0, 13), (tables[1], 0, 9), (tables[2], 0, 3)],
+                 [(tables[0], 13, 1), (tables[1], 9, 4), (tables[2], 3, 27)],
+                 [(tables[0], 14, 1), (tables[1], 13, 1), (tables[2], 30, 2)]]
+        outs[mode] = []
+        for rows in steps:
+            tokens = torch.randint(0, config.vocab_size, (sum(q for _, _, q in rows),), generator=gen)
+            outs[mode].append(_step(model, rows, cache, tokens))
+    model.__dict__["_cpu_stack"] = stack
+    for a, b in zip(outs["stack"], outs["loop"]):
+        assert torch.equal(a, b)
+    for (ka, va), (kb, vb) in zip(caches["stack"].kv_caches, caches["loop"].kv_caches):
+        torch.testing.assert_close(ka, kb, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(va, vb, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_packed_gemm
+def test_layer_stack_leaves_long_prefills_and_bad_caches_alone(checkpoint: str) -> None:
+    model, config, _ = load_model(checkpoint, "cpu", torch.float32)
+    stack = model.__dict__["_cpu_stack"]
+    cache = PagedCache(config, 80, 4, torch.float32)
+    table: list[int] = []
+    cache.grow(table, 200)
+    long_meta, _ = make_meta([(table, 0, 200)], 4)  # 200 x 200 query-key pairs > MAX_QUERY_KEY_PAIRS
+    assert not stack.applies(long_meta, cache.kv_caches)
+    short_meta, positions = make_meta([(table, 0, 5)], 4)
+    assert stack.applies(short_meta, cache.kv_caches)
+    h = torch.randn(5, config.hidden_size)
+    cos, sin = model.rope_cos[positions], model.rope_sin[positions]
+    with pytest.raises(ValueError, match="KV caches for 2 layers"):
+        stack(h, cos, sin, short_meta, cache.kv_caches[:1])
+    bad_table = [t + 1000 for t in table]
+    bad_meta, _ = make_meta([(bad_table, 0, 5)], 4)
+    with pytest.raises(ValueError, match="outside the cache"):
+        stack(h, cos, sin, bad_meta, cache.kv_caches)
