@@ -38,12 +38,13 @@ void register_cpu_ops(py::module_& m) {
   cpu.def("rope_and_cache",
           [](uintptr_t qk, int64_t qk_row_stride, uintptr_t v, int64_t v_row_stride, uintptr_t cos, uintptr_t sin,
              uintptr_t k_cache, uintptr_t v_cache, uintptr_t slot_mapping, int64_t num_slots, int32_t num_tokens, int32_t num_heads,
-             int32_t num_kv_heads, int32_t head_dim, int32_t dtype) {
+             int32_t num_kv_heads, int32_t head_dim, int32_t dtype, bool use_pool) {
             RopeAndCacheParams p;
             p.qk = ptr(qk), p.qk_row_stride = qk_row_stride, p.v = ptr(v), p.v_row_stride = v_row_stride;
             p.cos = ptr(cos), p.sin = ptr(sin), p.k_cache = ptr(k_cache), p.v_cache = ptr(v_cache);
             p.slot_mapping = ptr<const int64_t>(slot_mapping), p.num_slots = num_slots, p.num_tokens = num_tokens, p.num_heads = num_heads;
             p.num_kv_heads = num_kv_heads, p.head_dim = head_dim, p.dtype = static_cast<DType>(dtype);
+            p.use_pool = use_pool;
             return rope_and_cache(p);
           });
   cpu.def("rms_norm", [](uintptr_t x, uintptr_t residual, uintptr_t out, uintptr_t weight, int32_t num_tokens,
@@ -105,7 +106,8 @@ void register_cpu_ops(py::module_& m) {
         py::gil_scoped_release release;
         return self.forward(p);
       });
-  cpu.def("silu_and_mul", [](uintptr_t x, uintptr_t out, int32_t num_tokens, int32_t inter, int32_t dtype) {
-    silu_and_mul(ptr(x), ptr(out), num_tokens, inter, static_cast<DType>(dtype));
+  cpu.def("silu_and_mul", [](uintptr_t x, uintptr_t out, int32_t num_tokens, int32_t inter, int32_t dtype,
+                             bool use_pool) {
+    silu_and_mul(ptr(x), ptr(out), num_tokens, inter, static_cast<DType>(dtype), use_pool);
   });
 }

@@ -102,8 +102,8 @@ __attribute__((target("avx512f,avx512bw"))) void micro_kernel_affine(const float
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* block = reinterpret_cast<const uint8_t*>(panel);
   for (int64_t k0 = 0; k0 < k; k0 += kAffineRun, block += kBlockBytes) {
-    for (int64_t line = 0; line < kBlockBytes; line += 64)  // the block after next: 6 or 10 lines
-      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * kBlockBytes + line), _MM_HINT_T0);
+    for (int64_t line = 0; line < kBlockBytes; line += 64)  // four blocks ahead: DRAM latency at this pace
+      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * kBlockBytes + line), _MM_HINT_T0);
     const __m512 s = _mm512_loadu_ps(block), m = _mm512_loadu_ps(block + 64);
     const uint8_t* q = block + 128;
     const float* xk = x + k0;

@@ -7,6 +7,7 @@
 
 #include "common.h"
 #include "cpu_ops.h"
+#include "cpu_thread_pool.h"
 #include "cpu_vec.h"
 
 namespace pyengine::cpu {
@@ -43,22 +44,27 @@ PE_INLINE void rms_norm_impl(const RmsNormParams& p) {
   }
 }
 
+// Elements [begin, end) of the flat [T, I] output: element-wise, so any split gives the same bits.
 template <typename T>
-PE_INLINE void silu_and_mul_impl(const T* x, T* out, int32_t num_tokens, int32_t inter) {
-  for (int32_t t = 0; t < num_tokens; ++t) {
-    const T* gate = x + static_cast<int64_t>(t) * 2 * inter;
+PE_INLINE void silu_and_mul_impl(const T* x, T* out, int32_t inter, int64_t begin, int64_t end) {
+  while (begin < end) {
+    const int64_t t = begin / inter, i0 = begin % inter, i1 = std::min<int64_t>(inter, i0 + (end - begin));
+    const T* gate = x + t * 2 * inter;
     const T* up = gate + inter;
-    T* dst = out + static_cast<int64_t>(t) * inter;
+    T* dst = out + t * inter;
 #pragma omp simd
-    for (int32_t i = 0; i < inter; ++i) {
+    for (int64_t i = i0; i < i1; ++i) {
       const float g = to_float(gate[i]);
       dst[i] = from_float<T>(g / (1.0f + fast_exp(-g)) * to_float(up[i]));
     }
+    begin += i1 - i0;
   }
 }
 
+// Tokens [t_begin, t_end). rotate_half pairs element d with d + D/2: two contiguous loops (a
+// select between the halves kept the compiler from vectorising).
 template <typename T>
-PE_INLINE void rope_and_cache_impl(const RopeAndCacheParams& p) {
+PE_INLINE void rope_and_cache_impl(const RopeAndCacheParams& p, int32_t t_begin, int32_t t_end) {
   T* qk = static_cast<T*>(p.qk);
   const T* v = static_cast<const T*>(p.v);
   const T* cos = static_cast<const T*>(p.cos);
@@ -68,7 +74,7 @@ PE_INLINE void rope_and_cache_impl(const RopeAndCacheParams& p) {
   const int32_t D = p.head_dim, half = D / 2, heads = p.num_heads + p.num_kv_heads;
   thread_local std::vector<float> rotated;
   rotated.resize(D);
-  for (int32_t t = 0; t < p.num_tokens; ++t) {
+  for (int32_t t = t_begin; t < t_end; ++t) {
     T* row = qk + t * p.qk_row_stride;
     if (cos) {
       const T* c = cos + static_cast<int64_t>(t) * D;
@@ -76,10 +82,11 @@ PE_INLINE void rope_and_cache_impl(const RopeAndCacheParams& p) {
       for (int32_t hd = 0; hd < heads; ++hd) {
         T* x = row + static_cast<int64_t>(hd) * D;
 #pragma omp simd
-        for (int32_t d = 0; d < D; ++d) {
-          const float partner = to_float(x[d < half ? d + half : d - half]);
-          rotated[d] = to_float(x[d]) * to_float(c[d]) + partner * to_float(s[d]);
-        }
+        for (int32_t d = 0; d < half; ++d)
+          rotated[d] = to_float(x[d]) * to_float(c[d]) + to_float(x[d + half]) * to_float(s[d]);
+#pragma omp simd
+        for (int32_t d = half; d < D; ++d)
+          rotated[d] = to_float(x[d]) * to_float(c[d]) + to_float(x[d - half]) * to_float(s[d]);
 #pragma omp simd
         for (int32_t d = 0; d < D; ++d) x[d] = from_float<T>(rotated[d]);
       }
@@ -94,14 +101,28 @@ PE_INLINE void rope_and_cache_impl(const RopeAndCacheParams& p) {
 
 PE_CPU_CLONES void rms_norm_f32(const RmsNormParams& p) { rms_norm_impl<float>(p); }
 PE_CPU_CLONES void rms_norm_bf16(const RmsNormParams& p) { rms_norm_impl<bf16>(p); }
-PE_CPU_CLONES void silu_and_mul_f32(const void* x, void* out, int32_t n, int32_t inter) {
-  silu_and_mul_impl(static_cast<const float*>(x), static_cast<float*>(out), n, inter);
+PE_CPU_CLONES void silu_and_mul_f32(const void* x, void* out, int32_t inter, int64_t begin, int64_t end) {
+  silu_and_mul_impl(static_cast<const float*>(x), static_cast<float*>(out), inter, begin, end);
 }
-PE_CPU_CLONES void silu_and_mul_bf16(const void* x, void* out, int32_t n, int32_t inter) {
-  silu_and_mul_impl(static_cast<const bf16*>(x), static_cast<bf16*>(out), n, inter);
+PE_CPU_CLONES void silu_and_mul_bf16(const void* x, void* out, int32_t inter, int64_t begin, int64_t end) {
+  silu_and_mul_impl(static_cast<const bf16*>(x), static_cast<bf16*>(out), inter, begin, end);
 }
-PE_CPU_CLONES void rope_and_cache_f32(const RopeAndCacheParams& p) { rope_and_cache_impl<float>(p); }
-PE_CPU_CLONES void rope_and_cache_bf16(const RopeAndCacheParams& p) { rope_and_cache_impl<bf16>(p); }
+PE_CPU_CLONES void rope_and_cache_f32(const RopeAndCacheParams& p, int32_t begin, int32_t end) {
+  rope_and_cache_impl<float>(p, begin, end);
+}
+PE_CPU_CLONES void rope_and_cache_bf16(const RopeAndCacheParams& p, int32_t begin, int32_t end) {
+  rope_and_cache_impl<bf16>(p, begin, end);
+}
+
+// Below this many elements a pool hand-off costs more than it saves.
+constexpr int64_t kMinPoolElements = 8192;
+
+// fn(begin, end) over [0, total), on the pool's threads when use_pool and the work is large enough.
+template <typename Fn>
+void split_over_pool(int64_t total, int64_t elements, bool use_pool, Fn&& fn) {
+  if (!use_pool || elements < kMinPoolElements) return fn(int64_t{0}, total);
+  shared_pool().run([&](int t, int nt) { fn(split_begin(total, t, nt), split_begin(total, t + 1, nt)); });
+}
 
 }  // namespace
 
@@ -111,9 +132,11 @@ std::string rms_norm(const RmsNormParams& p) {
   return {};
 }
 
-void silu_and_mul(const void* x, void* out, int32_t num_tokens, int32_t inter, DType dtype) {
-  dtype == DType::kBFloat16 ? silu_and_mul_bf16(x, out, num_tokens, inter)
-                            : silu_and_mul_f32(x, out, num_tokens, inter);
+void silu_and_mul(const void* x, void* out, int32_t num_tokens, int32_t inter, DType dtype, bool use_pool) {
+  const int64_t total = static_cast<int64_t>(num_tokens) * inter;
+  split_over_pool(total, total, use_pool, [&](int64_t begin, int64_t end) {
+    dtype == DType::kBFloat16 ? silu_and_mul_bf16(x, out, inter, begin, end) : silu_and_mul_f32(x, out, inter, begin, end);
+  });
 }
 
 std::string rope_and_cache(const RopeAndCacheParams& p) {
@@ -121,7 +144,11 @@ std::string rope_and_cache(const RopeAndCacheParams& p) {
   for (int32_t t = 0; t < p.num_tokens; ++t)  // before anything is written
     if (p.slot_mapping[t] >= p.num_slots)
       return concat("slot_mapping[", t, "] = ", p.slot_mapping[t], " is outside the cache's ", p.num_slots, " slots");
-  p.dtype == DType::kBFloat16 ? rope_and_cache_bf16(p) : rope_and_cache_f32(p);
+  const int64_t elements = static_cast<int64_t>(p.num_tokens) * (p.num_heads + 2 * p.num_kv_heads) * p.head_dim;
+  split_over_pool(p.num_tokens, elements, p.use_pool, [&](int64_t begin, int64_t end) {
+    const auto b = static_cast<int32_t>(begin), e = static_cast<int32_t>(end);
+    p.dtype == DType::kBFloat16 ? rope_and_cache_bf16(p, b, e) : rope_and_cache_f32(p, b, e);
+  });
   return {};
 }
 

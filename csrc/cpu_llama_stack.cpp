@@ -78,7 +78,7 @@ std::string LlamaStack::forward(const LlamaStepParams& p) const {
   rope.v = s.qkv + static_cast<size_t>(q_width + static_cast<int64_t>(num_kv_heads_) * head_dim_) * elem;
   rope.v_row_stride = qkv_width, rope.cos = p.cos, rope.sin = p.sin, rope.slot_mapping = p.slot_mapping;
   rope.num_slots = p.num_blocks * p.block_size, rope.num_tokens = p.num_tokens, rope.num_heads = num_heads_;
-  rope.num_kv_heads = num_kv_heads_, rope.head_dim = head_dim_, rope.dtype = dtype_;
+  rope.num_kv_heads = num_kv_heads_, rope.head_dim = head_dim_, rope.dtype = dtype_, rope.use_pool = p.use_pool;
   PagedAttentionParams attn;
   attn.q = s.qkv, attn.q_row_stride = qkv_width, attn.out = s.attn, attn.block_tables = p.block_tables;
   attn.block_table_stride = p.block_table_stride, attn.query_start_loc = p.query_start_loc;
@@ -106,7 +106,7 @@ std::string LlamaStack::forward(const LlamaStepParams& p) const {
     norm.x = s.o, norm.residual = p.residual, norm.out = nullptr, norm.weight = w.post_norm;
     if (std::string e = rms_norm(norm); !e.empty()) return e;
     w.gate_up->matmul(s.o, hidden_, t, nullptr, s.gate_up);
-    silu_and_mul(s.gate_up, s.act, p.num_tokens, intermediate_, dtype_);
+    silu_and_mul(s.gate_up, s.act, p.num_tokens, intermediate_, dtype_, p.use_pool);
     w.down->matmul(s.act, intermediate_, t, nullptr, p.h);
   }
   return {};

@@ -51,6 +51,7 @@ struct RopeAndCacheParams {
   int64_t num_slots = 0;                  // num_blocks * block_size of the caches
   int32_t num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
   DType dtype = DType::kFloat32;
+  bool use_pool = false;  // tokens over the shared pool, as in PagedAttentionParams
 };
 
 std::string rope_and_cache(const RopeAndCacheParams& p);
@@ -67,7 +68,8 @@ struct RmsNormParams {
 
 std::string rms_norm(const RmsNormParams& p);
 
-// out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] contiguous.
-void silu_and_mul(const void* x, void* out, int32_t num_tokens, int32_t inter, DType dtype);
+// out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] contiguous. use_pool: as in
+// PagedAttentionParams (element-wise: the result does not depend on it).
+void silu_and_mul(const void* x, void* out, int32_t num_tokens, int32_t inter, DType dtype, bool use_pool = false);
 
 }  // namespace pyengine::cpu

@@ -89,7 +89,7 @@ def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, 
     _raise(_K.rope_and_cache(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0),
                       0 if cos is None else cos.data_ptr(), 0 if sin is None else sin.data_ptr(),
                       k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k_cache.shape[0] * k_cache.shape[1], qk.shape[0],
-                      qk.shape[1] - v.shape[1], v.shape[1], qk.shape[2], code))
+                      qk.shape[1] - v.shape[1], v.shape[1], qk.shape[2], code, torch.get_num_threads() == 1))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -119,7 +119,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     inter = x.shape[1] // 2
     out = torch.empty(x.shape[0], inter, dtype=x.dtype)
-    _K.silu_and_mul(x.data_ptr(), out.data_ptr(), x.shape[0], inter, code)
+    _K.silu_and_mul(x.data_ptr(), out.data_ptr(), x.shape[0], inter, code, torch.get_num_threads() == 1)
     return out
 
 
