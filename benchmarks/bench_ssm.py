@@ -9,7 +9,14 @@ once per call; SSM: A, D, dt_bias). Kernel time is taken inside a
 CUDA graph of 20 back-to-back calls (gpu_timing.time_ms_graph), as a captured decode step runs
 them; `*_kernel_eager_call_ms` times one Python call between CUDA events (launch overhead included).
 The graph replays the same buffers, so a conv step's few MB stay in L2; `conv_kernel_cold_*` cycles
-the calls through copies of the data so that each reads HBM (see conv_cold_ms).
+the calls through copies of the data so that each reads HBM (see conv_cold_ms). The conv update is
+launched with programmatic dependent launch (PDL, the default on CUDA): in the graph of back-to-back
+calls each call's launch overlaps the previous call's end, which a model step (whose kernel before
+the conv update is a PyTorch copy, not a PDL-aware kernel) only partly gets; `conv_kernel_nopdl_*`
+is the same kernel launched plainly. `copy_kernel_same_size_*` is a plain copy kernel (PyTorch's
+elementwise kernel, 16-byte accesses, no PDL) moving the conv update's bytes (half read, half
+written), hot and cycling through >= 150 MB like the cold conv timing: what any kernel moving those
+bytes reaches at that size.
 
     python benchmarks/bench_ssm.py --out benchmarks/results/ssm_h100.json
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import sys
@@ -86,34 +94,72 @@ def bench(batch: int, k: int, copy_gbps: float) -> dict:
     conv_bytes = batch * CONV_DIM * ((W - 1) + (W - 2 + T)) * 2 + ntok * CONV_DIM * 2 * 2 + CONV_DIM * (W + 1) * 2
     conv_call = lambda: ssm_cuda.causal_conv1d_update(xc, conv_state, w, b, qsl, idx, acc)  # noqa: E731
     kc_ms, kc_call_ms = time_ms_graph(conv_call), time_ms(conv_call)
+    kc_nopdl_ms = time_ms_graph(lambda: conv_nopdl(xc, conv_state, w, b, qsl, idx, acc))
     ec_ms = time_ms(lambda: eager_conv(xc, conv_state, w, b, idx, acc, T), reps=5)
     kc_cold_ms = conv_cold_ms(batch, k, acc, qsl, w, b, conv_bytes)
+    kc_nopdl_cold_ms = conv_cold_ms(batch, k, acc, qsl, w, b, conv_bytes, pdl=False)
     gbps = lambda nbytes, ms: nbytes / ms / 1e6  # noqa: E731
     # A copy moving the same bytes (half read, half written), timed the same way: what a kernel of
     # this size can reach at all (small steps are bound by latency and launch, not bandwidth).
     src = torch.empty(conv_bytes // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     same_copy_gbps = gbps(conv_bytes, time_ms_graph(lambda: dst.copy_(src)))
+    ck_ms, ck_cold_ms = copy_kernel_ms(conv_bytes)
     return {
         "batch": batch, "k": k,
         "ssu_kernel_ms": k_ms, "ssu_kernel_gbps": gbps(ssu_bytes, k_ms), "ssu_kernel_frac_copy": gbps(ssu_bytes, k_ms) / copy_gbps,
         "ssu_kernel_eager_call_ms": k_call_ms, "ssu_eager_ms": e_ms, "ssu_eager_gbps": gbps(ssu_bytes, e_ms),
         "conv_kernel_ms": kc_ms, "conv_kernel_gbps": gbps(conv_bytes, kc_ms), "conv_kernel_frac_copy": gbps(conv_bytes, kc_ms) / copy_gbps,
         "conv_kernel_cold_ms": kc_cold_ms, "conv_kernel_cold_frac_copy": gbps(conv_bytes, kc_cold_ms) / copy_gbps,
+        "conv_kernel_nopdl_ms": kc_nopdl_ms, "conv_kernel_nopdl_frac_copy": gbps(conv_bytes, kc_nopdl_ms) / copy_gbps,
+        "conv_kernel_nopdl_cold_ms": kc_nopdl_cold_ms,
+        "conv_kernel_nopdl_cold_frac_copy": gbps(conv_bytes, kc_nopdl_cold_ms) / copy_gbps,
+        "copy_kernel_same_size_ms": ck_ms, "copy_kernel_same_size_frac_copy": gbps(conv_bytes, ck_ms) / copy_gbps,
+        "copy_kernel_same_size_cold_ms": ck_cold_ms,
+        "copy_kernel_same_size_cold_frac_copy": gbps(conv_bytes, ck_cold_ms) / copy_gbps,
         "conv_kernel_eager_call_ms": kc_call_ms, "conv_eager_ms": ec_ms,
         "conv_same_size_copy_gbps": same_copy_gbps, "conv_kernel_frac_same_size_copy": gbps(conv_bytes, kc_ms) / same_copy_gbps, "conv_eager_gbps": gbps(conv_bytes, ec_ms),
     }
 
 
+def conv_nopdl(x, conv_state, w, b, qsl, idx, acc) -> torch.Tensor:
+    """ssm_cuda.causal_conv1d_update with an ordinary launch instead of PDL (the same wrapper)."""
+    kernel = functools.partial(ssm_cuda._K.causal_conv1d_update, pdl=False)
+    return ssm_cuda._conv(kernel, x, conv_state, w, b, qsl, idx, acc, None, "silu")
+
+
+def cold_copies(nbytes: int) -> int:
+    """How many copies of a call's data the cold timings cycle through: >= 150 MB, 20..256 calls."""
+    return min(256, max(20, -(-150_000_000 // nbytes)))
+
+
+def copy_kernel_ms(nbytes: int) -> tuple[float, float]:
+    """A plain copy kernel moving nbytes (nbytes / 2 read, as much written): PyTorch's elementwise
+    kernel (torch.neg on fp32, 16-byte accesses; a same-dtype copy_ would be a memcpy node instead,
+    2.5 vs 1.9 us at batch 64, k = 0), timed hot (one buffer pair) and cold (cycling through
+    cold_copies pairs, like conv_cold_ms)."""
+    copies, n = cold_copies(nbytes), nbytes // 2 // 4
+    src = torch.randn(copies, n, device="cuda")
+    dst = torch.empty_like(src)
+    hot = time_ms_graph(lambda: torch.neg(src[0], out=dst[0]))
+    turn = itertools.count()
+
+    def call() -> None:
+        c = next(turn) % copies
+        torch.neg(src[c], out=dst[c])
+
+    return hot, time_ms_graph(call, inner=copies)
+
+
 def conv_cold_ms(batch: int, k: int, acc: torch.Tensor, qsl: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
-                 conv_bytes: int) -> float:
+                 conv_bytes: int, pdl: bool = True) -> float:
     """conv update time with its state and inputs out of L2: the graph's calls cycle through enough
     copies of them (>= 150 MB, at most 256 copies) that each call finds its data in HBM, as in a
     model step where the other layers' weights have passed through L2 since. The plain graph timing
     replays one copy, which stays in the 50 MB L2 (fractions of copy above 1 at large batches)."""
     T = 1 + k
     slots = batch * T
-    copies = min(256, max(20, -(-150_000_000 // conv_bytes)))
+    copies = cold_copies(conv_bytes)
     state = torch.randn(copies * slots, W - 1 + k, CONV_DIM, device="cuda", dtype=torch.bfloat16)
     xs = torch.randn(copies, batch * T, CONV_DIM, device="cuda", dtype=torch.bfloat16)
     base = torch.arange(slots, dtype=torch.int32, device="cuda").view(batch, T)
@@ -122,6 +168,8 @@ def conv_cold_ms(batch: int, k: int, acc: torch.Tensor, qsl: torch.Tensor, w: to
 
     def call() -> torch.Tensor:
         c = next(turn) % copies
+        if not pdl:
+            return conv_nopdl(xs[c], state, w, b, qsl, idxs[c], acc)
         return ssm_cuda.causal_conv1d_update(xs[c], state, w, b, qsl, idxs[c], acc)
 
     return time_ms_graph(call, inner=copies)
@@ -164,7 +212,11 @@ def main() -> None:
             print(f"k={k} batch={batch:4d}  ssu {r['ssu_kernel_gbps']:7.0f} GB/s ({r['ssu_kernel_frac_copy']:.2f} of copy, "
                   f"eager {r['ssu_eager_gbps']:6.0f})  conv {r['conv_kernel_gbps']:7.0f} GB/s "
                   f"({r['conv_kernel_frac_copy']:.2f}, {r['conv_kernel_frac_same_size_copy']:.2f} of a same-size copy, "
-                  f"eager {r['conv_eager_gbps']:6.0f})", flush=True)
+                  f"eager {r['conv_eager_gbps']:6.0f}); conv of copy hot/cold {r['conv_kernel_frac_copy']:.2f}/"
+                  f"{r['conv_kernel_cold_frac_copy']:.2f} (no PDL {r['conv_kernel_nopdl_frac_copy']:.2f}/"
+                  f"{r['conv_kernel_nopdl_cold_frac_copy']:.2f}), same-size copy kernel "
+                  f"{r['copy_kernel_same_size_frac_copy']:.2f}/{r['copy_kernel_same_size_cold_frac_copy']:.2f}",
+                  flush=True)
     prefill = []
     for rows, length in ((1, 2048), (8, 512)):
         r = bench_prefill_scan(rows, length)

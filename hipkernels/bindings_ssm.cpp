@@ -22,7 +22,7 @@ CausalConv1dParams conv_params(std::uintptr_t x, std::uintptr_t y, std::uintptr_
                                std::uintptr_t bias, std::uintptr_t query_start_loc, std::uintptr_t state_idx,
                                std::uintptr_t num_accepted, std::uintptr_t has_initial_state, int num_rows, int dim,
                                int width, int state_rows, int slots_per_row, int64_t x_stride_token,
-                               int64_t y_stride_token, bool silu, int dtype) {
+                               int64_t y_stride_token, bool silu, int dtype, bool pdl) {
   CausalConv1dParams p;
   p.x = ptr<const void>(x);
   p.y = ptr<void>(y);
@@ -42,6 +42,7 @@ CausalConv1dParams conv_params(std::uintptr_t x, std::uintptr_t y, std::uintptr_
   p.y_stride_token = y_stride_token;
   p.silu = silu;
   p.dtype = dtype;
+  p.pdl = pdl;
   return p;
 }
 
@@ -53,10 +54,10 @@ void register_ssm_kernels(py::module_& k) {
                           std::uintptr_t bias, std::uintptr_t query_start_loc, std::uintptr_t state_idx,
                           std::uintptr_t num_accepted, std::uintptr_t has_initial_state, int num_rows, int dim,
                           int width, int state_rows, int slots_per_row, int64_t x_stride_token,
-                          int64_t y_stride_token, bool silu, int dtype, std::uintptr_t stream) {
+                          int64_t y_stride_token, bool silu, int dtype, std::uintptr_t stream, bool pdl) {
       CausalConv1dParams p = conv_params(x, y, conv_state, weight, bias, query_start_loc, state_idx, num_accepted,
                                          has_initial_state, num_rows, dim, width, state_rows, slots_per_row,
-                                         x_stride_token, y_stride_token, silu, dtype);
+                                         x_stride_token, y_stride_token, silu, dtype, pdl);
       check(launch(p, ptr<void>(stream)), name);
     };
   };
@@ -67,7 +68,7 @@ void register_ssm_kernels(py::module_& k) {
           py::arg("bias"), py::arg("query_start_loc"), py::arg("state_idx"), py::arg("num_accepted"),
           py::arg("has_initial_state"), py::arg("num_rows"), py::arg("dim"), py::arg("width"),
           py::arg("state_rows"), py::arg("slots_per_row"), py::arg("x_stride_token"), py::arg("y_stride_token"),
-          py::arg("silu"), py::arg("dtype"), py::arg("stream"));
+          py::arg("silu"), py::arg("dtype"), py::arg("stream"), py::arg("pdl") = true);
   }
 
   k.def(

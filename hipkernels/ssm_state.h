@@ -54,6 +54,9 @@ struct CausalConv1dParams {
   int64_t x_stride_token = 0, y_stride_token = 0;  // in elements
   bool silu = true;
   int dtype = 0;  // PeDType
+  // causal_conv1d_update, CUDA: a programmatic dependent launch (the kernel reads nothing before
+  // the kernel ahead of it in the stream has finished; its launch overlaps that kernel's end)
+  bool pdl = true;
 };
 
 struct SelectiveStateUpdateParams {

@@ -43,7 +43,32 @@ PE_DEVICE float silu(float v) { return v / (1.f + __expf(-v)); }
 // is an instruction sequence with a slow-path branch per channel on the critical path of
 // conv1d_update_kernel's one-wave grid: batch 1, k = 3 went from 3.00 to 2.22 us with this, batch
 // 64, k = 0 from 3.04 to 2.83 us (64-thread blocks). The other kernels keep the IEEE division.
-PE_DEVICE float silu_fast(float v) { return __fdividef(v, 1.f + __expf(-v)); }
+// On NVIDIA e^-v is ex2.approx.ftz(-v log2 e), __expf without its subnormal-result fix-up
+// instructions: it differs from __expf only where e^-v is subnormal (v > 87), and there 1 + e^-v
+// rounds to 1 either way, so silu_fast gives the same bits with three instructions fewer.
+PE_DEVICE float silu_fast(float v) {
+#if defined(PE_CUDA) && defined(__CUDA_ARCH__)
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(v * -1.4426950408889634f));
+  return __fdividef(v, 1.f + e);
+#else
+  return __fdividef(v, 1.f + __expf(-v));
+#endif
+}
+
+// Two floats to two bf16 (low half = lo) in one conversion instruction where the chip has it
+// (cvt.rn.bf16x2.f32, sm_80 and later): round to nearest even as pe_float_to_bf16_bits, the same
+// bits for every non-NaN value (a NaN becomes the canonical 0x7fff, as PyTorch's own CUDA
+// conversion gives, instead of the quieted input); elsewhere the two conversions of hip_compat.h.
+PE_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
+#if defined(PE_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return (uint32_t)pe_float_to_bf16_bits(lo) | ((uint32_t)pe_float_to_bf16_bits(hi) << 16);
+#endif
+}
 
 // V consecutive elements (conv channels, SSM state entries) in one access where V * sizeof(T) is
 // 16 or 8 bytes, else element by element.
@@ -94,6 +119,18 @@ struct ChanVec {
       *reinterpret_cast<Raw*>(p) = *reinterpret_cast<const Raw*>(r);
     }
   }
+  // st with the bf16 pairs packed by pack_bf16x2 (one instruction per pair on NVIDIA)
+  static PE_DEVICE void st_packed(T* p, const float* f) {
+    if constexpr (std::is_same<T, pe_bf16>::value && V % 2 == 0 && !std::is_void<Raw>::value) {
+      Raw raw;
+      uint32_t* w = reinterpret_cast<uint32_t*>(&raw);
+#pragma unroll
+      for (int i = 0; i < V / 2; ++i) w[i] = pack_bf16x2(f[2 * i], f[2 * i + 1]);
+      *reinterpret_cast<Raw*>(p) = raw;
+    } else {
+      st(p, f);
+    }
+  }
   static PE_DEVICE void st(T* p, const float* f) {
     if constexpr (std::is_void<Raw>::value) {
 #pragma unroll
@@ -117,19 +154,29 @@ struct ChanVec {
 // trip (one per token of a verify row before this was chunked). The thread owns its channels, so
 // reading the old window before rewriting it needs no synchronisation.
 // KW: compile-time width bound; EXACT: W == KW (Mamba2's W = 4), else taps below K - W are zero.
+// ONE: no row has more than TC tokens (state_rows - W + 2 <= TC, i.e. k <= 3), so there is no
+// chunk loop: fewer instructions and 64 registers instead of 71 (8 blocks per multiprocessor
+// instead of 7); H100, batch 128 / 256, k = 0: 3.64 -> 3.25 / 5.72 -> 5.17 us (hipkernels/NOTES_ssm.md).
+// A one-token kernel for k = 0 (40 registers, 30% fewer instructions) was faster still at batch 128
+// and 256 but slower at 64 (2.65 vs 2.47 us), not kept.
 // The window is right-aligned in registers (indices fixed at compile time): full[0 .. K - 2] is
 // the history, full[K - 1 + tt] the chunk's token tt; output tt uses full[tt .. tt + K - 1] with
 // the weights right-aligned the same way, accumulated in the same order as the reference loop.
 // (__launch_bounds__ with an explicit minimum of one block per SM is the build that was measured;
 // ptxas allocates registers differently without it, e.g. 64 instead of 78 for bf16, not measured.)
-template <typename T, int V, int KW, bool EXACT, int THREADS>
+template <typename T, int V, int KW, bool EXACT, bool ONE, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) conv1d_update_kernel(CausalConv1dParams p) {
   using Vec = ChanVec<T, V>;
   constexpr int K = KW;
   constexpr int TC = kConvTokenChunk;
   const int n = blockIdx.y;
   const int c = (blockIdx.x * THREADS + threadIdx.x) * V;
+  // Programmatic dependent launch (see launch_conv_update): a next kernel launched with it may be
+  // scheduled now, and this one reads nothing (weights included: the wrapper may have just
+  // converted them) before the kernel ahead of it in the stream has finished.
+  pe_pdl_launch_dependents();
   if (c >= p.dim) return;
+  pe_pdl_wait();
   // Row metadata first: every state and input address waits on it.
   const int s0 = p.query_start_loc[n], num = p.query_start_loc[n + 1] - s0;
   const int line = p.state_idx[(int64_t)n * p.slots_per_row];
@@ -160,8 +207,10 @@ __global__ void __launch_bounds__(THREADS, 1) conv1d_update_kernel(CausalConv1dP
 #pragma unroll
     for (int i = 0; i < V; ++i) Io<T>::st(br + i, 0.f);
   }
-  const T* x = static_cast<const T*>(p.x) + c;
-  T* y = static_cast<T*>(p.y) + c;
+  // the row's first input and output (one 64-bit address each; tokens are strides from there)
+  const int64_t xs = p.x_stride_token, ys = p.y_stride_token, ds = p.dim;
+  const T* x = static_cast<const T*>(p.x) + (int64_t)s0 * xs + c;
+  T* y = static_cast<T*>(p.y) + (int64_t)s0 * ys + c;
   // No branch before the window's loads in the source: with the PAD / empty-row returns first,
   // the compiler placed the num_accepted load behind them, so the window's loads waited for a
   // second dependent round trip after the metadata one. Now num_accepted goes out with the other
@@ -171,14 +220,14 @@ __global__ void __launch_bounds__(THREADS, 1) conv1d_update_kernel(CausalConv1dP
   // blocks: within 0.07 us at k = 0 and below batch 128; k = 3, batch 128 / 256: 6.59 -> 6.41 /
   // 15.5 -> 14.1 us.
   const int off = max(acc_n, 1) - 1;
-  T* state = static_cast<T*>(p.conv_state) + (int64_t)line * p.state_rows * p.dim + c;
-  const T* hist = line >= 0 ? state + (int64_t)off * p.dim : wp + c;
+  T* state = static_cast<T*>(p.conv_state) + (int64_t)line * p.state_rows * ds + c;
+  const T* hist = line >= 0 ? state + (int64_t)off * ds : wp + c;
   alignas(16) T full[K - 1 + TC][V];
 #pragma unroll
   for (int m = 0; m < K - 1; ++m) {
     const int j = m - (K - W);  // history row of the old window
     if (j >= 0) {
-      Vec::ld_raw(hist + (int64_t)j * p.dim, full[m]);
+      Vec::ld_raw(hist + j * ds, full[m]);
     } else {
 #pragma unroll
       for (int i = 0; i < V; ++i) Io<T>::st(&full[m][i], 0.f);
@@ -186,10 +235,10 @@ __global__ void __launch_bounds__(THREADS, 1) conv1d_update_kernel(CausalConv1dP
   }
 #pragma unroll
   for (int tt = 0; tt < TC; ++tt)
-    if (tt < num) Vec::ld_raw(x + (int64_t)(s0 + tt) * p.x_stride_token, full[K - 1 + tt]);
+    if (tt < num) Vec::ld_raw(x + tt * xs, full[K - 1 + tt]);
   if (line < 0) {
     const float zero[V] = {};
-    for (int t = 0; t < num; ++t) Vec::st(y + (int64_t)(s0 + t) * p.y_stride_token, zero);
+    for (int t = 0; t < num; ++t) Vec::st(y + t * ys, zero);
     return;
   }
   if (num <= 0) return;  // a row without tokens leaves its window as it is (as the reference does)
@@ -197,17 +246,18 @@ __global__ void __launch_bounds__(THREADS, 1) conv1d_update_kernel(CausalConv1dP
 #pragma unroll
   for (int m = 0; m < K - 1; ++m) {
     const int j = m - (K - W);
-    if (j >= 1) Vec::st_raw(state + (int64_t)(j - 1) * p.dim, full[m]);
+    if (j >= 1) Vec::st_raw(state + (j - 1) * ds, full[m]);
   }
+  T* st_in = state + (W - 2) * ds;  // where the inputs go, one row per token
   for (int t0 = 0; t0 < num; t0 += TC) {
-    if (t0 > 0) {  // next chunk (rows of more than TC tokens): the last K - 1 values are its history
+    if (!ONE && t0 > 0) {  // next chunk (rows of more than TC tokens): the last K - 1 values are its history
 #pragma unroll
       for (int m = 0; m < K - 1; ++m)
 #pragma unroll
         for (int i = 0; i < V; ++i) full[m][i] = full[m + TC][i];
 #pragma unroll
       for (int tt = 0; tt < TC; ++tt)
-        if (t0 + tt < num) Vec::ld_raw(x + (int64_t)(s0 + t0 + tt) * p.x_stride_token, full[K - 1 + tt]);
+        if (t0 + tt < num) Vec::ld_raw(x + (t0 + tt) * xs, full[K - 1 + tt]);
     }
 #pragma unroll
     for (int tt = 0; tt < TC; ++tt) {
@@ -220,10 +270,11 @@ __global__ void __launch_bounds__(THREADS, 1) conv1d_update_kernel(CausalConv1dP
           for (int m = 0; m < K; ++m) acc[i] += Io<T>::ld(wr + i * K + m) * Io<T>::ld(&full[tt + m][i]);
           if (p.silu) acc[i] = silu_fast(acc[i]);
         }
-        Vec::st(y + (int64_t)(s0 + t0 + tt) * p.y_stride_token, acc);
-        Vec::st_raw(state + (int64_t)(W - 2 + t0 + tt) * p.dim, full[K - 1 + tt]);  // ... then the T inputs
+        Vec::st_packed(y + (t0 + tt) * ys, acc);
+        Vec::st_raw(st_in + (t0 + tt) * ds, full[K - 1 + tt]);  // ... then the T inputs
       }
     }
+    if (ONE) break;
   }
 }
 
@@ -370,19 +421,45 @@ int dispatch(const Params& p, void* stream) {
   }
 }
 
+// conv1d_update_kernel's launch. With p.pdl (CUDA) it is a programmatic dependent launch: the
+// kernel may be scheduled while the kernel ahead of it in the stream finishes, and its
+// pe_pdl_wait() (before any load) holds it until that kernel's writes are visible; under hipcc, and
+// without p.pdl, an ordinary launch.
+template <typename T, int V, int KW, bool EXACT, bool ONE, int THREADS>
+int launch_conv_update(const CausalConv1dParams& p, peStream_t s) {
+  const int threads = (p.dim + V - 1) / V;
+  const dim3 grid((threads + THREADS - 1) / THREADS, p.num_rows);
+#if defined(PE_CUDA)
+  if (p.pdl) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(THREADS);
+    cfg.stream = s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const cudaError_t rc = cudaLaunchKernelEx(&cfg, conv1d_update_kernel<T, V, KW, EXACT, ONE, THREADS>, p);
+    return rc != cudaSuccess ? (int)rc : (int)peGetLastError();
+  }
+#endif
+  conv1d_update_kernel<T, V, KW, EXACT, ONE, THREADS><<<grid, THREADS, 0, s>>>(p);
+  return (int)peGetLastError();
+}
+
 template <typename T>
 struct ConvUpdate {
-  template <int V, int KW, bool EXACT>
-  static void launch(const CausalConv1dParams& p, peStream_t s) {
-    const int threads = (p.dim + V - 1) / V;
-    const dim3 grid((threads + kConvUpdateThreads - 1) / kConvUpdateThreads, p.num_rows);
-    conv1d_update_kernel<T, V, KW, EXACT, kConvUpdateThreads><<<grid, kConvUpdateThreads, 0, s>>>(p);
-  }
   template <int V>
-  static void launch_width(const CausalConv1dParams& p, peStream_t s) {
-    if (p.width == 4) launch<V, 4, true>(p, s);
-    else if (p.width < 4) launch<V, 4, false>(p, s);
-    else launch<V, kSsmMaxConvWidth, false>(p, s);
+  static int launch_width(const CausalConv1dParams& p, peStream_t s) {
+    constexpr int NT = kConvUpdateThreads;
+    const int max_tokens = p.state_rows - p.width + 2;  // per row
+    if (p.width == 4) {  // Mamba2's width: no chunk loop where the rows allow it (vector path)
+      if (V > 1 && max_tokens <= kConvTokenChunk) return launch_conv_update<T, V, 4, true, true, NT>(p, s);
+      return launch_conv_update<T, V, 4, true, false, NT>(p, s);
+    }
+    if (p.width < 4) return launch_conv_update<T, V, 4, false, false, NT>(p, s);
+    return launch_conv_update<T, V, kSsmMaxConvWidth, false, false, NT>(p, s);
   }
   static int run(const CausalConv1dParams& p, peStream_t s) {
     constexpr int kVec = kConvVecBytes / sizeof(T);
@@ -391,9 +468,7 @@ struct ConvUpdate {
     const bool vec = p.dim % kVec == 0 && p.x_stride_token % kVec == 0 && p.y_stride_token % kVec == 0 &&
                      aligned(p.x) && aligned(p.y) && aligned(p.conv_state) && aligned(p.weight) &&
                      (p.bias == nullptr || aligned(p.bias));
-    if (vec) launch_width<kVec>(p, s);
-    else launch_width<1>(p, s);
-    return static_cast<int>(peGetLastError());
+    return vec ? launch_width<kVec>(p, s) : launch_width<1>(p, s);
   }
 };
 

@@ -3,6 +3,7 @@ references on random mixed batches (verify rows with random acceptance, T = 1 ro
 pools with unowned slots), and Mamba2 spec == plain end to end on the GPU. Skipped without a GPU."""
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -36,11 +37,13 @@ def random_rows(rng: random.Random, num_rows: int, k: int, num_slots: int, pad_r
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("width,k,dim", [(4, 3, 200), (2, 0, 64), (6, 7, 33), (6, 3, 64), (4, 5, 96), (3, 1, 5120)])
+@pytest.mark.parametrize("width,k,dim", [(4, 3, 200), (4, 0, 200), (2, 0, 64), (6, 7, 33), (6, 3, 64), (4, 5, 96),
+                                         (3, 1, 5120), (4, 1, 36)])
 def test_causal_conv1d_update_matches_reference(dtype, width: int, k: int, dim: int) -> None:
     """Covers the kernel's paths: 8-byte channel vectors (dim a multiple of 4) or one channel per
-    thread (dim 33), W == 4 (vector weight loads) or not, rows of more than 4 tokens (k = 5, 7: the
-    inputs are loaded 4 tokens at a time)."""
+    thread (dim 33), W == 4 (vector weight loads) or not; for W == 4 rows of up to 4 tokens
+    without a chunk loop (k = 0, 1, 3) and rows of more than 4 tokens (k = 5: the inputs are
+    loaded 4 tokens at a time; k = 7 at W = 6)."""
     rng, gen = random.Random(width * 10 + k), torch.Generator(device="cuda").manual_seed(k)
     qsl, idx, acc, ntok = random_rows(rng, 12, k, 12 * (1 + k) + 5)
     pool = torch.randn(12 * (1 + k) + 5, width - 1 + k, dim, device="cuda", generator=gen).to(dtype)
@@ -54,13 +57,34 @@ def test_causal_conv1d_update_matches_reference(dtype, width: int, k: int, dim: 
     assert torch.equal(pool, pool_ref), "state windows differ (a pure copy: must be bit-identical)"
 
 
+def test_causal_conv1d_update_pdl_launch_and_converted_weights() -> None:
+    """The CUDA launch is a programmatic dependent launch by default (the kernel may start while
+    the kernel before it finishes, and reads nothing before that one's writes are visible): fp32
+    weights and bias with bf16 inputs are converted by the wrapper right before the launch, and the
+    result equals an ordinary launch (pdl=False) and the reference, bit for bit where it must."""
+    rng, gen = random.Random(3), torch.Generator(device="cuda").manual_seed(3)
+    W, k, dim, dtype = 4, 3, 5120, torch.bfloat16
+    qsl, idx, acc, ntok = random_rows(rng, 64, k, 64 * (1 + k) + 5)
+    pool = torch.randn(64 * (1 + k) + 5, W - 1 + k, dim, device="cuda", generator=gen).to(dtype)
+    x = torch.randn(ntok, dim, device="cuda", generator=gen).to(dtype)
+    w = torch.randn(dim, W, device="cuda", generator=gen)  # fp32: converted per call
+    b = torch.randn(dim, device="cuda", generator=gen)
+    pool_plain, pool_ref = pool.clone(), pool.clone()
+    y = ssm_cuda.causal_conv1d_update(x, pool, w, b, qsl, idx, acc)
+    plain = functools.partial(ssm_cuda._K.causal_conv1d_update, pdl=False)
+    y_plain = ssm_cuda._conv(plain, x, pool_plain, w, b, qsl, idx, acc, None, "silu")
+    y_ref = ref.causal_conv1d_update(x, pool_ref, w.to(dtype), b.to(dtype), qsl, idx, acc)
+    assert torch.equal(y, y_plain) and torch.equal(pool, pool_plain)
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(pool, pool_ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_rows,k", [(40, 3), (100, 0), (100, 3)])
 def test_causal_conv1d_update_batch_invariant_and_empty_rows(dtype, num_rows: int, k: int) -> None:
     """Each row's output and window are bit-identical whether it runs alone or in a batch; a row
-    with no tokens (and a PAD row) leaves its window untouched, as in the reference. From 64 rows
-    on, a thread handles several rows (the batch run) while a row alone gets one: 101 rows (the
-    last one PAD) also leave a partial group of rows at the end."""
+    with no tokens (and a PAD row) leaves its window untouched, as in the reference (the last of
+    the rows is PAD)."""
     rng, gen = random.Random(5 + num_rows + k), torch.Generator(device="cuda").manual_seed(5)
     W, dim = 4, 5120
     qsl, idx, acc, ntok = random_rows(rng, num_rows, k, num_rows * (1 + k) + 3)
