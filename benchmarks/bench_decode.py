@@ -6,7 +6,8 @@ config: its speed does not depend on the values) and a Llama-3-8B-shaped model w
 weights built directly in pyengine's model class (no download).
 
 Per (model, batch): decode tokens/s (decode-only steps, host overhead included: scheduling,
-sampling, the GPU->CPU token copy), median step time, and model-bandwidth utilisation =
+sampling, the GPU->CPU token copy; a step is the interval between consecutive step() returns, with
+no device syncs added, so async decode's overlap counts), median step time, and model-bandwidth utilisation =
 (weight bytes + KV bytes read per step) / step time / device copy bandwidth (read + write of a
 2 GiB device-to-device copy, measured in the same run).
 
@@ -121,28 +122,37 @@ def run_pyengine(llm: LLM, batch: int, prompt_len: int, new_tokens: int, vocab: 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for p in prompts:
         eng.add_request(p, params)
+    # A step's time is the interval between consecutive step() returns: step() returns once its
+    # tokens are on the host, so no extra device sync is needed, and none is added (a sync before
+    # each step would forbid the overlap of async decode, see pyengine/engine.py).
     step_times, tokens = [], 0
+    async_before = eng.num_async_steps
+    last = sync_time()
     while eng.has_unfinished():
         before = eng.counters["prefill_tokens"]
         dec_before = eng.counters["decode_tokens"]
-        t0 = sync_time()
         eng.step()
-        dt = sync_time() - t0
+        now = time.perf_counter()
+        dt, last = now - last, now
         if eng.counters["prefill_tokens"] == before:
             step_times.append(dt)
             tokens += eng.counters["decode_tokens"] - dec_before
+    torch.cuda.synchronize()
     total = sum(step_times)
     g_runner = llm.engine.runner.graph_runner
     graph_ms = None
     if g_runner is not None and (batch, 1) in g_runner.graphs:
-        # GPU time of one captured decode forward (last step's inputs, KV writes disabled): the
-        # rest of a step is host work (scheduling, input copies, sampling, commit).
+        # GPU time of one captured decode forward (last step's inputs, KV writes disabled), timed
+        # with events around each replay on an otherwise idle GPU, so it includes the graph's
+        # launch latency; under async decode a step's replay is queued while the previous one runs,
+        # so the median step can come out below this figure.
         g_runner.dev64[2 * g_runner.T:3 * g_runner.T].fill_(-1)
         graph = g_runner.graphs[(batch, 1)][0]
         graph_ms = time_ms(graph.replay, reps=30)
     return {"graph_forward_ms": graph_ms, "decode_steps": len(step_times), "tokens_per_s": tokens / total,
             "median_step_ms": 1e3 * statistics.median(step_times), "mean_step_ms": 1e3 * total / len(step_times),
-            "graphs": sorted(map(list, g_runner.graphs)) if g_runner is not None else []}
+            "graphs": sorted(map(list, g_runner.graphs)) if g_runner is not None else [],
+            "async_steps": eng.num_async_steps - async_before}
 
 
 def run_hf(hf, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict:

@@ -1,6 +1,7 @@
-"""Where a captured decode step's GPU time goes: kernels of one CUDA-graph replay grouped by name
-(torch.profiler, CUPTI), their sum against the replay's wall time (the difference is launch gaps and
-tails between kernels), and the whole engine step (host work included).
+"""Where a decode step's time goes: the host phases of an engine step (schedule, forward launch,
+greedy sampling and its wait, commit), with async decode on and off (pyengine/engine.py), the step
+interval against the graph replay alone (the difference is GPU idle time between forwards), and
+the kernels of one CUDA-graph replay grouped by name (torch.profiler, CUPTI).
 
     python benchmarks/profile_decode_step.py --model llama8b --batch 1 [--gguf PATH] [--top 25]
 """
@@ -11,6 +12,7 @@ import os
 import statistics
 import sys
 import time
+from collections import defaultdict
 
 import torch
 
@@ -22,58 +24,98 @@ from gpu_timing import time_ms  # noqa: E402
 from pyengine import SamplingParams  # noqa: E402
 
 
+class TimedScheduler:
+    """Forwards to the C++ scheduler, timing schedule() and update()."""
+
+    def __init__(self, inner, times: dict) -> None:
+        self.inner, self.times = inner, times
+
+    def schedule(self):
+        t = time.perf_counter()
+        b = self.inner.schedule()
+        self.times["schedule"].append(time.perf_counter() - t)
+        return b
+
+    def update(self, tokens, counts):
+        t = time.perf_counter()
+        out = self.inner.update(tokens, counts)
+        self.times["update (C++ commit)"].append(time.perf_counter() - t)
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def timed(obj, attr: str, label: str, times: dict) -> None:
+    fn = getattr(obj, attr)
+
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        out = fn(*a, **k)
+        times[label].append(time.perf_counter() - t)
+        return out
+    setattr(obj, attr, wrapper)
+
+
+def run_steps(eng, prompts, new_tokens: int, with_syncs: bool, times: dict) -> list[float]:
+    """Decode-only step times: the interval between step() returns, or with a device sync before
+    and after each step when with_syncs. times (the phase timers) keeps only decode steps."""
+    for p in prompts:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    eng.step()  # the prefill
+    for k in list(times):
+        times[k].clear()
+    steps = []
+    last = sync_time()
+    while eng.has_unfinished():
+        if with_syncs:
+            last = sync_time()
+        eng.step()
+        now = sync_time() if with_syncs else time.perf_counter()
+        steps.append(now - last)
+        last = now
+    torch.cuda.synchronize()
+    return steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama8b", choices=["llama8b", "smollm2"])
     ap.add_argument("--gguf")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="engine max_num_seqs (default: the batch)")
+    ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--replays", type=int, default=5)
+    ap.add_argument("--cprofile", action="store_true")
     args = ap.parse_args()
     b = args.batch
-    llm = make_llm(args.model, args.gguf, max(b, 1), 1024 + b * 16, 256, enforce_eager=False)
+    llm = make_llm(args.model, args.gguf, max(args.max_num_seqs, b, 1), 1024 + b * 16, 256, enforce_eager=False)
     vocab = llm.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, vocab, (32,), generator=g).tolist() for _ in range(b)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     eng = llm.engine
-    # whole engine steps (host included), decode only, with the host phases timed: execute returns
-    # once the graph is launched; sample waits for the GPU, then copies the tokens back
-    phases: dict[str, list[float]] = {"execute (host)": [], "sample (waits for GPU)": [], "commit": []}
-    for obj, attr, label in ((eng.runner, "execute", "execute (host)"), (eng, "_sample", "sample (waits for GPU)"),
-                             (eng, "_commit", "commit")):
-        def timed(*a, _fn=getattr(obj, attr), _label=label, **k):
-            t = time.perf_counter()
-            out = _fn(*a, **k)
-            phases[_label].append(time.perf_counter() - t)
-            return out
-        setattr(obj, attr, timed)
-    for p in prompts:
-        eng.add_request(p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
-    steps, keep = [], []
-    while eng.has_unfinished():
-        before = eng.counters["prefill_tokens"]
-        t0 = sync_time()
-        eng.step()
-        dt = sync_time() - t0
-        keep.append(eng.counters["prefill_tokens"] == before)
-        if keep[-1]:
-            steps.append(dt)
-    # where the host time of a step goes (cProfile inflates Python time; read the shares)
-    import cProfile
-    import pstats
-    for p in prompts:
-        eng.add_request(p, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    eng.step()  # the prefill
-    prof_host = cProfile.Profile()
-    prof_host.enable()
-    while eng.has_unfinished():
-        eng.step()
-    prof_host.disable()
-    pstats.Stats(prof_host).sort_stats("tottime").print_stats(18)
+    times: dict[str, list[float]] = defaultdict(list)
+    eng.scheduler = TimedScheduler(eng.scheduler, times)
+    timed(eng.runner, "execute", "execute (sync step: stage + launch)", times)
+    timed(eng.runner.graph_runner, "launch_next", "launch_next (async: stage + launch)", times)
+    timed(eng, "_sample_greedy", "sample_greedy (argmax, launch_next, WAIT for GPU)", times)
+    timed(eng, "_commit", "commit (python)", times)
     runner = eng.runner.graph_runner
-    runner.dev64[2 * runner.T:3 * runner.T].fill_(-1)  # no KV writes while replaying below
     graph = runner.graphs[(b, 1)][0]
+    results = {}
+    for label, async_on, syncs in (("sync engine, syncs around steps (old bench)", False, True),
+                                   ("sync engine, step intervals", False, False),
+                                   ("async engine, syncs around steps", True, True),
+                                   ("async engine, step intervals", True, False)):
+        eng.async_decode = async_on
+        a0, d0 = eng.num_async_steps, eng.num_async_discarded
+        steps = run_steps(eng, prompts, args.new_tokens, syncs, times)
+        phases = {k: 1e6 * statistics.median(v) for k, v in times.items() if v}
+        results[label] = (1e3 * statistics.median(steps), 1e3 * statistics.mean(steps), phases,
+                          eng.num_async_steps - a0, eng.num_async_discarded - d0)
+    runner.dev64[2 * runner.T:3 * runner.T].fill_(-1)  # no KV writes while replaying below
     replay_ms = time_ms(graph.replay, reps=50)
     launch = []
     for _ in range(20):  # CPU cost of launching the graph (the GPU may start before it returns)
@@ -82,6 +124,22 @@ def main() -> None:
         graph.replay()
         launch.append(time.perf_counter() - t)
     torch.cuda.synchronize()
+    logits = runner.graphs[(b, 1)][1][:b]
+    am = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        logits.argmax(dim=-1).cpu()
+        am.append(time.perf_counter() - t)
+    if args.cprofile:
+        import cProfile
+        import pstats
+        eng.async_decode = True
+        prof_host = cProfile.Profile()
+        prof_host.enable()
+        run_steps(eng, prompts, 32, False, defaultdict(list))
+        prof_host.disable()
+        pstats.Stats(prof_host).sort_stats("tottime").print_stats(15)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.replays):
             graph.replay()
@@ -94,16 +152,18 @@ def main() -> None:
     rows.sort(reverse=True)
     kernels = sum(r[1] for r in rows)
     busy_us = sum(r[0] for r in rows)
-    print(f"{args.model} batch {b}: engine step median {1e3 * statistics.median(steps):.3f} ms, "
-          f"graph replay {replay_ms:.3f} ms, kernel time {busy_us / 1e3:.3f} ms in {kernels:.0f} kernels "
-          f"(gaps {replay_ms - busy_us / 1e3:.3f} ms)")
-    for label, times in phases.items():
-        kept = [t for t, k in zip(times, keep) if k] if len(times) == len(keep) else times
-        print(f"  host phase {label}: median {1e6 * statistics.median(kept):.0f} us")
-    print(f"  graph.replay() CPU call: median {1e6 * statistics.median(launch):.0f} us")
     print(f"{'us/step':>9} {'count':>6}  kernel")
     for t, n, name in rows[: args.top]:
         print(f"{t:9.1f} {n:6.0f}  {name[:110]}")
+    print(f"{args.model} batch {b} (max_num_seqs {max(args.max_num_seqs, b)}): graph replay {replay_ms:.3f} ms, "
+          f"kernel time {busy_us / 1e3:.3f} ms in {kernels:.0f} kernels (gaps {replay_ms - busy_us / 1e3:.3f} ms); "
+          f"graph.replay() CPU call {1e6 * statistics.median(launch):.0f} us; "
+          f"argmax + .cpu() on an idle GPU {1e6 * statistics.median(am):.0f} us")
+    for label, (med, mean, phases, n_async, n_disc) in results.items():
+        print(f"{label}: step median {med:.3f} ms (mean {mean:.3f}), over graph {1e3 * (med - replay_ms):.0f} us; "
+              f"async steps {n_async}, discarded {n_disc}")
+        for k, v in phases.items():
+            print(f"    {k}: {v:.0f} us")
 
 
 if __name__ == "__main__":

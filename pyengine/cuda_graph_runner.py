@@ -21,11 +21,18 @@ Graph safety:
   are the same as eager. The split workspace is allocated during capture from the graph's pool.
 - All graphs share one memory pool; only one replays at a time and the logits it returns are
   consumed (sampled) before the next step.
+- launch_next (async decode, pyengine/engine.py): the decode step after a q = 1 step, staged from
+  that step's batch with every row one position further, its token ids copied on the device from
+  the step's argmax (after the staging copy, which carries stale ids), then replayed, all before
+  the host has seen the tokens. The engine uses its logits only if the scheduler's next batch
+  equals the prediction (PendingStep.matches).
 - Hybrid models (a StateCache): only steps whose rows are all decode/verify rows qualify (a prefill
   row reads and writes state differently). Each row's state slots and accepted count live in a
   static int32 buffer; padding rows get PAD slots, so the state kernels write nothing for them.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,6 +41,33 @@ from pyengine.attention_metadata import AttentionMetadata
 from pyengine.state_cache import StateMetadata
 
 _PLAN_KEY = "cuda_paged_attention"
+
+
+@dataclass
+class PendingStep:
+    """A decode step launched before its batch was scheduled: the inputs it ran with, and its
+    logits (a view of the graph's static output, valid until the next replay)."""
+    key: tuple[int, int]
+    logits: torch.Tensor
+    seq_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    input_ids: np.ndarray | None = field(default=None)  # the launching step's tokens, once the host has them
+
+    def matches(self, batch) -> bool:
+        """Is `batch` exactly the step that was launched (rows, order and every input the forward
+        reads)? Then its logits are the ones this batch would compute."""
+        rows = len(self.seq_ids)
+        return (self.input_ids is not None and batch.num_rows == rows and batch.num_decode_rows == rows
+                and np.array_equal(batch.seq_ids, self.seq_ids)
+                and np.array_equal(batch.input_ids, self.input_ids)
+                and np.array_equal(batch.positions, self.positions)
+                and np.array_equal(batch.slot_mapping, self.slot_mapping)
+                and np.array_equal(batch.context_lens, self.context_lens)
+                and np.array_equal(batch.block_tables, self.block_tables)
+                and not batch.num_draft_tokens.any())
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:
@@ -196,6 +230,55 @@ class CudaGraphRunner:
         h[3 * T + rows:3 * T + b] = 0     # context 0: no keys read
         self.np_state[rows:b, :-1] = -1   # PAD state slots: no state read or written
         self.np_state[rows:b, -1] = 1
+
+    @torch.inference_mode()
+    def launch_next(self, batch, key: tuple[int, int], token_ids: torch.Tensor) -> PendingStep | None:
+        """Launch the decode step that follows `batch` (decode rows, q = 1, replayed as `key`) as
+        if every row continues: each row one position further in the block it already holds (same
+        block table, slot + 1, context + 1), its token from token_ids (this step's argmax, [rows]
+        int64 on the device). None (nothing launched) when a row's next position starts a new
+        block: the scheduler allocates that block, which cannot be predicted here."""
+        b, q = key
+        rows = len(batch.context_lens)
+        if q != 1 or len(batch.input_ids) != rows or rows > b:
+            return None
+        B = self.block_size
+        pos = np.asarray(batch.positions, dtype=np.int64) + 1
+        if not (pos % B).all():
+            return None
+        ctx = np.asarray(batch.context_lens, dtype=np.int32) + 1
+        if int(ctx.max()) > self.width * B:
+            return None
+        table = np.array(batch.block_tables, dtype=np.int32)  # a copy: the batch's arrays are reused
+        width = table.shape[1]
+        slots = np.asarray(batch.slot_mapping, dtype=np.int64) + 1
+        seq_ids = np.array(batch.seq_ids)
+        entry = self.graphs.get(key)
+        if self.use_graphs and entry is None:
+            return None
+        if self.copy_done is not None:
+            self.copy_done.synchronize()  # the previous copy has left the staging buffers
+        T, h = self.T, self.np64
+        h[T:T + rows] = pos
+        h[2 * T:2 * T + rows] = slots
+        h[3 * T:3 * T + rows] = ctx
+        self._fill_padding(rows, b, 1)
+        self.np32[:rows, :width] = table
+        ids = self.dev64[0:rows]
+        if self.use_graphs:
+            host, dev = self.staged[b]
+            dev.copy_(host, non_blocking=True)
+            self.copy_done.record()
+            ids.copy_(token_ids)
+            entry[0].replay()
+            self.num_replays += 1
+            logits = entry[1][:rows]
+        else:
+            self.dev_bytes.copy_(self.host_bytes)
+            ids.copy_(token_ids)
+            self.num_eager += 1
+            logits = self._forward(b, 1)[:rows]
+        return PendingStep(key, logits, seq_ids, pos, slots, ctx, table)
 
     @torch.inference_mode()
     def execute(self, batch, key: tuple[int, int]) -> torch.Tensor:

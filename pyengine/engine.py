@@ -1,9 +1,26 @@
-"""The decode loop: one synchronous step at a time.
+"""The decode loop: one step at a time.
 
     propose drafts -> schedule (C++) -> forward -> verify / sample -> commit (C++) -> detokenize
+
+Async decode (CUDA graphs, greedy decode rows only; PYENGINE_ASYNC_DECODE=0 turns it off): a step
+whose rows are all greedy decode rows launches the NEXT step's graph before it waits for its own
+tokens. That next step's inputs are predicted on the host (every row continues in the block it
+holds: positions, slots and context lengths + 1, the block tables as they are; a step where a row
+would start a new block launches nothing) and its token ids come from this step's argmax on the
+device, so the GPU runs step N + 1 while the host commits step N. The next step() still schedules
+normally and uses the launched forward only if the scheduler's batch is exactly the predicted one
+(same rows in the same order, same inputs, positions, slots, context lengths, block tables);
+otherwise the forward is discarded and the step runs as usual (its own writes follow the discarded
+one's on the stream). Outputs are therefore identical with or without it: a predicted step is the
+step the scheduler asks for, computed by the same graph on the same inputs. A discarded step writes
+K/V only at the next position of its rows, in blocks those rows hold alone and that carry no hash
+(the position is not yet computed), so nothing any request can read is touched. Speculative
+decoding, sampled (non-greedy) rows, recurrent-state models and steps with prefill rows or waiting
+requests never launch ahead.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -14,7 +31,7 @@ from pyengine import _C
 from pyengine.config import ModelConfig
 from pyengine.draft_model import DraftModelProposer
 from pyengine.model_runner import ModelRunner
-from pyengine.rejection_sampler import RejectionSampler
+from pyengine.rejection_sampler import RejectionSampler, _argmax
 from pyengine.sampler import RequestGenerators
 from pyengine.sampling_params import SamplingParams
 from pyengine.speculative import DraftLengthPolicy, NgramProposer, Proposer, ScriptedProposer, SpeculativeConfig
@@ -88,6 +105,12 @@ class LLMEngine:
         self.next_id = 0
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_tokens": 0}
         self.prefill_time = self.decode_time = 0.0
+        # async decode (module docstring): the launched next step, if any
+        self.async_decode = os.environ.get("PYENGINE_ASYNC_DECODE", "1") != "0"
+        self._pending = None
+        self.num_async_steps = 0  # steps that used a forward launched by the step before
+        self.num_async_discarded = 0  # launched forwards whose step was not the predicted one
+        self._tok_dev = self._tok_host = self._tok_ready = None  # greedy tokens: device, pinned host, event
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Request:
@@ -128,8 +151,17 @@ class LLMEngine:
                 self.proposer.propose(self.scheduler, max(lengths.values(), default=0), lengths)
         batch = self.scheduler.schedule()
         assert batch.num_rows > 0, "the scheduler made no progress with requests pending"
-        logits = self.runner.execute(batch)
-        tokens, counts = self._sample(batch, logits)
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.matches(batch):
+            self.num_async_steps += 1
+            tokens, counts = self._sample_greedy(batch, pending.logits, pending.key)
+        else:
+            self.num_async_discarded += pending is not None
+            logits = self.runner.execute(batch)
+            if self._all_greedy_single(batch, logits):
+                tokens, counts = self._sample_greedy(batch, logits, self.runner.last_graph_key)
+            else:
+                tokens, counts = self._sample(batch, logits)
         num_committed, reasons = self.scheduler.update(tokens, counts)
         touched = self._commit(batch, tokens, counts, num_committed, reasons)
         elapsed = time.perf_counter() - t0
@@ -195,6 +227,62 @@ class LLMEngine:
                                      params, gens)
         counts[rows] = out.num_tokens.cpu().numpy()
         return out.flat_tokens.cpu().numpy().astype(np.int32), counts
+
+    def _all_greedy_single(self, batch, logits: torch.Tensor) -> bool:
+        """Every row wants one token (num_logits 1, no drafts) and is greedy: the rejection
+        sampler's plain-greedy case, where each row's token is its argmax."""
+        rows = batch.num_rows
+        if logits.shape[0] != rows or batch.num_draft_tokens.any() or not (batch.num_logits == 1).all():
+            return False
+        reqs = self.requests
+        return all(reqs[s].params.is_greedy for s in batch.seq_ids.tolist())
+
+    def _sample_greedy(self, batch, logits: torch.Tensor, key: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+        """Argmax per row (the tokens the rejection sampler gives these rows). On the GPU: argmax
+        into a static device buffer, an asynchronous copy to pinned memory and one event wait; the
+        next step's forward is launched before that wait where it can be (module docstring)."""
+        n = logits.shape[0]
+        ready = None
+        if logits.is_cuda:
+            if self._tok_dev is None or self._tok_dev.shape[0] < n:
+                size = max(n, self.cfg.max_num_seqs)
+                self._tok_dev = torch.empty(size, dtype=torch.int64, device=logits.device)
+                self._tok_host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+                self._tok_ready = torch.cuda.Event()
+            tok, host = self._tok_dev[:n], self._tok_host[:n]
+            torch.argmax(logits, dim=-1, out=tok)
+            host.copy_(tok, non_blocking=True)
+            ready = self._tok_ready
+            ready.record()
+        else:
+            tok = host = _argmax(logits)
+        if key is not None and self._may_launch_next(batch, key):
+            self._pending = self.runner.graph_runner.launch_next(batch, key, tok)
+        if ready is not None:
+            ready.synchronize()
+        tokens = host.numpy().astype(np.int32)  # a copy: the pinned buffer is reused next step
+        if self._pending is not None:
+            self._pending.input_ids = tokens.astype(np.int64)
+        return tokens, np.ones(batch.num_rows, dtype=np.int32)
+
+    def _may_launch_next(self, batch, key: tuple[int, int]) -> bool:
+        """Launch the next decode step now? Only where it is likely to be the step the scheduler
+        asks for: a graph step of decode rows only (q = 1), no speculation, no recurrent state,
+        nobody waiting for admission, and no row that this step's token finishes by length."""
+        g = self.runner.graph_runner
+        if not self.async_decode or self.proposer is not None or g is None or g.state_cache is not None:
+            return False
+        rows = batch.num_rows
+        if key[1] != 1 or batch.num_decode_rows != rows or self.scheduler.num_waiting:
+            return False
+        max_len = self.cfg.max_model_len
+        for sid in batch.seq_ids.tolist():
+            req = self.requests[sid]
+            done = len(req.output_token_ids)
+            # commit_tokens' room: this step's token is the last one when room == 1
+            if min(req.params.max_tokens - done, max_len - len(req.prompt_token_ids) - done) <= 1:
+                return False
+        return True
 
     def _commit(self, batch, tokens: np.ndarray, counts: np.ndarray, num_committed: np.ndarray,
                 reasons: np.ndarray) -> list[Request]:

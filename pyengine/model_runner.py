@@ -50,6 +50,7 @@ class ModelRunner:
                           for _ in range(config.num_hidden_layers)]
         # ---- CUDA graphs (pyengine/cuda_graph_runner.py): decode/verify steps; the rest eager ----
         self.graph_runner = None
+        self.last_graph_key: tuple[int, int] | None = None  # the graph the last execute() replayed
         if cuda_graphs and max_model_len is not None:
             from pyengine.cuda_graph_runner import CudaGraphRunner, graphs_supported
 
@@ -106,9 +107,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch) -> torch.Tensor:
         """Forward over every scheduled token; returns logits [len(logits_indices), vocab] fp32."""
+        self.last_graph_key = None
         if self.graph_runner is not None:
             key = self.graph_runner.bucket_for(batch)
             if key is not None:
+                self.last_graph_key = key
                 return self.graph_runner.execute(batch, key)
         meta = self.build_metadata(batch)
         input_ids = self._tensor(batch.input_ids)

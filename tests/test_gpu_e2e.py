@@ -175,6 +175,53 @@ def test_graphs_equal_eager_smollm2(gguf: str) -> None:
     print(f"graphs vs eager: {n} of {len(prompts)} rows diverged (at near-ties)")
 
 
+# ---- async decode == synchronous decode ------------------------------------------------------------
+def test_async_decode_equals_sync_smollm2(gguf: str) -> None:
+    """Async decode (pyengine/engine.py: the next graph step launched before this step's tokens
+    reach the host) changes no token: bit-identical outputs to the synchronous engine, through EOS,
+    stop ids, stop strings and ragged max_tokens, at batch 1 and 7 (padded to the bucket of 8).
+    Both engines run the same calls in the same order (same prefix-cache history)."""
+
+    def run(llm, ps, pr):
+        outs = llm.generate(ps, pr, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
+
+    def session(llm, params=None):
+        ids = chat_ids(llm)
+        prompts = ids + [ids[0][:20], ids[1][:7], ids[2][:30]]
+        free_run = greedy(llm, prompts, 40)
+        if params is None:
+            params = []
+            for i, out in enumerate(free_run):
+                if i % 3 == 0:  # EOS ends it (or max_tokens)
+                    params.append(SamplingParams(temperature=0, max_tokens=64))
+                elif i % 3 == 1:  # a stop id seen mid-way
+                    params.append(SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[out[11]]))
+                else:  # a stop string seen mid-way, and ragged lengths
+                    text = llm.tokenizer.decode(out[:15])
+                    params.append(SamplingParams(temperature=0, max_tokens=20 + 5 * i,
+                                                 stop=[text[-4:]] if text.strip() else None))
+        steps = []
+        for batch in (1, len(prompts)):
+            before = llm.engine.num_async_steps
+            steps.append(run(llm, prompts[:batch], params[:batch]))
+            steps.append(llm.engine.num_async_steps - before)
+        return free_run, steps, params
+
+    sync = LLM(model=gguf, device="cuda", num_kv_blocks=KV_BLOCKS)
+    sync.engine.async_decode = False
+    ref_free, ref, params = session(sync)
+    del sync
+    free()
+    llm = LLM(model=gguf, device="cuda", num_kv_blocks=KV_BLOCKS)
+    assert llm.engine.async_decode
+    got_free, got, _ = session(llm, params)
+    assert got_free == ref_free
+    assert got[0] == ref[0] and got[2] == ref[2]
+    assert got[1] > 0 and got[3] > 0, "no step used a forward launched ahead"
+    print(f"async steps {llm.engine.num_async_steps}, discarded {llm.engine.num_async_discarded}")
+
+
 # ---- speculative == plain on the GPU ---------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_spec_equals_plain_tiny_gpu(tmp_path, dtype: str) -> None:

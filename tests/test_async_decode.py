@@ -1,0 +1,130 @@
+"""Async decode (pyengine/engine.py): a greedy decode step launches the next step's forward before
+it has its own tokens; the next step uses that forward only if the scheduler's batch is exactly the
+predicted one. Run here on the CPU through the graph runner's padded path (use_graphs=False, where
+the "launch" computes at once), so the prediction, the match and every discard path are exercised:
+outputs must be identical to the synchronous engine's, token for token and finish reason for
+finish reason, through EOS / stop ids / stop strings, ragged max_tokens, block-boundary steps
+(block sizes 16, 8 and 2), preemption, requests waiting for admission and requests added mid-run."""
+from __future__ import annotations
+
+import pytest
+
+from pyengine import LLM, SamplingParams
+from pyengine.cuda_graph_runner import CudaGraphRunner
+from tests.test_spec_decode import make_prompts
+from tests.tiny_models import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny_llama_async"))
+    make_checkpoint("llama_gqa_untied", path)
+    return path
+
+
+def make_llm(tiny: str, async_on: bool, **kw) -> LLM:
+    llm = LLM(model=tiny, device="cpu", **kw)
+    r = llm.engine.runner
+    r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, r.block_size, r.device, llm.engine.cfg.max_num_seqs, 1,
+                                     llm.engine.cfg.max_model_len + 1 + r.block_size, use_graphs=False)
+    llm.engine.async_decode = async_on
+    return llm
+
+
+def outputs(llm: LLM, prompts, params) -> list[tuple]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text, o.error) for o in outs]
+
+
+def both(tiny: str, prompts, params, **kw) -> tuple[list, list, LLM]:
+    sync = make_llm(tiny, False, **kw)
+    ref = outputs(sync, prompts, params)
+    assert sync.engine.num_async_steps == 0
+    llm = make_llm(tiny, True, **kw)
+    got = outputs(llm, prompts, params)
+    assert llm.stats() == sync.stats() | {k: llm.stats()[k] for k in ("decode_tokens_per_s", "prefill_tokens_per_s")}
+    return ref, got, llm
+
+
+@pytest.mark.parametrize("block_size", [16, 2])
+@pytest.mark.parametrize("n", [1, 5])
+def test_async_equals_sync(tiny: str, block_size: int, n: int) -> None:
+    prompts = make_prompts(n)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref, got, llm = both(tiny, prompts, params, block_size=block_size, max_num_seqs=8)
+    assert got == ref
+    if n == 1 or block_size == 16:  # 5 rows at mixed positions with 2-token blocks: some row always
+        assert llm.engine.num_async_steps > 0  # starts a block, and such steps launch nothing
+
+
+def test_async_stops_and_ragged_lengths(tiny: str) -> None:
+    """Stop ids, stop strings, EOS and different max_tokens end rows at unpredictable steps."""
+    prompts = make_prompts(6, seed=3)
+    free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    base = outputs(make_llm(tiny, False, max_num_seqs=8), prompts, free)
+    params = []
+    for i, (toks, _, text, _) in enumerate(base):
+        if i % 3 == 0:  # a stop id seen mid-way
+            params.append(SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[toks[7]]))
+        elif i % 3 == 1:  # a stop string seen mid-way
+            words = text.split()
+            params.append(SamplingParams(temperature=0, max_tokens=30, stop=[words[min(9, len(words) - 1)]]))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=5 + 4 * i))
+    ref, got, llm = both(tiny, prompts, params, max_num_seqs=8)
+    assert got == ref
+    assert any(r[1] == "stop" for r in ref)
+    assert llm.engine.num_async_steps > 0 and llm.engine.num_async_discarded > 0
+
+
+def test_async_preemption_and_waiting(tiny: str) -> None:
+    """A small KV pool (preemption by recompute) and more requests than running slots."""
+    prompts = make_prompts(10, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref, got, llm = both(tiny, prompts, params, max_num_seqs=4, num_kv_blocks=22, block_size=4,
+                         max_model_len=128)
+    assert got == ref
+    assert all(r[3] is None for r in ref)
+    assert llm.stats()["num_preemptions"] > 0
+    assert llm.engine.num_async_steps > 0
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_async_request_added_mid_run(tiny: str, block_size: int) -> None:
+    """A request added between steps while a launched step is pending: that step is discarded
+    (the batch now admits the new request) and the tokens stay the synchronous engine's."""
+    prompts = make_prompts(4, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+    def drive(async_on: bool):
+        llm = make_llm(tiny, async_on, block_size=block_size, max_num_seqs=8)
+        eng = llm.engine
+        reqs = [eng.add_request(p, params) for p in prompts[:2]]
+        steps = 0
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+            if steps in (3, 9):
+                reqs.append(eng.add_request(prompts[2 if steps == 3 else 3], params))
+        return [(r.output_token_ids, r.finish_reason) for r in reqs], eng
+
+    ref, _ = drive(False)
+    got, eng = drive(True)
+    assert got == ref
+    assert eng.num_async_steps > 0 and eng.num_async_discarded > 0
+
+
+def test_no_launch_without_graphs_or_with_speculation(tiny: str) -> None:
+    """Only the graph runner's decode steps launch ahead; speculative decoding never does."""
+    prompts = make_prompts(2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model=tiny, device="cpu")
+    outputs(plain, prompts, params)
+    assert plain.engine.num_async_steps == 0 and plain.engine._pending is None
+    spec = {"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 2}
+    llm = LLM(model=tiny, device="cpu", speculative_config=spec)
+    r = llm.engine.runner
+    r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, r.block_size, r.device, llm.engine.cfg.max_num_seqs, 3,
+                                     llm.engine.cfg.max_model_len + 3 + r.block_size, use_graphs=False)
+    assert [o[0] for o in outputs(llm, prompts, params)] == [o[0] for o in outputs(plain, prompts, params)]
+    assert llm.engine.num_async_steps == 0
