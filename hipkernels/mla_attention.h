@@ -11,9 +11,10 @@
 #include "paged_attention.h"
 
 // p as for launch_paged_attention with num_kv_heads 1, head_dim_qk 576, head_dim_v 512 and k_cache
-// the latent cache (v_cache unused). Two tile configurations of one kernel (mla_tile.h): on sm_90a
-// tensor cores (wgmma) with ~226 KB of shared memory per block; under hipcc (AMD gfx90a: 64 KB per
-// block) or on a device with less shared memory, the small one (57.5 KB, FMA products).
+// the latent cache (v_cache unused). Two tile configurations (mla_tile.h), each its own kernel: on
+// sm_90a tensor cores (wgmma, warpgroup roles) with ~226 KB of shared memory per block; under hipcc
+// (AMD gfx90a: 64 KB per block) or on a device with less shared memory, the small one (57.5 KB, FMA
+// products).
 // PYENGINE_MLA_SMALL_TILE=1 in the environment (read at each launch) forces the small one on NVIDIA.
 // Returns 0 on success, -1 for an unsupported configuration, else the runtime's error code.
 int launch_mla_attention(const PagedAttentionParams& p, void* stream);

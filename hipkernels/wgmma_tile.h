@@ -60,6 +60,14 @@ PE_DEVICE uint64_t desc(const void* p, uint32_t lbo, uint32_t sbo) {
 #define PE_WG_OUTS16(d) \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define PE_WG_REGS32 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define PE_WG_OUTS32(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define PE_WG_REGS128 \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
@@ -120,6 +128,20 @@ PE_DEVICE void end() {
   if constexpr (kTensor) asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
 }
+// end() in two halves, so that a warpgroup can do other work (copies, barriers) while its products
+// run: commit() closes the batch, wait() waits for it; d must not be touched in between.
+template <bool kTensor = true>
+PE_DEVICE void commit() {
+#if defined(PE_WGMMA)
+  if constexpr (kTensor) asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <bool kTensor = true>
+PE_DEVICE void wait() {
+#if defined(PE_WGMMA)
+  if constexpr (kTensor) asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
 // Shared memory written by ordinary stores or cp.async, read next by wgmma (the async proxy): each
 // writing thread fences after its writes have landed, before the barrier that publishes them.
 template <bool kTensor = true>
@@ -163,19 +185,26 @@ PE_DEVICE void fma_product(float (&d)[N / 2], const T* a, int a_rows, int ar0, i
 
 // d (16 kWarps x N) += A * B with A = a[ar0 .. +16 kWarps][ac0 .. +16] and B[k][n] = b[bn0 + n][bk0 + k]:
 // B stored with k contiguous ("K-major", e.g. the keys of S = Q K^T). ar0, bn0 multiples of 8, ac0, bk0
-// of 16. Tensor cores only for the instantiated wgmma shape (N 32, a warpgroup) and kTensor.
+// of 16. Tensor cores only for the instantiated wgmma shapes (N 32 or 64, a warpgroup) and kTensor.
 template <typename T, int N, int kWarps = 4, bool kTensor = true>
 PE_DEVICE void product_nk(float (&d)[N / 2], const T* a, int a_rows, int ar0, int ac0, const T* b, int b_rows,
                           int bn0, int bk0) {
   if constexpr (kTensor && kHaveWgmma) {
-    static_assert(N == 32 && kWarps == 4, "wgmma: m64n32k16 only");
+    static_assert((N == 32 || N == 64) && kWarps == 4, "wgmma: m64n32k16 / m64n64k16 only");
 #if defined(PE_WGMMA)
     const uint64_t da = desc(a + (ac0 >> 6) * a_rows * 64 + ar0 * 64 + (ac0 & 63), 16, 1024);
     const uint64_t db = desc(b + (bk0 >> 6) * b_rows * 64 + bn0 * 64 + (bk0 & 63), 16, 1024);
-    if constexpr (std::is_same<T, pe_bf16>::value)
-      PE_WGMMA_ASM("m64n32k16.f32.bf16.bf16", PE_WG_REGS16, "16", "17", "18", "0", PE_WG_OUTS16(d));
-    else
-      PE_WGMMA_ASM("m64n32k16.f32.f16.f16", PE_WG_REGS16, "16", "17", "18", "0", PE_WG_OUTS16(d));
+    if constexpr (N == 64) {
+      if constexpr (std::is_same<T, pe_bf16>::value)
+        PE_WGMMA_ASM("m64n64k16.f32.bf16.bf16", PE_WG_REGS32, "32", "33", "34", "0", PE_WG_OUTS32(d));
+      else
+        PE_WGMMA_ASM("m64n64k16.f32.f16.f16", PE_WG_REGS32, "32", "33", "34", "0", PE_WG_OUTS32(d));
+    } else {
+      if constexpr (std::is_same<T, pe_bf16>::value)
+        PE_WGMMA_ASM("m64n32k16.f32.bf16.bf16", PE_WG_REGS16, "16", "17", "18", "0", PE_WG_OUTS16(d));
+      else
+        PE_WGMMA_ASM("m64n32k16.f32.f16.f16", PE_WG_REGS16, "16", "17", "18", "0", PE_WG_OUTS16(d));
+    }
 #endif
   } else {
     fma_product<T, N, kWarps, true>(d, a, a_rows, ar0, ac0, b, b_rows, bn0, bk0);
