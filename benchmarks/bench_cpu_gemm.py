@@ -1,8 +1,11 @@
 """pyengine's packed CPU GEMM (pyengine.ops.cpu.PackedLinear) against oneDNN's prepacked linear on the
-linears of one SmolLM2-135M decode step (30 layers' qkv, o, gate_up, down, and the lm_head), random
-weights, fp32 and bf16, batch 1 and 16. Both run in this process, taking turns, best of --repeats;
-PackedLinear with its own pool (torch at one thread, as inside an engine step), oneDNN with torch's
---threads. Prints JSON (ms per step of linears and the weight bytes streamed per second).
+linears of one SmolLM2-135M decode step (30 layers' qkv, o, gate_up, down, and the lm_head), fp32 and
+bf16, batch 1 and 16. The weights are random values put through GGUF's Q4_1 (layers) and Q8_0
+(lm_head) quantisers and back, as the default model's file holds them; fp32 then also runs the
+compact panels (codes + per-run scale and offset, csrc/cpu_gemm_affine.h) next to the dense ones.
+All run in this process, taking turns, best of --repeats; PackedLinear with its own pool (torch at
+one thread, as inside an engine step), oneDNN with torch's --threads. Prints JSON (ms per step of
+linears and the dense weight bytes per second).
 
 It also measures this machine's ceilings, to show what a decode step's linears can cost at best:
 oneDNN's GEMM throughput on a cache-resident, compute-bound shape (fp32 and bf16) and the memory
@@ -24,6 +27,17 @@ import torch
 from pyengine.ops.cpu import PackedLinear
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]  # [in, out]
+
+
+def gguf_roundtrip(k: int, n: int, kind: str) -> torch.Tensor:
+    """[in, out] fp32: random weights through a GGUF quantiser and back (blocks of 32 inputs)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    kind_ = GGMLQuantizationType[kind]
+    rows = (torch.randn(n, k) * 0.05).numpy()
+    return torch.from_numpy(np.ascontiguousarray(dequantize(quantize(rows, kind_), kind_).astype(np.float32).T))
 
 
 def best_ms(fn, repeats: int) -> float:
@@ -65,27 +79,32 @@ def main() -> None:
                     "loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "rows": []}
     # Ceilings are maxima: measured before and after the GEMMs (interference only ever lowers them).
     first = ceilings(args.threads, args.repeats)
+    quantised = [gguf_roundtrip(k, n, "Q8_0" if n == SHAPES[-1][1] else "Q4_1") for k, n in SHAPES]
     for dtype in (torch.float32, torch.bfloat16):
         torch.set_num_threads(args.threads)
-        weights = [torch.randn(k, n).to(dtype) for k, n in SHAPES]
-        packed = [PackedLinear(w) for w in weights]  # pool threads = torch's count now
+        weights = [w.to(dtype) for w in quantised]
+        packed = [PackedLinear(w, compact=False) for w in weights]  # pool threads = torch's count now
+        compact = [PackedLinear(w) for w in weights] if dtype == torch.float32 else []
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None) for w in weights]
         nbytes = sum(w.numel() * w.element_size() for w in weights)
+        compact_bytes = sum(layer.packed_bytes for layer in compact)
         for m in (1, 16):
             xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
 
-            def run_packed() -> None:
-                for layer, (k, _) in zip(packed, SHAPES):
+            def run_packed(layers: list[PackedLinear] = packed) -> None:
+                for layer, (k, _) in zip(layers, SHAPES):
                     layer(xs[k])
 
             def run_onednn() -> None:
                 for w, (k, _) in zip(onednn, SHAPES):
                     torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
 
-            times: dict[str, float] = {"packed": float("inf"), "onednn": float("inf")}
+            times: dict[str, float] = {"packed": float("inf"), "onednn": float("inf"), "compact": float("inf")}
             for _ in range(2):  # turns, so a burst of interference cannot land on one side only
                 torch.set_num_threads(1)
                 times["packed"] = min(times["packed"], best_ms(run_packed, args.repeats))
+                if compact:
+                    times["compact"] = min(times["compact"], best_ms(lambda: run_packed(compact), args.repeats))
                 torch.set_num_threads(args.threads)
                 times["onednn"] = min(times["onednn"], best_ms(run_onednn, args.repeats))
             row = {"dtype": str(dtype).replace("torch.", ""), "batch": m,
@@ -93,14 +112,20 @@ def main() -> None:
                    "packed_gb_s": round(nbytes / times["packed"] / 1e6, 1),
                    "onednn_gb_s": round(nbytes / times["onednn"] / 1e6, 1),
                    "speedup": round(times["onednn"] / times["packed"], 3)}
+            if compact:
+                row["compact_ms"] = round(times["compact"], 2)
+                row["compact_bytes"] = compact_bytes
+                row["compact_speedup_vs_onednn"] = round(times["onednn"] / times["compact"], 3)
             row["flops"], row["bytes"] = 2 * m * sum(k * n for k, n in SHAPES), nbytes
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
     result["ceilings"] = {key: max(v, first[key]) for key, v in ceilings(args.threads, args.repeats).items()}
     for row in result["rows"]:
         gflop_s = result["ceilings"][f"gemm_gflop_s_{row['dtype']}"]
-        row["floor_ms"] = round(max(row.pop("flops") / gflop_s / 1e6,
-                                    row.pop("bytes") / result["ceilings"]["stream_read_gb_s"] / 1e6), 2)
+        compute_ms = row.pop("flops") / gflop_s / 1e6
+        row["floor_ms"] = round(max(compute_ms, row.pop("bytes") / result["ceilings"]["stream_read_gb_s"] / 1e6), 2)
+        if "compact_bytes" in row:
+            row["compact_floor_ms"] = round(max(compute_ms, row["compact_bytes"] / result["ceilings"]["stream_read_gb_s"] / 1e6), 2)
     text = json.dumps(result, indent=1)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

@@ -205,10 +205,11 @@ class LlamaForCausalLM(nn.Module):
         CPUs (avx512_bf16 for bf16) pyengine's own GEMM (pyengine.ops.cpu.PackedLinear), else a
         oneDNN-prepacked weight.
 
-        benchmarks/bench_cpu_gemm.py (SmolLM2-135M shapes, 2 cores; results/cpu_gemm.json), all
-        linears of one step, PackedLinear vs oneDNN: bf16 8.2 vs 10.8 ms at batch 16 and 5.8 vs 7.7
-        at batch 1; fp32 18.2 vs 19.6 at batch 16 and 13.2 vs 14.6 at batch 1. fp32 would keep the
-        packed GEMM for its batch-invariant rows even at a tie.
+        benchmarks/bench_cpu_gemm.py (SmolLM2-135M shapes, GGUF-quantised values, 2 cores;
+        results/cpu_gemm.json), all linears of one step: fp32 compact panels 11.7 ms at batch 16 and
+        4.5 at batch 1 (dense panels 18.1 / 11.1, oneDNN 18.4 / 13.3); bf16 8.2 vs oneDNN 10.9 at
+        batch 16 and 5.7 vs 7.5 at batch 1. Dense fp32 keeps the packed GEMM for its
+        batch-invariant rows even near a tie.
         Returns False (model unchanged) where neither is available. The dense copies are dropped,
         so load_weights cannot run again."""
         if self.lm_head.device.type != "cpu":
