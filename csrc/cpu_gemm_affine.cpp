@@ -93,7 +93,7 @@ bool find_run8(const float* w, int64_t stride, Run& run) {
 
 #ifdef PE_HAVE_AFFINE
 template <int R, int Bits>
-__attribute__((target("avx512f,avx512bw"))) void micro_kernel_affine(const float* x, int64_t x_row_stride,
+__attribute__((target("avx512f,avx512bw"))) void micro_kernel_affine(const float* x, int64_t /*x_row_stride*/,
                                                                      const uint32_t* panel, int64_t k,
                                                                      const float* bias, float* y,
                                                                      int64_t y_row_stride, int cols) {
@@ -106,28 +106,56 @@ __attribute__((target("avx512f,avx512bw"))) void micro_kernel_affine(const float
       _mm_prefetch(reinterpret_cast<const char*>(block + 4 * kBlockBytes + line), _MM_HINT_T0);
     const __m512 s = _mm512_loadu_ps(block), m = _mm512_loadu_ps(block + 64);
     const uint8_t* q = block + 128;
-    const float* xk = x + k0;
+    const float* xk = x + k0 * R;  // interleaved: xk[k * R + r]
     if constexpr (Bits == 4) {
       const __m512i low_nibble = _mm512_set1_epi32(0xF);
       for (int j = 0; j < kAffineRun / 2; ++j) {
         const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j)));
         const __m512 w0 = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_and_si512(codes, low_nibble)), m);
         const __m512 w1 = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), m);
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[r * x_row_stride + 2 * j]), w0, acc[r]);
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[(2 * j) * R + r]), w0, acc[r]);
         for (int r = 0; r < R; ++r)
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[r * x_row_stride + 2 * j + 1]), w1, acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[(2 * j + 1) * R + r]), w1, acc[r]);
       }
     } else {
       for (int j = 0; j < kAffineRun; ++j) {
         const __m512i codes = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j)));
         const __m512 wj = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(codes), m);
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[r * x_row_stride + j]), wj, acc[r]);
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[j * R + r]), wj, acc[r]);
       }
     }
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
   const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_row_stride, mask, _mm512_add_ps(acc[r], b));
+}
+
+// 16 rows x 16 columns -> dst[c * 16 + r]: unpack pairs of rows, shuffle within 128-bit lanes,
+// then two rounds of 128-bit lane shuffles.
+__attribute__((target("avx512f"))) void transpose16(const __m512 (&rows)[16], float* dst) {
+  __m512 t[16], r[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(rows[2 * i], rows[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(rows[2 * i], rows[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + j], 128-bit lane L: column 4L + j of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+    t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
+    t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+    t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
+  }
+  for (int j = 0; j < 4; ++j) {
+    _mm512_storeu_ps(dst + 16 * j, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));
+    _mm512_storeu_ps(dst + 16 * (8 + j), _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD));
+    _mm512_storeu_ps(dst + 16 * (4 + j), _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88));
+    _mm512_storeu_ps(dst + 16 * (12 + j), _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xDD));
+  }
 }
 
 template <int Bits, int... R>
@@ -165,6 +193,33 @@ bool pack_affine(const float* w, int64_t k, int64_t n, PanelFormat f, PanelStore
 #else
   (void)w, (void)k, (void)n, (void)f, (void)out;
   return false;
+#endif
+}
+
+#ifdef PE_HAVE_AFFINE
+namespace {
+__attribute__((target("avx512f"))) void interleave_rows_avx512(const float* x, int64_t x_row_stride, int64_t m,
+                                                               int64_t k, float* dst) {
+  int64_t r0 = 0;
+  for (; r0 + kGemmRows <= m; r0 += kGemmRows, dst += k * kGemmRows)
+    for (int64_t c0 = 0; c0 < k; c0 += kGemmRows) {
+      __m512 rows[kGemmRows];
+      for (int r = 0; r < kGemmRows; ++r) rows[r] = _mm512_loadu_ps(x + (r0 + r) * x_row_stride + c0);
+      transpose16(rows, dst + c0 * kGemmRows);
+    }
+  const int64_t rest = m - r0;  // a last tile of fewer rows: [K][rest]
+  for (int64_t r = 0; r < rest; ++r)
+    for (int64_t c = 0; c < k; ++c) dst[c * rest + r] = x[(r0 + r) * x_row_stride + c];
+}
+}  // namespace
+#endif
+
+void interleave_rows(const float* x, int64_t x_row_stride, int64_t m, int64_t k, float* dst) {
+  PE_ASSERT(k % kGemmRows == 0);
+#ifdef PE_HAVE_AFFINE
+  interleave_rows_avx512(x, x_row_stride, m, k, dst);
+#else
+  (void)x, (void)x_row_stride, (void)m, (void)dst;
 #endif
 }
 

@@ -43,8 +43,15 @@ bool pack_affine(const float* w, int64_t k, int64_t n, PanelFormat f, PanelStore
 
 // One panel times up to kGemmRows rows of x: (x, x_row_stride, panel, K, bias or null, y,
 // y_row_stride, valid columns). kernels[r - 1] takes r rows; run by cpu_gemm.cpp's panel loop.
+// The affine kernels for r rows read x interleaved, [K][r] (see interleave_rows; x_row_stride
+// unused): every broadcast is one base register plus a constant, where 16 row pointers spilled
+// registers (11% faster on 16 rows).
 using F32MicroKernel = void (*)(const float*, int64_t, const uint32_t*, int64_t, const float*, float*, int64_t, int);
 using F32MicroKernels = std::array<F32MicroKernel, kGemmRows>;
 const F32MicroKernels& affine_kernels(PanelFormat f);
+
+// x [M, K] (row stride x_row_stride) -> dst: tiles of 16 rows as [K][16], then the last M % 16
+// rows as [K][M % 16] (tile i at dst + i * K * 16). K % 16 == 0.
+void interleave_rows(const float* x, int64_t x_row_stride, int64_t m, int64_t k, float* dst);
 
 }  // namespace pyengine::cpu
