@@ -13,14 +13,12 @@ bf16. Also the cost of a verify step (q = 1 + k per row) relative to decode.
 from __future__ import annotations
 
 import argparse
-import datetime
-import sys
 
 import torch
 
 from pyengine.attention_metadata import AttentionMetadata
 from pyengine.ops import cuda as cuda_ops
-from gpu_timing import copy_bandwidth_gbps, time_ms, time_ms_graph, write_result  # noqa: E402  (benchmarks/ is on sys.path)
+from gpu_timing import copy_bandwidth_gbps, time_ms, time_ms_graph, write_result, run_header  # noqa: E402  (benchmarks/ is on sys.path)
 
 
 def make_meta(batch: int, ctx: int, q_len: int, block_size: int, num_blocks: int, gen) -> AttentionMetadata:
@@ -52,10 +50,7 @@ def main() -> None:
     copy_bw = copy_bandwidth_gbps()
     print(f"device-to-device copy: {copy_bw:.0f} GB/s", flush=True)
     result = {
-        "device": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([sys.executable.split("/")[-1]] + sys.argv),
-        "torch": torch.__version__,
+        **run_header(),
         "copy_bandwidth_GBps": copy_bw,
         "gqa": [], "mla": [], "verify": [],
     }

@@ -18,7 +18,6 @@ The projection GEMMs on their own (weight layout, cuBLAS settings): benchmarks/b
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import os
 import statistics
@@ -31,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pyengine import LLM, SamplingParams  # noqa: E402
 from pyengine.config import ModelConfig  # noqa: E402
-from gpu_timing import copy_bandwidth_gbps, time_ms, write_result  # noqa: E402  (benchmarks/ is on sys.path)
+from gpu_timing import copy_bandwidth_gbps, time_ms, write_result, run_header  # noqa: E402  (benchmarks/ is on sys.path)
 
 SMOLLM2_HF = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
@@ -194,10 +193,7 @@ def main() -> None:
     import transformers
 
     result = {
-        "device": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python3 " + " ".join(sys.argv),
-        "torch": torch.__version__,
+        **run_header(),
         "transformers": transformers.__version__,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "hf_new_tokens": args.hf_new_tokens,
         "copy_bandwidth_GBps": copy_bandwidth_gbps(),

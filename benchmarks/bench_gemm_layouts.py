@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_timing import copy_bandwidth_gbps, time_ms, write_result  # noqa: E402
+from gpu_timing import copy_bandwidth_gbps, time_ms, write_result, run_header  # noqa: E402
 
 # name: (in, out) of the fused 8B projections (qkv = 32 + 2 * 8 heads of 128).
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
@@ -100,9 +99,7 @@ def main() -> None:
     settings = args.settings.split(",")
     bw = copy_bandwidth_gbps()
     result: dict = {
-        "device": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python3 " + " ".join(sys.argv), "torch": torch.__version__,
+        **run_header(),
         "copy_bandwidth_GBps": bw, "rows": [],
         # cuBLAS reads these once, at its first call: they bound the split-K workspace.
         "env": {v: os.environ.get(v) for v in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")},

@@ -13,7 +13,6 @@ decode/verify steps replay CUDA graphs (prefill steps run eagerly).
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import sys
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import llm_from_model, sync_time  # noqa: E402
-from gpu_timing import copy_bandwidth_gbps, write_result  # noqa: E402
+from gpu_timing import copy_bandwidth_gbps, write_result, run_header  # noqa: E402
 
 from pyengine import LLM, SamplingParams  # noqa: E402
 
@@ -113,9 +112,7 @@ def main() -> None:
     model, cfg = random_mamba2()
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embeddings")
     weight_bytes += cfg.vocab_size * cfg.hidden_size * 2  # the tied head is read by every step
-    result = {"device": torch.cuda.get_device_name(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": "python3 " + " ".join(sys.argv), "torch": torch.__version__,
+    result = {**run_header(),
               "copy_bandwidth_GBps": copy_bw, "shape": MAMBA2_2_7B, "weight_bytes": weight_bytes,
               "state_bytes_per_row": state_bytes_per_row(cfg), "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "cuda_graphs": True, "plain": [], "ngram": []}

@@ -13,7 +13,6 @@ every (split, tile_n) the kernel takes, which is what its default was chosen fro
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
@@ -22,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_gemm_layouts import SHAPES, STREAM_BYTES, graph_ms  # noqa: E402
-from gpu_timing import copy_bandwidth_gbps, write_result  # noqa: E402
+from gpu_timing import copy_bandwidth_gbps, write_result, run_header  # noqa: E402
 
 from pyengine.ops import cuda as cuda_ops  # noqa: E402
 
@@ -41,9 +40,7 @@ def main() -> None:
     bw = copy_bandwidth_gbps()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     result: dict = {
-        "device": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python3 " + " ".join(sys.argv), "torch": torch.__version__,
+        **run_header(),
         "copy_bandwidth_GBps": bw, "num_sms": num_sms, "rows": [],
     }
     print(f"copy bandwidth {bw:.0f} GB/s, {num_sms} SMs", flush=True)

@@ -23,7 +23,6 @@ bytes reaches at that size.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import itertools
 import json
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from pyengine.ops import ssm_cuda
-from gpu_timing import copy_bandwidth_gbps, time_ms, time_ms_graph  # noqa: E402  (benchmarks/ is on sys.path)
+from gpu_timing import copy_bandwidth_gbps, time_ms, time_ms_graph, run_header  # noqa: E402  (benchmarks/ is on sys.path)
 
 H, P, N, G = 80, 64, 128, 1
 CONV_DIM, W = 5120, 4
@@ -223,8 +222,7 @@ def main() -> None:
         prefill.append(r)
         print(f"prefill scan {rows} x {length}: kernel {r['kernel_ms']:.3f} ms, chunked reference "
               f"{r['reference_chunked_ms']:.3f} ms", flush=True)
-    doc = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "command": "python3 " + " ".join(sys.argv),
+    doc = {**run_header(),
            "copy_gbps": copy_gbps, "shapes": {"H": H, "P": P, "N": N, "G": G, "conv_dim": CONV_DIM, "W": W},
            "results": results, "prefill_scan": prefill, "note": "end-to-end Mamba2-2.7B decode: benchmarks/bench_mamba2_decode.py"}
     if args.out:

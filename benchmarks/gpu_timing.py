@@ -2,9 +2,11 @@
 results are reported against (measured in the same run)."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import statistics
+import sys
 from typing import Callable
 
 import torch
@@ -49,6 +51,13 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), reps=20)
     return 2 * nbytes / ms / 1e6
+
+
+def run_header() -> dict:
+    """What every GPU result records first: device, UTC date, the command and torch's version."""
+    return {"device": torch.cuda.get_device_name(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python3 " + " ".join(sys.argv), "torch": torch.__version__}
 
 
 def write_result(path: str, result: dict) -> None:

@@ -122,14 +122,8 @@ PE_DEVICE void begin() {
   if constexpr (kTensor) asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
-template <bool kTensor = true>
-PE_DEVICE void end() {
-#if defined(PE_WGMMA)
-  if constexpr (kTensor) asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#endif
-}
-// end() in two halves, so that a warpgroup can do other work (copies, barriers) while its products
-// run: commit() closes the batch, wait() waits for it; d must not be touched in between.
+// Closes the batch of products issued since begin() (commit) and waits for it (wait); split, a
+// warpgroup can do other work (copies, barriers) in between. d must not be touched until wait().
 template <bool kTensor = true>
 PE_DEVICE void commit() {
 #if defined(PE_WGMMA)
@@ -141,6 +135,11 @@ PE_DEVICE void wait() {
 #if defined(PE_WGMMA)
   if constexpr (kTensor) asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
+}
+template <bool kTensor = true>
+PE_DEVICE void end() {
+  commit<kTensor>();
+  wait<kTensor>();
 }
 // Shared memory written by ordinary stores or cp.async, read next by wgmma (the async proxy): each
 // writing thread fences after its writes have landed, before the barrier that publishes them.

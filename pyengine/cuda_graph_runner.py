@@ -250,70 +250,66 @@ class CudaGraphRunner:
         if int(ctx.max()) > self.width * B:
             return None
         table = np.array(batch.block_tables, dtype=np.int32)  # a copy: the batch's arrays are reused
-        width = table.shape[1]
         slots = np.asarray(batch.slot_mapping, dtype=np.int64) + 1
         seq_ids = np.array(batch.seq_ids)
-        entry = self.graphs.get(key)
-        if self.use_graphs and entry is None:
+        if self.use_graphs and key not in self.graphs:
             return None
-        if self.copy_done is not None:
-            self.copy_done.synchronize()  # the previous copy has left the staging buffers
-        T, h = self.T, self.np64
-        h[T:T + rows] = pos
-        h[2 * T:2 * T + rows] = slots
-        h[3 * T:3 * T + rows] = ctx
-        self._fill_padding(rows, b, 1)
-        self.np32[:rows, :width] = table
-        ids = self.dev64[0:rows]
-        if self.use_graphs:
-            host, dev = self.staged[b]
-            dev.copy_(host, non_blocking=True)
-            self.copy_done.record()
-            ids.copy_(token_ids)
-            entry[0].replay()
-            self.num_replays += 1
-            logits = entry[1][:rows]
-        else:
-            self.dev_bytes.copy_(self.host_bytes)
-            ids.copy_(token_ids)
-            self.num_eager += 1
-            logits = self._forward(b, 1)[:rows]
+        self._stage(key, rows, None, pos, slots, ctx, table)
+        logits = self._run(key, rows, token_ids)
         return PendingStep(key, logits, seq_ids, pos, slots, ctx, table)
 
     @torch.inference_mode()
     def execute(self, batch, key: tuple[int, int]) -> torch.Tensor:
         b, q = key
         rows = len(batch.context_lens)
+        self._stage(key, rows, batch.input_ids, batch.positions, batch.slot_mapping, batch.context_lens,
+                    batch.block_tables)
+        if self.state_cache is not None:
+            self.np_state[:rows, :-1] = np.asarray(batch.state_slots, dtype=np.int32).reshape(rows, -1)
+            self.np_state[:rows, -1] = np.maximum(np.asarray(batch.num_accepted_prev, dtype=np.int32), 1)
+        if self.use_graphs and key not in self.graphs:
+            self.graphs[key] = self._capture(b, q)
+            return self.execute(batch, key)  # _capture overwrote the staging padding: stage again
+        return self._run(key, rows * q)
+
+    def _stage(self, key: tuple[int, int], rows: int, input_ids, positions, slot_mapping, context_lens,
+               block_tables) -> None:
+        """A step's inputs into the host staging buffers (input_ids None: left as they are, the
+        device copy of launch_next replaces them), padding rows up to the bucket."""
+        b, q = key
         n = rows * q
         if self.copy_done is not None:
             self.copy_done.synchronize()  # the previous step's copy has left the staging buffers
         T, h = self.T, self.np64
-        h[0:n] = batch.input_ids
-        h[T:T + n] = batch.positions
-        h[2 * T:2 * T + n] = batch.slot_mapping
-        h[3 * T:3 * T + rows] = batch.context_lens
+        if input_ids is not None:
+            h[0:n] = input_ids
+        h[T:T + n] = positions
+        h[2 * T:2 * T + n] = slot_mapping
+        h[3 * T:3 * T + rows] = context_lens
         self._fill_padding(rows, b, q)
-        bt = batch.block_tables
-        self.np32[:rows, :bt.shape[1]] = bt
-        if self.state_cache is not None:
-            self.np_state[:rows, :-1] = np.asarray(batch.state_slots, dtype=np.int32).reshape(rows, -1)
-            self.np_state[:rows, -1] = np.maximum(np.asarray(batch.num_accepted_prev, dtype=np.int32), 1)
+        self.np32[:rows, :block_tables.shape[1]] = block_tables
+
+    def _run(self, key: tuple[int, int], n: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy the staged inputs to the device (then token_ids over the first ids, device to
+        device), run the step (its graph replayed, else eagerly) and return the first n logits."""
+        b, q = key
         if self.use_graphs:
-            entry = self.graphs.get(key)
-            if entry is None:
-                entry = self.graphs[key] = self._capture(b, q)
-                # _capture overwrote the staging padding; refresh this step's inputs
-                return self.execute(batch, key)
             host, dev = self.staged[b]
             dev.copy_(host, non_blocking=True)
             if self.state_cache is not None:
                 self.dev_state[:b].copy_(self.host_state[:b], non_blocking=True)
             self.copy_done.record()
-            entry[0].replay()
+        else:
+            self.dev_bytes.copy_(self.host_bytes)
+            if self.state_cache is not None:
+                self.dev_state.copy_(self.host_state)
+        if token_ids is not None:
+            self.dev64[0:len(token_ids)].copy_(token_ids)
+        if self.use_graphs:
+            graph, out = self.graphs[key]
+            graph.replay()
             self.num_replays += 1
-            return entry[1] if n == len(entry[1]) else entry[1][:n]
-        self.dev_bytes.copy_(self.host_bytes)
-        if self.state_cache is not None:
-            self.dev_state.copy_(self.host_state)
-        self.num_eager += 1
-        return self._forward(b, q)[:n]
+        else:
+            self.num_eager += 1
+            out = self._forward(b, q)
+        return out if n == len(out) else out[:n]

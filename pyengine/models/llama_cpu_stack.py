@@ -29,16 +29,14 @@ class CpuLlamaStack:
         self._cpu = cpu_ops
         cfg = model.config
         self.dtype = model.dtype
-        self.head_dim = cfg.head_dim
-        layers = []
+        layers = []  # raw pointers into weights the model (which holds this stack) owns
         for layer in model.layers:
             linears = [getattr(layer, name) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
             layers.append((*(w.packed for w in linears), layer.input_layernorm.data_ptr(),
                            layer.post_attention_layernorm.data_ptr()))
-        self._norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in model.layers]  # kept alive
         self._stack = cpu_ops._K.LlamaStack(layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                                             cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-                                            cfg.head_dim**-0.5, _DTYPE_CODE[model.dtype])
+                                            model.layers[0].scale, _DTYPE_CODE[model.dtype])
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> CpuLlamaStack | None:
