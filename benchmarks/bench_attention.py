@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--contexts", default="512,1024,4096,8192,32768")
     ap.add_argument("--max-tokens", type=int, default=4 << 20, help="skip points with batch*ctx above this")
+    ap.add_argument("--mla-only", action="store_true", help="skip the GQA part (MLA kernel work)")
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -55,9 +56,18 @@ def main() -> None:
         "gqa": [], "mla": [], "verify": [],
     }
 
+    max_tok = min(args.max_tokens, max(batches) * max(contexts))
+    if not args.mla_only:
+        gqa(result, batches, contexts, max_tok, copy_bw, gen, dtype)
+    mla(result, batches, contexts, max_tok, copy_bw, gen, dtype)
+    write_result(args.out, result)
+    print(f"decode_bandwidth_fraction (gqa b=64 ctx=4096): {result.get('decode_bandwidth_fraction')}; "
+          f"mla: {result.get('mla_decode_bandwidth_fraction')}")
+
+
+def gqa(result: dict, batches: list[int], contexts: list[int], max_tok: int, copy_bw: float, gen, dtype) -> None:
     # Llama-3-8B decode.
     hq, hkv, d, bs = 32, 8, 128, 16
-    max_tok = min(args.max_tokens, max(batches) * max(contexts))
     nblocks = max_tok // bs + 1
     k = torch.randn(nblocks, bs, hkv, d, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
@@ -110,24 +120,29 @@ def main() -> None:
     del k, v
     torch.cuda.empty_cache()
 
+
+def mla(result: dict, batches: list[int], contexts: list[int], max_tok: int, copy_bw: float, gen, dtype) -> None:
     # DeepSeek-V3 MLA decode.
     hq, bs = 128, 64
     max_tok_mla = min(max_tok, 2 << 20)
     nblocks = max_tok_mla // bs + 1
     kv = torch.randn(nblocks, bs, 576, device="cuda", dtype=dtype)
+
+    def time_mla(batch: int, ctx: int) -> float:
+        meta = make_meta(batch, ctx, 1, bs, nblocks, gen)
+        q = torch.randn(batch, hq, 576, device="cuda", dtype=dtype)
+        return time_ms_graph(lambda: cuda_ops.paged_attention_mla(q, kv, meta, 192 ** -0.5), inner=3, reps=5)
+
     for batch in batches:
         for ctx in contexts:
             if batch * ctx > max_tok_mla:
                 continue
-            meta = make_meta(batch, ctx, 1, bs, nblocks, gen)
-            q = torch.randn(batch, hq, 576, device="cuda", dtype=dtype)
-            ms = time_ms_graph(lambda: cuda_ops.paged_attention_mla(q, kv, meta, 192 ** -0.5), inner=3, reps=5)
-            nbytes = batch * ctx * 576 * kv.element_size()
-            bw = nbytes / ms / 1e6
+            ms = time_mla(batch, ctx)
+            bw = batch * ctx * 576 * kv.element_size() / ms / 1e6
             result["mla"].append({"batch": batch, "context": ctx, "ms": ms, "GBps": bw, "fraction_of_copy": bw / copy_bw})
             print(f"mla  b={batch:4d} ctx={ctx:6d} {ms:8.3f} ms {bw:7.0f} GB/s {bw / copy_bw:5.2f}", flush=True)
-    write_result(args.out, result)
-    print(f"decode_bandwidth_fraction (gqa b=64 ctx=4096): {result['decode_bandwidth_fraction']}")
+    frac = [r["fraction_of_copy"] for r in result["mla"] if r["batch"] == 64 and r["context"] == 4096]
+    result["mla_decode_bandwidth_fraction"] = frac[0] if frac else None
 
 
 if __name__ == "__main__":
