@@ -185,20 +185,21 @@ def free() -> None:
     torch.cuda.empty_cache()
 
 
-def run_isolated(models: list[str]) -> None:
+def run_isolated(models: list[str], out: str) -> None:
     """Runs this script once per model (--models NAME, the other arguments as given) in a fresh
-    process and writes the merged result where --out says."""
-    argv = sys.argv[1:]
-    out_at = argv.index("--out") + 1 if "--out" in argv else None
-    out = argv[out_at] if out_at is not None else "benchmarks/results/decode_h100.json"
+    process and writes the merged result to out."""
+    rest, skip = [], False  # this run's arguments without --models / --out
+    for a in sys.argv[1:]:
+        if skip or a.startswith(("--models=", "--out=")):
+            skip = False
+        elif a in ("--models", "--out"):
+            skip = True
+        else:
+            rest.append(a)
     merged: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
             part = os.path.join(tmp, f"{name}.json")
-            rest = [a for i, a in enumerate(argv) if i != out_at and a != "--out"]
-            mi = rest.index("--models") if "--models" in rest else None
-            if mi is not None:
-                rest = rest[:mi] + rest[mi + 2:]
             subprocess.run([sys.executable, os.path.abspath(__file__), *rest, "--models", name, "--out", part],
                            check=True)
             with open(part) as f:
@@ -230,7 +231,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     models = args.models.split(",")
     if len(models) > 1 and not args.in_process:
-        run_isolated(models)
+        run_isolated(models, args.out)
         return
     import transformers
 
