@@ -234,6 +234,7 @@ int rope_units(const RopeAndCacheParams& p, int n) {
 
 template <typename T, int N, bool kRotate>
 __global__ void __launch_bounds__(kRopeThreads) rope_and_cache_kernel(RopeAndCacheParams p) {
+  pe_pdl_launch_dependents();  // a PDL-launched attention kernel may start; it waits for this one first
   using C = Chunk<T, N>;
   using Raw = typename C::Raw;
   const int64_t t = blockIdx.x;

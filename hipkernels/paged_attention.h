@@ -55,6 +55,10 @@ struct PagedAttentionParams {
   int split_block = kPagedAttnSplitBlock;  // keys per split unit, a multiple of 64
   float scale = 1.0f;
   int dtype = 0;          // PeDType: 0 fp16, 1 bf16
+  // GQA on CUDA: programmatic dependent launch. The kernel's blocks start while the previous kernel
+  // (rope_and_cache, which allows it at its start) finishes, and the next one (the output
+  // projection, itself launched so) may start streaming its weights once the key loops are done.
+  bool pdl = false;
 };
 
 // GQA. Returns 0 on success, -1 for an unsupported configuration, else the runtime's error code.

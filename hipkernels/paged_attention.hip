@@ -49,6 +49,9 @@ constexpr int kMinBlocks() {
 // The arithmetic of a query-head pair depends only on (LPT, U, the row), never on MT or the batch.
 template <typename T, int DQK, int DV, int LPT, int MT, int U, int STAGES>
 __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>())) paged_attention_kernel(PagedAttentionParams p) {
+  // Launched with PDL (p.pdl): the block may start while the previous kernel finishes, and reads
+  // nothing of the step before it has (a no-op for an ordinary launch).
+  pe_pdl_wait();
   constexpr int NV_K = DQK / 8;                    // 16-byte vectors per K row
   constexpr int NV_V = DV / 8;
   constexpr int VPL_K = (NV_K + LPT - 1) / LPT;    // vectors per lane
@@ -269,6 +272,10 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>()))
       }
     }
   }
+  // The next kernel (a PDL-launched projection) may start streaming its weights: it still waits for
+  // this one to finish before reading the output. Not at the start: with several waves of blocks,
+  // its waiting blocks would hold SMs that this grid's later waves need.
+  pe_pdl_launch_dependents();
   copy_wait<0>();
   __syncthreads();  // the pipeline buffers become the merge buffer
 
@@ -375,6 +382,21 @@ void launch_main(const PagedAttentionParams& p, peStream_t s) {
   const int G = p.num_q_heads / p.num_kv_heads;
   const int m_tiles = (p.max_query_len * G + MT - 1) / MT;
   const dim3 grid((unsigned)p.max_splits, (unsigned)m_tiles, (unsigned)(p.num_rows * p.num_kv_heads));
+#if !defined(PE_HIP)
+  if (p.pdl) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads);
+    cfg.stream = s;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    cudaLaunchKernelEx(&cfg, paged_attention_kernel<T, DQK, DV, LPT, MT, U, kStages>, p);
+    return;
+  }
+#endif
   paged_attention_kernel<T, DQK, DV, LPT, MT, U, kStages><<<grid, kThreads, 0, s>>>(p);
 }
 

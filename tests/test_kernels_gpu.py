@@ -138,6 +138,45 @@ def test_context_shorter_than_query_gives_zero_and_inf():
     check_close(out, ref, lse, ref_lse, rows, torch.float16)
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gqa_reads_the_keys_rope_and_cache_just_wrote(pdl, monkeypatch):
+    """A decode step writes this token's K/V with rope_and_cache, which lets the next kernel start
+    early; the attention kernel, launched with programmatic dependent launch (pdl), must still read
+    the new keys. The written slots start as NaN, so a stale read shows. Captured in a CUDA graph,
+    rope -> attention equals the same two ops with a device synchronisation in between."""
+    monkeypatch.setattr(cuda_ops, "PDL", pdl)
+    rows = [(37, 1), (300, 1), (1025, 1)]  # the last one splits (workspace + combine)
+    hq, hkv, d, bs = 32, 8, 128, 16
+    meta, tables, nblocks = make_step(rows, bs, seed=9)
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    k = fill_cache((nblocks, bs, hkv, d), tables, rows, bs, torch.bfloat16, gen)
+    v = fill_cache((nblocks, bs, hkv, d), tables, rows, bs, torch.bfloat16, gen)
+    k.view(-1, hkv, d)[meta.slot_mapping] = float("nan")
+    v.view(-1, hkv, d)[meta.slot_mapping] = float("nan")
+    t = meta.num_tokens
+    qk = torch.randn(t, hq + hkv, d, generator=gen, device=DEV).to(torch.bfloat16)
+    v_new = torch.randn(t, hkv, d, generator=gen, device=DEV).to(torch.bfloat16)
+    angle = torch.rand(t, d // 2, generator=gen, device=DEV) * 6.28
+    cos = torch.cat([angle.cos(), angle.cos()], -1).to(torch.bfloat16)
+    sin = torch.cat([-angle.sin(), angle.sin()], -1).to(torch.bfloat16)
+
+    def step(k_cache, v_cache, qk_in, sync):
+        cuda_ops.rope_and_cache(qk_in, v_new, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        if sync:
+            torch.cuda.synchronize()
+        return cuda_ops.paged_attention(qk_in[:, :hq], k_cache, v_cache, meta, d ** -0.5)
+
+    expected = step(k.clone(), v.clone(), qk.clone(), sync=True)
+    assert not torch.isnan(expected).any()
+    k_g, v_g, qk_g = k.clone(), v.clone(), qk.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(k_g, v_g, qk_g, sync=False)
+    graph.replay()  # capturing ran nothing: this is the step's only run on these copies
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
 @pytest.fixture(params=["fast", "small"])
 def mla_tile(request, monkeypatch):
     """Each MLA attention test runs with both tile configurations of hipkernels/mla_tile.h: "fast"

@@ -193,7 +193,7 @@ def _launch(
             ws[0].data_ptr(), ws[1].data_ptr(), plan["ws_start"].data_ptr(), tables.data_ptr(),
             plan["qsl"].data_ptr(), plan["ctx"].data_ptr(), meta.num_rows, num_heads, num_kv_heads,
             head_dim, head_dim_v, meta.block_size, tables.shape[1], int(meta.max_query_len), max_splits,
-            float(scale), _DTYPE_CODE[q.dtype], mla, _stream(q.device), SPLIT_BLOCK,
+            float(scale), _DTYPE_CODE[q.dtype], mla, _stream(q.device), SPLIT_BLOCK, PDL and not mla,
         )
     return (out, lse) if return_lse else out
 
@@ -356,7 +356,8 @@ def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, 
 # ---- skinny GEMM for decode (hipkernels/skinny_gemm.hip) ------------------------------------------
 
 # PYENGINE_SKINNY_GEMM=0 keeps every projection on cuBLAS (benchmarks compare the two in one build);
-# PYENGINE_PDL=0 launches the skinny GEMM without programmatic dependent launch.
+# PYENGINE_PDL=0 launches the skinny GEMM and the GQA attention kernel without programmatic dependent
+# launch.
 SKINNY_GEMM = os.environ.get("PYENGINE_SKINNY_GEMM", "1") != "0"
 PDL = os.environ.get("PYENGINE_PDL", "1") != "0"
 # Rows up to which skinny_linear takes a projection. H100 (results/skinny_gemm_h100.json,
