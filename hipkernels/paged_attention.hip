@@ -15,6 +15,7 @@
 #include "attention_common.h"
 
 #include <math.h>
+#include <stdlib.h>
 
 namespace {
 
@@ -401,7 +402,9 @@ void launch_main(const PagedAttentionParams& p, peStream_t s) {
 }
 
 // (LPT, U) fix the order of the arithmetic; they depend on the head dim and the group size only
-// (the model), never on the batch. Each tile stages 8-9 KB of K/V per pipeline stage.
+// (the model), never on the batch. For head dims 64 and 128 they do not depend on MT either, so MT
+// (query-head pairs per block) is free per launch (pairs_per_block). Each tile stages 8-9 KB of K/V
+// per pipeline stage.
 template <typename T, int D>
 void launch_gqa(const PagedAttentionParams& p, peStream_t s, int mt) {
   if constexpr (D == 64) {
@@ -436,12 +439,42 @@ void launch_combine(const PagedAttentionParams& p, peStream_t s) {
   paged_attention_combine_kernel<T><<<grid, kThreads, 0, s>>>(p);
 }
 
+// Query-head pairs per block. The model's choice, the group size up to 8, lets every pair of a KV
+// head share each K/V load. A grid that would not fill the GPU (batch-1 decode: one block per KV
+// head) is latency-bound, so fewer pairs per block give more blocks and a shorter chain per key
+// tile, for K/V re-read from L2; H100, 8B batch 1: step 5.744 ms with 1 pair vs 5.821-5.831 with 4.
+// No bit changes (see launch_gqa), except for head dim 256, which keeps the model's choice.
+// PYENGINE_GQA_PAIRS (1, 2, 4 or 8) forces it, read at every launch (tests).
+int pairs_per_block(const PagedAttentionParams& p) {
+  const int G = p.num_q_heads / p.num_kv_heads;
+  int mt = 1;
+  while (mt < G && mt < 8) mt *= 2;
+  if (p.head_dim_qk == 256) return mt;
+  const char* env = getenv("PYENGINE_GQA_PAIRS");
+  if (env != nullptr && env[0] != '\0') {
+    const int forced = atoi(env);
+    return forced == 1 || forced == 2 || forced == 4 || forced == 8 ? forced : mt;
+  }
+#if !defined(PE_HIP)
+  static const int num_sms = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      return 0;  // unknown: the model's choice
+    return n;
+  }();
+  auto blocks = [&](int m) {
+    return (int64_t)p.num_rows * p.num_kv_heads * p.max_splits * ((p.max_query_len * G + m - 1) / m);
+  };
+  while (mt > 1 && blocks(mt) < num_sms) mt /= 2;
+#endif
+  return mt;
+}
+
 template <typename T>
 int launch_typed(const PagedAttentionParams& p, peStream_t s) {
   if (p.head_dim_qk != p.head_dim_v) return -1;
-  const int G = p.num_q_heads / p.num_kv_heads;
-  int mt = 1;
-  while (mt < G && mt < 8) mt *= 2;  // depends on the model only, never on the batch
+  const int mt = pairs_per_block(p);
   switch (p.head_dim_qk) {
     case 64: launch_gqa<T, 64>(p, s, mt); break;
     case 128: launch_gqa<T, 128>(p, s, mt); break;

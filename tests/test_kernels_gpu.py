@@ -138,6 +138,56 @@ def test_context_shorter_than_query_gives_zero_and_inf():
     check_close(out, ref, lse, ref_lse, rows, torch.float16)
 
 
+@pytest.mark.parametrize("head_dim, group", [(128, 4), (128, 8), (64, 8)])
+def test_gqa_pairs_per_block_change_no_bit(head_dim, group, monkeypatch):
+    """Query-head pairs per block are a launch choice (fewer when the grid is small, as in batch-1
+    decode): every pair's arithmetic is the same, so forcing 1, 2, 4 or 8 gives the same bits on a
+    mixed batch (decode, verify, prefill chunks, splits), and so does the automatic choice."""
+    hkv = 32 // group
+    results = []
+    for pairs in ("1", "2", "4", "8", ""):
+        monkeypatch.setenv("PYENGINE_GQA_PAIRS", pairs)
+        out, lse, ref, ref_lse = gqa_case(MIXED, 16, hkv, group, torch.bfloat16, head_dim, seed=4)
+        check_close(out, ref, lse, ref_lse, MIXED, torch.bfloat16)
+        results.append((out, lse))
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
+def test_gqa_decode_row_alone_and_in_a_large_batch():
+    """Alone, a decode row's grid is tiny and the launcher picks one pair per block; in a batch of 48
+    rows it keeps the model's 4. The row's output and lse are bit-identical either way."""
+    row = (300, 1)
+    crowd = [(1000 + 37 * i, 1) for i in range(47)]
+    crowd.insert(20, row)
+
+    def run(rows, which):
+        gen = torch.Generator(device=DEV).manual_seed(21)
+        meta, tables, nblocks = make_step(rows, 16, seed=len(rows))
+        shape = (nblocks, 16, 8, 128)
+        k = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=DEV)
+        v = torch.full_like(k, float("nan"))
+        ctx, _ = rows[which]
+        data_k = torch.randn(ctx, 8, 128, generator=gen, device=DEV).to(k.dtype)
+        data_v = torch.randn(ctx, 8, 128, generator=gen, device=DEV).to(k.dtype)
+        q_row = torch.randn(1, 32, 128, generator=gen, device=DEV).to(k.dtype)
+        for r, (c, _) in enumerate(rows):
+            pos = torch.arange(c)
+            slots = (torch.tensor(tables[r])[pos // 16] * 16 + pos % 16).to(DEV)
+            k.view(-1, 8, 128)[slots] = data_k if r == which else torch.randn(c, 8, 128, device=DEV).to(k.dtype)
+            v.view(-1, 8, 128)[slots] = data_v if r == which else torch.randn(c, 8, 128, device=DEV).to(k.dtype)
+        q = torch.randn(meta.num_tokens, 32, 128, device=DEV).to(k.dtype)
+        q0 = int(meta.query_start_loc[which])
+        q[q0:q0 + 1] = q_row
+        out, lse = cuda_ops.paged_attention(q, k, v, meta, 128 ** -0.5, return_lse=True)
+        return out[q0:q0 + 1], lse[q0:q0 + 1]
+
+    alone = run([row], 0)
+    together = run(crowd, 20)
+    assert not torch.isnan(alone[0]).any()
+    assert torch.equal(alone[0], together[0]) and torch.equal(alone[1], together[1])
+
+
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gqa_reads_the_keys_rope_and_cache_just_wrote(pdl, monkeypatch):
     """A decode step writes this token's K/V with rope_and_cache, which lets the next kernel start
