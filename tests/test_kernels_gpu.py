@@ -160,30 +160,8 @@ def test_gqa_decode_row_alone_and_in_a_large_batch():
     row = (300, 1)
     crowd = [(1000 + 37 * i, 1) for i in range(47)]
     crowd.insert(20, row)
-
-    def run(rows, which):
-        gen = torch.Generator(device=DEV).manual_seed(21)
-        meta, tables, nblocks = make_step(rows, 16, seed=len(rows))
-        shape = (nblocks, 16, 8, 128)
-        k = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=DEV)
-        v = torch.full_like(k, float("nan"))
-        ctx, _ = rows[which]
-        data_k = torch.randn(ctx, 8, 128, generator=gen, device=DEV).to(k.dtype)
-        data_v = torch.randn(ctx, 8, 128, generator=gen, device=DEV).to(k.dtype)
-        q_row = torch.randn(1, 32, 128, generator=gen, device=DEV).to(k.dtype)
-        for r, (c, _) in enumerate(rows):
-            pos = torch.arange(c)
-            slots = (torch.tensor(tables[r])[pos // 16] * 16 + pos % 16).to(DEV)
-            k.view(-1, 8, 128)[slots] = data_k if r == which else torch.randn(c, 8, 128, device=DEV).to(k.dtype)
-            v.view(-1, 8, 128)[slots] = data_v if r == which else torch.randn(c, 8, 128, device=DEV).to(k.dtype)
-        q = torch.randn(meta.num_tokens, 32, 128, device=DEV).to(k.dtype)
-        q0 = int(meta.query_start_loc[which])
-        q[q0:q0 + 1] = q_row
-        out, lse = cuda_ops.paged_attention(q, k, v, meta, 128 ** -0.5, return_lse=True)
-        return out[q0:q0 + 1], lse[q0:q0 + 1]
-
-    alone = run([row], 0)
-    together = run(crowd, 20)
+    alone = gqa_row_outputs([row], 0, seed=21)
+    together = gqa_row_outputs(crowd, 20, seed=21)
     assert not torch.isnan(alone[0]).any()
     assert torch.equal(alone[0], together[0]) and torch.equal(alone[1], together[1])
 
@@ -298,33 +276,34 @@ def _row_alone_vs_in_batch(run):
     assert torch.equal(alone[0], together[0]) and torch.equal(alone[1], together[1])
 
 
+def gqa_row_outputs(rows, which, seed=7):
+    """Output and lse of row `which` (Llama-3-8B heads, block size 16) in a batch of `rows`: the row's
+    keys, values and queries depend only on seed, every other row gets random ones."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    meta, tables, nblocks = make_step(rows, 16, seed=len(rows))
+    shape = (nblocks, 16, 8, 128)
+    k = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=DEV)
+    v = torch.full_like(k, float("nan"))
+    ctx, q_len = rows[which]
+    data_k = torch.randn(ctx, 8, 128, generator=gen, device=DEV).to(k.dtype)
+    data_v = torch.randn(ctx, 8, 128, generator=gen, device=DEV).to(k.dtype)
+    q_row = torch.randn(q_len, 32, 128, generator=gen, device=DEV).to(k.dtype)
+    for r, (c, _) in enumerate(rows):  # every row gets some keys; row `which` gets data_k/v
+        pos = torch.arange(c)
+        slots = (torch.tensor(tables[r])[pos // 16] * 16 + pos % 16).to(DEV)
+        src_k = data_k if r == which else torch.randn(c, 8, 128, device=DEV).to(k.dtype)
+        src_v = data_v if r == which else torch.randn(c, 8, 128, device=DEV).to(k.dtype)
+        k.view(-1, 8, 128)[slots] = src_k
+        v.view(-1, 8, 128)[slots] = src_v
+    q = torch.randn(meta.num_tokens, 32, 128, device=DEV).to(k.dtype)
+    q0 = int(meta.query_start_loc[which])
+    q[q0:q0 + q_len] = q_row
+    out, lse = cuda_ops.paged_attention(q, k, v, meta, 128 ** -0.5, return_lse=True)
+    return out[q0:q0 + q_len], lse[q0:q0 + q_len]
+
+
 def test_gqa_batch_invariant():
-    gen_seed = 7
-
-    def run(rows, which):
-        gen = torch.Generator(device=DEV).manual_seed(gen_seed)
-        meta, tables, nblocks = make_step(rows, 16, seed=len(rows))
-        shape = (nblocks, 16, 8, 128)
-        k = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=DEV)
-        v = torch.full_like(k, float("nan"))
-        ctx, q_len = rows[which]
-        data_k = torch.randn(ctx, 8, 128, generator=gen, device=DEV).to(k.dtype)
-        data_v = torch.randn(ctx, 8, 128, generator=gen, device=DEV).to(k.dtype)
-        q_row = torch.randn(q_len, 32, 128, generator=gen, device=DEV).to(k.dtype)
-        for r, (c, _) in enumerate(rows):  # every row gets some keys; row `which` gets data_k/v
-            pos = torch.arange(c)
-            slots = (torch.tensor(tables[r])[pos // 16] * 16 + pos % 16).to(DEV)
-            src_k = data_k if r == which else torch.randn(c, 8, 128, device=DEV).to(k.dtype)
-            src_v = data_v if r == which else torch.randn(c, 8, 128, device=DEV).to(k.dtype)
-            k.view(-1, 8, 128)[slots] = src_k
-            v.view(-1, 8, 128)[slots] = src_v
-        q = torch.randn(meta.num_tokens, 32, 128, device=DEV).to(k.dtype)
-        q0 = int(meta.query_start_loc[which])
-        q[q0:q0 + q_len] = q_row
-        out, lse = cuda_ops.paged_attention(q, k, v, meta, 128 ** -0.5, return_lse=True)
-        return out[q0:q0 + q_len], lse[q0:q0 + q_len]
-
-    _row_alone_vs_in_batch(run)
+    _row_alone_vs_in_batch(gqa_row_outputs)
 
 
 @pytest.mark.usefixtures("mla_tile")
