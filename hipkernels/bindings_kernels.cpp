@@ -88,7 +88,7 @@ void register_kernels(py::module_& m) {
          std::uintptr_t block_tables, std::uintptr_t query_start_loc, std::uintptr_t context_lens,
          int num_rows, int num_q_heads, int num_kv_heads, int head_dim_qk, int head_dim_v, int block_size,
          int max_blocks_per_row, int max_query_len, int max_splits, float scale, int dtype, bool mla,
-         std::uintptr_t stream, int split_block, bool pdl) {
+         std::uintptr_t stream, int split_block, bool pdl, int num_sms) {
         PagedAttentionParams p;
         p.q = ptr<const void>(q);
         p.q_stride_token = q_stride_token;
@@ -116,6 +116,7 @@ void register_kernels(py::module_& m) {
         p.max_splits = max_splits;
         p.split_block = split_block;
         p.pdl = pdl;
+        p.num_sms = num_sms;
         p.scale = scale;
         p.dtype = dtype;
         if (mla) check(launch_mla_attention(p, ptr<void>(stream)), "paged_attention (mla)");
@@ -127,7 +128,7 @@ void register_kernels(py::module_& m) {
       py::arg("context_lens"), py::arg("num_rows"), py::arg("num_q_heads"), py::arg("num_kv_heads"),
       py::arg("head_dim_qk"), py::arg("head_dim_v"), py::arg("block_size"), py::arg("max_blocks_per_row"),
       py::arg("max_query_len"), py::arg("max_splits"), py::arg("scale"), py::arg("dtype"), py::arg("mla"),
-      py::arg("stream"), py::arg("split_block") = kPagedAttnSplitBlock, py::arg("pdl") = false);
+      py::arg("stream"), py::arg("split_block") = kPagedAttnSplitBlock, py::arg("pdl") = false, py::arg("num_sms") = 0);
 
   k.def("paged_attention_constants", []() {
     py::dict d;

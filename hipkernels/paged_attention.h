@@ -59,6 +59,7 @@ struct PagedAttentionParams {
   // (rope_and_cache, which allows it at its start) finishes, and the next one (the output
   // projection, itself launched so) may start streaming its weights once the key loops are done.
   bool pdl = false;
+  int num_sms = 0;  // multiprocessors of the device (GQA: sizes the pairs per block); 0: unknown
 };
 
 // GQA. Returns 0 on success, -1 for an unsupported configuration, else the runtime's error code.

@@ -394,7 +394,8 @@ void launch_main(const PagedAttentionParams& p, peStream_t s) {
     attr.val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    cudaLaunchKernelEx(&cfg, paged_attention_kernel<T, DQK, DV, LPT, MT, U, kStages>, p);
+    // (a launch error is the runtime's last error, which launch_paged_attention returns)
+    (void)cudaLaunchKernelEx(&cfg, paged_attention_kernel<T, DQK, DV, LPT, MT, U, kStages>, p);
     return;
   }
 #endif
@@ -455,19 +456,10 @@ int pairs_per_block(const PagedAttentionParams& p) {
     const int forced = atoi(env);
     return forced == 1 || forced == 2 || forced == 4 || forced == 8 ? forced : mt;
   }
-#if !defined(PE_HIP)
-  static const int num_sms = [] {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-      return 0;  // unknown: the model's choice
-    return n;
-  }();
   auto blocks = [&](int m) {
     return (int64_t)p.num_rows * p.num_kv_heads * p.max_splits * ((p.max_query_len * G + m - 1) / m);
   };
-  while (mt > 1 && blocks(mt) < num_sms) mt /= 2;
-#endif
+  while (mt > 1 && blocks(mt) < p.num_sms) mt /= 2;
   return mt;
 }
 

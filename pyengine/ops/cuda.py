@@ -194,6 +194,7 @@ def _launch(
             plan["qsl"].data_ptr(), plan["ctx"].data_ptr(), meta.num_rows, num_heads, num_kv_heads,
             head_dim, head_dim_v, meta.block_size, tables.shape[1], int(meta.max_query_len), max_splits,
             float(scale), _DTYPE_CODE[q.dtype], mla, _stream(q.device), SPLIT_BLOCK, PDL and not mla,
+            _num_sms(q.device),
         )
     return (out, lse) if return_lse else out
 
