@@ -45,10 +45,6 @@ PE_DEVICE uint32_t pack2(float lo, float hi) {
 template <typename T, typename C>
 __global__ void __launch_bounds__(C::kThreads, 1) mla_attention_kernel(PagedAttentionParams p) {
   constexpr int kM = C::kM, kN = C::kN, kNS = C::kNS, kNO = C::kNO, kS = kNS / 2, kO = kNO / 2;
-  constexpr bool kTC = C::kTensor;
-  // FMA products are not unrolled across calls: hipcc would hoist the shared-memory loads of all of
-  // them and spill (~1 KB of scratch per lane on gfx90a); one call at a time needs no scratch.
-  constexpr int kUnrollS = kTC ? kDqk / 16 : 1, kUnrollO = kTC ? kN / 16 : 1;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + pe_wg::align_1024(smem_raw);
   T* sQ = reinterpret_cast<T*>(smem);                      // [kM][576] slab tile
@@ -140,7 +136,6 @@ __global__ void __launch_bounds__(C::kThreads, 1) mla_attention_kernel(PagedAtte
 
   for (int t = 0; t < ntiles; ++t) {
     copy_wait<0>();  // tile t (and at t = 0 the queries) landed, this thread's copies ...
-    pe_wg::fence_smem_for_async_reads<kTC>();
     __syncthreads();  // ... everyone's; everyone is done with tile t - 1, whose stage is refilled now
     if constexpr (C::kStages > 1) {
       issue(t + 1, nblk);
@@ -148,16 +143,14 @@ __global__ void __launch_bounds__(C::kThreads, 1) mla_attention_kernel(PagedAtte
     }
     const T* kt = sK + (C::kStages == 2 ? t & 1 : 0) * C::kKElems;
 
+    // FMA products, one call at a time: unrolled, hipcc would hoist the shared-memory loads of all
+    // of them and spill (~1 KB of scratch per lane on gfx90a).
     float s[kS];
 #pragma unroll
     for (int i = 0; i < kS; ++i) s[i] = 0.f;
-    pe_wg::fence_operands<kTC>(s);
-    pe_wg::begin<kTC>();
-#pragma unroll kUnrollS
+#pragma unroll 1
     for (int ks = 0; ks < kDqk / 16; ++ks)
-      pe_wg::product_nk<T, kNS, C::kWarps, kTC>(s, sQ, kM, 0, 16 * ks, kt, kN, kNS * wg, 16 * ks);
-    pe_wg::end<kTC>();
-    pe_wg::fence_operands<kTC>(s);
+      pe_wg::product_nk<T, kNS, C::kWarps, false>(s, sQ, kM, 0, 16 * ks, kt, kN, kNS * wg, 16 * ks);
 
     // Scale into the base-2 domain, mask, and publish this group's row maxima.
     const int key0 = k_begin + t * kN + kNS * wg + 2 * q;
@@ -199,16 +192,11 @@ __global__ void __launch_bounds__(C::kThreads, 1) mla_attention_kernel(PagedAtte
         *reinterpret_cast<uint32_t*>(sP + slab_off(r[j], kNS * wg + 8 * nt + 2 * q, kM)) = pack2<T>(p0, p1);
       }
     }
-    pe_wg::fence_smem_for_async_reads<kTC>();
     __syncthreads();
 
-    pe_wg::fence_operands<kTC>(o);
-    pe_wg::begin<kTC>();
-#pragma unroll kUnrollO
+#pragma unroll 1
     for (int kk = 0; kk < kN / 16; ++kk)
-      pe_wg::product_kn<T, kNO, C::kWarps, kTC>(o, sP, kM, 0, 16 * kk, kt, kN, 16 * kk, kNO * wg);
-    pe_wg::end<kTC>();
-    pe_wg::fence_operands<kTC>(o);
+      pe_wg::product_kn<T, kNO, C::kWarps, false>(o, sP, kM, 0, 16 * kk, kt, kN, 16 * kk, kNO * wg);
     if constexpr (C::kStages == 1) {  // one stage: refill it once everyone is done with tile t
       __syncthreads();
       issue(t + 1, nblk);

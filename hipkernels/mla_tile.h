@@ -1,7 +1,8 @@
-// Tile configurations of the MLA decode kernel (mla_attention.hip): one kernel body, instantiated
-// for two sets of tile sizes, so that the same code (split rule, masking, softmax, combine) runs with
-// tensor cores in ~226 KB of shared memory on sm_90a and with FMA products in under 64 KB elsewhere
-// (AMD gfx90a has 64 KB per block). Device-independent: included by the kernel file only.
+// Tile configurations of the MLA decode kernels (mla_attention.hip): the fast tile runs with tensor
+// cores in ~226 KB of shared memory on sm_90a (mla_attention_ws_kernel, warpgroup roles), the small
+// one with FMA products in under 64 KB elsewhere (mla_attention_kernel; AMD gfx90a has 64 KB per
+// block). Both use the same split rule, masking, softmax and combine. Device-independent: included
+// by the kernel file only.
 #pragma once
 
 namespace pe_mla {
@@ -10,14 +11,13 @@ constexpr int kDqk = 576;
 constexpr int kDv = 512;
 constexpr int kChunks = kDqk / 8;  // 16-byte chunks per row
 
-// Tile sizes of one instantiation. kWarps warps per group: 16 kWarps query-head pairs per block,
-// the rows of every product; kGroups groups: group wg owns keys kNS wg .. +kNS of each tile in S and
-// value columns kNO wg .. +kNO in O; kN keys per tile in kStages shared-memory stages; kTensor:
-// wgmma products (sm_90a builds), else the FMA fallback of wgmma_tile.h.
-template <int kWarps_, int kGroups_, int kN_, int kStages_, bool kTensor_>
+// Tile sizes. kWarps warps per group: 16 kWarps query-head pairs per block, the rows of every
+// product; kGroups groups (in the small tile's kernel group wg owns keys kNS wg .. +kNS of each tile
+// in S and value columns kNO wg .. +kNO in O; the fast tile's two warpgroups take roles instead);
+// kN keys per tile in kStages shared-memory stages.
+template <int kWarps_, int kGroups_, int kN_, int kStages_>
 struct MlaTile {
   static constexpr int kWarps = kWarps_, kGroups = kGroups_, kN = kN_, kStages = kStages_;
-  static constexpr bool kTensor = kTensor_;
   static constexpr int kM = 16 * kWarps;
   static constexpr int kThreads = 32 * kWarps * kGroups;
   static constexpr int kNS = kN / kGroups, kNO = kDv / kGroups;
@@ -32,13 +32,12 @@ struct MlaTile {
                 kChunks % kTprQ == 0, "copy layout");
   static_assert(kNS % 8 == 0 && kNO % 8 == 0 && kN % 16 == 0 && kNO * kGroups == kDv, "product layout");
   static_assert(kStages == 1 || kStages == 2, "pipeline");
-  static_assert(!kTensor || (kWarps == 4 && kNS == 32 && kNO == 256), "wgmma shapes: m64n32, m64n256");
 };
 // 64 pairs, 2 warpgroups, 2 stages of 64 keys: ~226 KB (sm_90a, tensor cores).
-using FastTile = MlaTile<4, 2, 64, 2, true>;
+using FastTile = MlaTile<4, 2, 64, 2>;
 // 16 pairs, 4 one-warp groups, 1 stage of 32 keys: 57.5 KB, FMA products. For AMD gfx90a (64 KB
 // per block) and anything else without the fast tile's shared memory; runs on an H100 for the tests.
-using SmallTile = MlaTile<1, 4, 32, 1, false>;
+using SmallTile = MlaTile<1, 4, 32, 1>;
 static_assert(FastTile::kSmemBytes <= 227 * 1024, "fast tile: the H100's opt-in maximum per block");
 static_assert(SmallTile::kSmemBytes <= 64 * 1024, "small tile must fit AMD gfx90a's 64 KB per block");
 

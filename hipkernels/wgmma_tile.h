@@ -4,9 +4,9 @@
 // product instead of once per warp (mma.sync), which is what lets MLA's ~240 flop/byte keep up with
 // HBM. Elsewhere (HIP for AMD, other NVIDIA targets), or where the caller asks for it (kTensor =
 // false: the small MLA configuration, which must also be testable on an H100), a plain-FMA fallback
-// reads the same tiles and produces the same accumulator layout (fp32, up to summation order), so
-// one kernel body serves both. The fallback also takes groups of kWarps = 1 .. 4 warps (16 kWarps
-// rows of A), so that a block with fewer query rows keeps every warp busy.
+// reads the same tiles and produces the same accumulator layout (fp32, up to summation order). The
+// fallback also takes groups of kWarps = 1 .. 4 warps (16 kWarps rows of A), so that a block with
+// fewer query rows keeps every warp busy.
 //
 // Tile layout: an [R][C] matrix (C a multiple of 64, R a multiple of 8) is stored as C / 64 slabs of
 // [R][64]; each row of a slab is 128 bytes and its 16-byte chunk j sits at chunk j ^ (row % 8); the
@@ -55,11 +55,6 @@ PE_DEVICE uint64_t desc(const void* p, uint32_t lbo, uint32_t sbo) {
 }
 
 // Operand lists of the asm statements (accumulator registers %0 .. %N-1).
-#define PE_WG_REGS16 \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-#define PE_WG_OUTS16(d) \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define PE_WG_REGS32 \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -102,51 +97,43 @@ PE_DEVICE uint64_t desc(const void* p, uint32_t lbo, uint32_t sbo) {
                : "l"(da), "l"(db), "r"(1))
 #endif
 
-// The order of a batch: fence_operands(d); begin(); products...; end(); fence_operands(d). begin
-// orders the register writes before it (e.g. a rescale of d) before the asynchronous products; end
-// waits for them; fence_operands keeps the compiler from moving accesses of d across either. With
-// kTensor = false (FMA products, synchronous) they are no-ops, so the compiler keeps d in registers
-// freely.
-template <bool kTensor = true, int N>
+// The order of a batch of tensor-core products: fence_operands(d); begin(); products...; end();
+// fence_operands(d). begin orders the register writes before it (e.g. a rescale of d) before the
+// asynchronous products; end waits for them; fence_operands keeps the compiler from moving accesses
+// of d across either. (FMA products are synchronous and need none of these.)
+template <int N>
 PE_DEVICE void fence_operands(float (&d)[N]) {
 #if defined(PE_WGMMA)
-  if constexpr (kTensor) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-  }
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 #endif
 }
-template <bool kTensor = true>
 PE_DEVICE void begin() {
 #if defined(PE_WGMMA)
-  if constexpr (kTensor) asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
 // Closes the batch of products issued since begin() (commit) and waits for it (wait); split, a
 // warpgroup can do other work (copies, barriers) in between. d must not be touched until wait().
-template <bool kTensor = true>
 PE_DEVICE void commit() {
 #if defined(PE_WGMMA)
-  if constexpr (kTensor) asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
-template <bool kTensor = true>
 PE_DEVICE void wait() {
 #if defined(PE_WGMMA)
-  if constexpr (kTensor) asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
 }
-template <bool kTensor = true>
 PE_DEVICE void end() {
-  commit<kTensor>();
-  wait<kTensor>();
+  commit();
+  wait();
 }
 // Shared memory written by ordinary stores or cp.async, read next by wgmma (the async proxy): each
 // writing thread fences after its writes have landed, before the barrier that publishes them.
-template <bool kTensor = true>
 PE_DEVICE void fence_smem_for_async_reads() {
 #if defined(PE_WGMMA)
-  if constexpr (kTensor) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
 
@@ -184,26 +171,19 @@ PE_DEVICE void fma_product(float (&d)[N / 2], const T* a, int a_rows, int ar0, i
 
 // d (16 kWarps x N) += A * B with A = a[ar0 .. +16 kWarps][ac0 .. +16] and B[k][n] = b[bn0 + n][bk0 + k]:
 // B stored with k contiguous ("K-major", e.g. the keys of S = Q K^T). ar0, bn0 multiples of 8, ac0, bk0
-// of 16. Tensor cores only for the instantiated wgmma shapes (N 32 or 64, a warpgroup) and kTensor.
+// of 16. Tensor cores only for N 64, a warpgroup, and kTensor.
 template <typename T, int N, int kWarps = 4, bool kTensor = true>
 PE_DEVICE void product_nk(float (&d)[N / 2], const T* a, int a_rows, int ar0, int ac0, const T* b, int b_rows,
                           int bn0, int bk0) {
   if constexpr (kTensor && kHaveWgmma) {
-    static_assert((N == 32 || N == 64) && kWarps == 4, "wgmma: m64n32k16 / m64n64k16 only");
+    static_assert(N == 64 && kWarps == 4, "wgmma: m64n64k16 only");
 #if defined(PE_WGMMA)
     const uint64_t da = desc(a + (ac0 >> 6) * a_rows * 64 + ar0 * 64 + (ac0 & 63), 16, 1024);
     const uint64_t db = desc(b + (bk0 >> 6) * b_rows * 64 + bn0 * 64 + (bk0 & 63), 16, 1024);
-    if constexpr (N == 64) {
-      if constexpr (std::is_same<T, pe_bf16>::value)
-        PE_WGMMA_ASM("m64n64k16.f32.bf16.bf16", PE_WG_REGS32, "32", "33", "34", "0", PE_WG_OUTS32(d));
-      else
-        PE_WGMMA_ASM("m64n64k16.f32.f16.f16", PE_WG_REGS32, "32", "33", "34", "0", PE_WG_OUTS32(d));
-    } else {
-      if constexpr (std::is_same<T, pe_bf16>::value)
-        PE_WGMMA_ASM("m64n32k16.f32.bf16.bf16", PE_WG_REGS16, "16", "17", "18", "0", PE_WG_OUTS16(d));
-      else
-        PE_WGMMA_ASM("m64n32k16.f32.f16.f16", PE_WG_REGS16, "16", "17", "18", "0", PE_WG_OUTS16(d));
-    }
+    if constexpr (std::is_same<T, pe_bf16>::value)
+      PE_WGMMA_ASM("m64n64k16.f32.bf16.bf16", PE_WG_REGS32, "32", "33", "34", "0", PE_WG_OUTS32(d));
+    else
+      PE_WGMMA_ASM("m64n64k16.f32.f16.f16", PE_WG_REGS32, "32", "33", "34", "0", PE_WG_OUTS32(d));
 #endif
   } else {
     fma_product<T, N, kWarps, true>(d, a, a_rows, ar0, ac0, b, b_rows, bn0, bk0);
