@@ -4,7 +4,8 @@ Bandwidth = bytes of K/V the step must read (each row's context once) / kernel t
 device-to-device copy measured in the same run (bytes read + written / time). Kernel time is taken
 inside a CUDA graph of 20 back-to-back calls (gpu_timing.time_ms_graph), as a captured decode step
 runs them; `eager_call_ms` also times one Python call between CUDA events (launch overhead
-included). The split-KV unit (ops.cuda.SPLIT_BLOCK) is swept at batch 64 to pick the default. Shapes: Llama-3-8B
+included). The split-KV unit (ops.cuda.SPLIT_BLOCK) is swept at batch 64 to pick the default, and
+for MLA at batch 1, 8 and 64. Shapes: Llama-3-8B
 (32 query heads, 8 KV heads, D 128, block 16) and DeepSeek-V3 MLA (128 heads, 576/512, block 64),
 bf16. Also the cost of a verify step (q = 1 + k per row) relative to decode.
 
@@ -128,9 +129,9 @@ def mla(result: dict, batches: list[int], contexts: list[int], max_tok: int, cop
     nblocks = max_tok_mla // bs + 1
     kv = torch.randn(nblocks, bs, 576, device="cuda", dtype=dtype)
 
-    def time_mla(batch: int, ctx: int) -> float:
-        meta = make_meta(batch, ctx, 1, bs, nblocks, gen)
-        q = torch.randn(batch, hq, 576, device="cuda", dtype=dtype)
+    def time_mla(batch: int, ctx: int, q_len: int = 1) -> float:
+        meta = make_meta(batch, ctx, q_len, bs, nblocks, gen)
+        q = torch.randn(batch * q_len, hq, 576, device="cuda", dtype=dtype)
         return time_ms_graph(lambda: cuda_ops.paged_attention_mla(q, kv, meta, 192 ** -0.5), inner=3, reps=5)
 
     for batch in batches:
@@ -143,6 +144,31 @@ def mla(result: dict, batches: list[int], contexts: list[int], max_tok: int, cop
             print(f"mla  b={batch:4d} ctx={ctx:6d} {ms:8.3f} ms {bw:7.0f} GB/s {bw / copy_bw:5.2f}", flush=True)
     frac = [r["fraction_of_copy"] for r in result["mla"] if r["batch"] == 64 and r["context"] == 4096]
     result["mla_decode_bandwidth_fraction"] = frac[0] if frac else None
+    decode = {(r["batch"], r["context"]): r["ms"] for r in result["mla"]}
+    result["mla_verify"] = []
+    for q_len in (2, 3, 5):  # verify steps: MLA puts q_len x 128 query heads on each key tile
+        if (64, 4096) not in decode:
+            break
+        ms = time_mla(64, 4096, q_len)
+        result["mla_verify"].append({"batch": 64, "context": 4096, "q_len": q_len, "ms": ms,
+                                     "relative_to_decode": ms / decode[(64, 4096)]})
+        print(f"mla verify q={q_len} b=64 ctx=4096 {ms:8.3f} ms  x{ms / decode[(64, 4096)]:.2f} of decode", flush=True)
+    # The split unit trades batch-1 latency (more blocks per row) against the fp32 partials' round
+    # trip and the per-block start (fewer, longer blocks) at large batch; the default stays 512.
+    default_split = cuda_ops.SPLIT_BLOCK
+    result["mla_split_sweep"] = []
+    for split in (512, 1024, 2048, 4096):
+        cuda_ops.SPLIT_BLOCK = split
+        for batch in (1, 8, 64):
+            for ctx in (4096, 16384):
+                if batch * ctx > max_tok_mla:
+                    continue
+                ms = time_mla(batch, ctx)
+                frac = batch * ctx * 576 * kv.element_size() / ms / 1e6 / copy_bw
+                result["mla_split_sweep"].append({"split_block": split, "batch": batch, "context": ctx, "ms": ms,
+                                                  "fraction_of_copy": frac})
+                print(f"mla split {split:5d} b={batch:3d} ctx={ctx:6d} {ms:8.3f} ms {frac:5.2f}", flush=True)
+    cuda_ops.SPLIT_BLOCK = default_split
 
 
 if __name__ == "__main__":
