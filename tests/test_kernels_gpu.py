@@ -328,6 +328,22 @@ def test_mla_batch_invariant():
     _row_alone_vs_in_batch(run)
 
 
+@pytest.mark.usefixtures("mla_tile")
+def test_mla_repeated_launches_give_the_same_bits():
+    """The fast tile hands tiles between its warpgroups through named barriers; a hand-over race would
+    show as launches of the same step that disagree. 40 launches of a mixed batch, 1 to 24 key tiles
+    per block, must all give the first one's bits."""
+    rows = [(700, 3), (2100, 1), (64, 1), (130, 2), (3800, 4), (0, 0), (9, 9)] * 6 + [(20000, 1)]
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    meta, tables, nblocks = make_step(rows, 64, seed=5)
+    kv = fill_cache((nblocks, 64, 576), tables, rows, 64, torch.bfloat16, gen)
+    q = torch.randn(meta.num_tokens, 128, 576, generator=gen, device=DEV).to(torch.bfloat16)
+    first, first_lse = cuda_ops.paged_attention_mla(q, kv, meta, 192 ** -0.5, return_lse=True)
+    for _ in range(40):
+        out, lse = cuda_ops.paged_attention_mla(q, kv, meta, 192 ** -0.5, return_lse=True)
+        assert torch.equal(out, first) and torch.equal(lse, first_lse)
+
+
 def test_mla_small_tile_is_another_path(monkeypatch):
     """PYENGINE_MLA_SMALL_TILE really switches kernels: both match the reference (tests above), but
     the FMA products sum in another order than wgmma, so the fp32 lse cannot agree bit for bit."""
