@@ -134,12 +134,15 @@ def mla(result: dict, batches: list[int], contexts: list[int], max_tok: int, cop
         q = torch.randn(batch * q_len, hq, 576, device="cuda", dtype=dtype)
         return time_ms_graph(lambda: cuda_ops.paged_attention_mla(q, kv, meta, 192 ** -0.5), inner=3, reps=5)
 
+    def gbps(batch: int, ctx: int, ms: float) -> float:  # latent cache bytes read (each row's context once)
+        return batch * ctx * 576 * kv.element_size() / ms / 1e6
+
     for batch in batches:
         for ctx in contexts:
             if batch * ctx > max_tok_mla:
                 continue
             ms = time_mla(batch, ctx)
-            bw = batch * ctx * 576 * kv.element_size() / ms / 1e6
+            bw = gbps(batch, ctx, ms)
             result["mla"].append({"batch": batch, "context": ctx, "ms": ms, "GBps": bw, "fraction_of_copy": bw / copy_bw})
             print(f"mla  b={batch:4d} ctx={ctx:6d} {ms:8.3f} ms {bw:7.0f} GB/s {bw / copy_bw:5.2f}", flush=True)
     frac = [r["fraction_of_copy"] for r in result["mla"] if r["batch"] == 64 and r["context"] == 4096]
@@ -164,7 +167,7 @@ def mla(result: dict, batches: list[int], contexts: list[int], max_tok: int, cop
                 if batch * ctx > max_tok_mla:
                     continue
                 ms = time_mla(batch, ctx)
-                frac = batch * ctx * 576 * kv.element_size() / ms / 1e6 / copy_bw
+                frac = gbps(batch, ctx, ms) / copy_bw
                 result["mla_split_sweep"].append({"split_block": split, "batch": batch, "context": ctx, "ms": ms,
                                                   "fraction_of_copy": frac})
                 print(f"mla split {split:5d} b={batch:3d} ctx={ctx:6d} {ms:8.3f} ms {frac:5.2f}", flush=True)
