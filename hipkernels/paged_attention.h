@@ -1,5 +1,6 @@
 // Paged attention over a block-table KV cache, any query length per row in one launch
-// (plain C++ interface; the GQA kernels and the split-KV combine live in paged_attention.hip, the MLA
+// (plain C++ interface; the GQA kernels live in paged_attention.hip (CUDA cores: AMD) and
+// paged_attention_mma.hip (tensor cores: NVIDIA), the split-KV combine in paged_attention.hip, the MLA
 // kernels in mla_attention.hip, launched through mla_attention.h with the same parameter struct).
 //
 // Semantics (the PyTorch references in pyengine/ops/reference.py and mla_reference.py are the spec):
@@ -64,6 +65,10 @@ struct PagedAttentionParams {
 
 // GQA. Returns 0 on success, -1 for an unsupported configuration, else the runtime's error code.
 int launch_paged_attention(const PagedAttentionParams& p, void* stream);
+
+// GQA on NVIDIA tensor cores (paged_attention_mma.hip; not built by hipcc), without the combine:
+// launch_paged_attention calls it unless PYENGINE_GQA_FMA forces the FMA kernel.
+int launch_paged_attention_mma(const PagedAttentionParams& p, void* stream);
 
 // Merges the workspace partials of the split rows into out/lse (a no-op when max_splits == 1).
 // The attention launchers call it; exposed for the MLA launcher, whose workspace has the same layout.

@@ -1,5 +1,7 @@
-// Paged GQA attention (decode, verify, prefill chunks and mixed batches in one launch) plus the
-// split-KV combine that the MLA kernel shares. Semantics and the split rule: paged_attention.h.
+// Paged GQA attention on the CUDA cores (decode, verify, prefill chunks and mixed batches in one
+// launch) plus the split-KV combine that the MLA and tensor-core GQA kernels share. Semantics and the
+// split rule: paged_attention.h. This FMA kernel is what AMD runs; NVIDIA runs the tensor-core kernel
+// of paged_attention_mma.hip (same semantics, split rule and workspace) unless PYENGINE_GQA_FMA is set.
 //
 // Work decomposition: one block of kThreads threads per (row, kv head, key split, tile of MT
 // query-head pairs). The pairs of a row are m = i * G + g (query token i, head g of the KV group),
@@ -16,6 +18,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 namespace {
 
@@ -463,9 +466,27 @@ int pairs_per_block(const PagedAttentionParams& p) {
   return mt;
 }
 
+#if !defined(PE_HIP)
+// NVIDIA runs the tensor-core kernel (paged_attention_mma.hip); the FMA kernel above is what hipcc
+// builds for AMD. PYENGINE_GQA_FMA set to anything but "" / "0" forces the FMA kernel on NVIDIA too,
+// read at every launch, so that the tests run both kernels in one process.
+bool use_fma_kernel() {
+  const char* env = getenv("PYENGINE_GQA_FMA");
+  return env != nullptr && env[0] != '\0' && strcmp(env, "0") != 0;
+}
+#endif
+
 template <typename T>
 int launch_typed(const PagedAttentionParams& p, peStream_t s) {
   if (p.head_dim_qk != p.head_dim_v) return -1;
+#if !defined(PE_HIP)
+  if (!use_fma_kernel()) {
+    const int rc = launch_paged_attention_mma(p, s);
+    if (rc != 0) return rc;
+    if (p.max_splits > 1) launch_combine<T>(p, s);
+    return 0;
+  }
+#endif
   const int mt = pairs_per_block(p);
   switch (p.head_dim_qk) {
     case 64: launch_gqa<T, 64>(p, s, mt); break;

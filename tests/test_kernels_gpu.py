@@ -103,9 +103,22 @@ def gqa_case(rows, block_size, hkv, group, dtype, head_dim=128, seed=0):
 MIXED = [(37, 1), (1, 1), (100, 5), (9, 9), (0, 0), (513, 3), (64, 2), (700, 40), (2000, 7), (5, 4), (1500, 1)]
 
 
+@pytest.fixture(params=["mma", "fma"])
+def gqa_kernel(request, monkeypatch):
+    """Each GQA attention test runs with both kernels: "mma" (tensor cores, paged_attention_mma.hip:
+    what NVIDIA runs) and "fma" (paged_attention.hip: what AMD runs), forced on NVIDIA through
+    PYENGINE_GQA_FMA, which the launcher reads at every launch."""
+    if request.param == "fma":
+        monkeypatch.setenv("PYENGINE_GQA_FMA", "1")
+    else:
+        monkeypatch.delenv("PYENGINE_GQA_FMA", raising=False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.usefixtures("gqa_kernel")
 def test_gqa_mixed_batch_matches_reference(group, block_size, dtype):
     hkv = 2 if group == 8 else 4
     out, lse, ref, ref_lse = gqa_case(MIXED, block_size, hkv, group, dtype)
@@ -113,6 +126,7 @@ def test_gqa_mixed_batch_matches_reference(group, block_size, dtype):
 
 
 @pytest.mark.parametrize("q_len", range(1, 10))
+@pytest.mark.usefixtures("gqa_kernel")
 def test_gqa_verify_lengths_llama_shape(q_len):
     rows = [(4096 + q_len, q_len), (77, q_len), (q_len, q_len)]
     out, lse, ref, ref_lse = gqa_case(rows, 16, 8, 4, torch.bfloat16, seed=q_len)
@@ -120,18 +134,21 @@ def test_gqa_verify_lengths_llama_shape(q_len):
 
 
 @pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.usefixtures("gqa_kernel")
 def test_gqa_other_head_dims(head_dim):
     rows = [(300, 1), (1200, 4), (50, 20)]
     out, lse, ref, ref_lse = gqa_case(rows, 16, 2, 3, torch.float16, head_dim=head_dim)
     check_close(out, ref, lse, ref_lse, rows, torch.float16)
 
 
+@pytest.mark.usefixtures("gqa_kernel")
 def test_gqa_long_context_32k():
     rows = [(32768, 1), (32768 - 3, 5), (20000, 2)]
     out, lse, ref, ref_lse = gqa_case(rows, 64, 8, 4, torch.bfloat16)
     check_close(out, ref, lse, ref_lse, rows, torch.bfloat16)
 
 
+@pytest.mark.usefixtures("gqa_kernel")
 def test_context_shorter_than_query_gives_zero_and_inf():
     rows = [(2, 4), (0, 3), (10, 1)]  # queries 0, 1 of row 0 and all of row 1 see no keys
     out, lse, ref, ref_lse = gqa_case(rows, 16, 2, 2, torch.float16)
@@ -140,9 +157,10 @@ def test_context_shorter_than_query_gives_zero_and_inf():
 
 @pytest.mark.parametrize("head_dim, group", [(128, 4), (128, 8), (64, 8)])
 def test_gqa_pairs_per_block_change_no_bit(head_dim, group, monkeypatch):
-    """Query-head pairs per block are a launch choice (fewer when the grid is small, as in batch-1
-    decode): every pair's arithmetic is the same, so forcing 1, 2, 4 or 8 gives the same bits on a
-    mixed batch (decode, verify, prefill chunks, splits), and so does the automatic choice."""
+    """Query-head pairs per block are a launch choice of the FMA kernel (fewer when the grid is small,
+    as in batch-1 decode): every pair's arithmetic is the same, so forcing 1, 2, 4 or 8 gives the same
+    bits on a mixed batch (decode, verify, prefill chunks, splits), and so does the automatic choice."""
+    monkeypatch.setenv("PYENGINE_GQA_FMA", "1")
     hkv = 32 // group
     results = []
     for pairs in ("1", "2", "4", "8", ""):
@@ -154,6 +172,46 @@ def test_gqa_pairs_per_block_change_no_bit(head_dim, group, monkeypatch):
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
 
 
+@pytest.mark.usefixtures("gqa_kernel")
+@pytest.mark.parametrize("ctx", [300, 5000])
+def test_gqa_verify_tokens_equal_decode_bits(ctx):
+    """Speculative decoding is lossless only if a verify step scores each of its tokens exactly as
+    plain decoding would: token i of a verify row (q_len 6) must equal, bit for bit, the same query
+    decoded alone against its own context (ctx - 5 + i keys, the same block table)."""
+    from pyengine.attention_metadata import AttentionMetadata
+
+    q_len, hkv, group, d, bs = 6, 8, 4, 128, 16
+    meta, tables, nblocks = make_step([(ctx, q_len)], bs, seed=ctx)
+    gen = torch.Generator(device=DEV).manual_seed(ctx)
+    k = fill_cache((nblocks, bs, hkv, d), tables, [(ctx, q_len)], bs, torch.bfloat16, gen)
+    v = fill_cache((nblocks, bs, hkv, d), tables, [(ctx, q_len)], bs, torch.bfloat16, gen)
+    q = torch.randn(q_len, hkv * group, d, generator=gen, device=DEV).to(torch.bfloat16)
+    out, lse = cuda_ops.paged_attention(q, k, v, meta, d ** -0.5, return_lse=True)
+    assert not torch.isnan(out).any()
+    for i in range(q_len):
+        lim = ctx - (q_len - 1 - i)
+        alone = AttentionMetadata(
+            slot_mapping=torch.tensor([-1], device=DEV), block_tables=meta.block_tables,
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEV),
+            context_lens=torch.tensor([lim], dtype=torch.int32, device=DEV),
+            max_query_len=1, max_context_len=lim, block_size=bs)
+        o1, l1 = cuda_ops.paged_attention(q[i:i + 1].contiguous(), k, v, alone, d ** -0.5, return_lse=True)
+        assert torch.equal(o1[0], out[i]) and torch.equal(l1[0], lse[i]), f"token {i}"
+
+
+def test_gqa_fma_switch_is_another_kernel(monkeypatch):
+    """PYENGINE_GQA_FMA really switches kernels: both match the reference (tests above), but tensor
+    cores and FMA sum in other orders, so the fp32 lse cannot agree bit for bit."""
+    rows = [(700, 3), (2100, 1)]
+    monkeypatch.delenv("PYENGINE_GQA_FMA", raising=False)
+    _, lse_mma, _, _ = gqa_case(rows, 16, 8, 4, torch.bfloat16)
+    monkeypatch.setenv("PYENGINE_GQA_FMA", "1")
+    _, lse_fma, _, _ = gqa_case(rows, 16, 8, 4, torch.bfloat16)
+    torch.testing.assert_close(lse_mma, lse_fma, atol=1e-3, rtol=1e-3)
+    assert not torch.equal(lse_mma, lse_fma)
+
+
+@pytest.mark.usefixtures("gqa_kernel")
 def test_gqa_decode_row_alone_and_in_a_large_batch():
     """Alone, a decode row's grid is tiny and the launcher picks one pair per block; in a batch of 48
     rows it keeps the model's 4. The row's output and lse are bit-identical either way."""
@@ -167,6 +225,7 @@ def test_gqa_decode_row_alone_and_in_a_large_batch():
 
 
 @pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.usefixtures("gqa_kernel")
 def test_gqa_reads_the_keys_rope_and_cache_just_wrote(pdl, monkeypatch):
     """A decode step writes this token's K/V with rope_and_cache, which lets the next kernel start
     early; the attention kernel, launched with programmatic dependent launch (pdl), must still read
@@ -302,6 +361,7 @@ def gqa_row_outputs(rows, which, seed=7):
     return out[q0:q0 + q_len], lse[q0:q0 + q_len]
 
 
+@pytest.mark.usefixtures("gqa_kernel")
 def test_gqa_batch_invariant():
     _row_alone_vs_in_batch(gqa_row_outputs)
 

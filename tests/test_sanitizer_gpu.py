@@ -55,10 +55,21 @@ def run_under(tool: str, program: str, env: dict[str, str] | None = None) -> str
     return out
 
 
-@pytest.mark.parametrize("kernel", ["mla", "gqa"])
+@pytest.mark.parametrize("kernel", ["mla", "gqa", "gqa_fma"])
 def test_memcheck_clean(kernel):
-    out = run_under("memcheck", PROGRAMS[kernel])
+    """gqa: the tensor-core kernel NVIDIA runs; gqa_fma: the FMA kernel (AMD's), forced."""
+    env = {"PYENGINE_GQA_FMA": "1" if kernel == "gqa_fma" else "0"}
+    out = run_under("memcheck", PROGRAMS[kernel.split("_")[0]], env)
     assert "ERROR SUMMARY: 0 errors" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("tool", ["racecheck", "synccheck"])
+def test_gqa_mma_shared_memory_clean(tool):
+    """The tensor-core GQA kernel runs one cp.async pipeline per warp with warp-level syncs only, then
+    reuses all warps' stages as the block's merge buffer: a missing barrier shows as a hazard here."""
+    out = run_under(tool, PROGRAMS["gqa"], {"PYENGINE_GQA_FMA": "0"})
+    clean = "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
+    assert clean in out, out[-3000:]
 
 
 @pytest.mark.parametrize("tile", ["fast", "small"])
