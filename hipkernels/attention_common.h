@@ -28,6 +28,13 @@ PE_DEVICE void row_splits(int ctx, int q_len, int split_block, int* nsplit, int*
   *nsplit = (ctx + size - 1) / size;
 }
 
+// Two floats -> one 32-bit pair of T (lower index in the lower half), one rounding each: the
+// 16-bit operand pairs of the tensor-core products (P of P V).
+template <typename T>
+PE_DEVICE uint32_t pack2(float lo, float hi) {
+  return PeVec8<T>::from_float(lo) | ((uint32_t)PeVec8<T>::from_float(hi) << 16);
+}
+
 // Eight floats -> one 16-byte vector of T (pe_half / pe_bf16), one rounding each.
 template <typename T>
 PE_DEVICE void store8(T* dst, const float* f) {

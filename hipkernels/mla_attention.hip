@@ -36,11 +36,6 @@ using pe_wg::slab_off;
 
 using namespace pe_mla;
 
-// Two floats -> one 32-bit pair of T (lower index in the lower half), one rounding each.
-template <typename T>
-PE_DEVICE uint32_t pack2(float lo, float hi) {
-  return PeVec8<T>::from_float(lo) | ((uint32_t)PeVec8<T>::from_float(hi) << 16);
-}
 
 template <typename T, typename C>
 __global__ void __launch_bounds__(C::kThreads, 1) mla_attention_kernel(PagedAttentionParams p) {

@@ -20,6 +20,8 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include <type_traits>
+
 #if !defined(PE_HIP)
 namespace {
 
@@ -61,10 +63,6 @@ PE_DEVICE void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
 #endif
 }
 
-template <typename T>
-PE_DEVICE uint32_t pack2(float lo, float hi) {
-  return PeVec8<T>::from_float(lo) | ((uint32_t)PeVec8<T>::from_float(hi) << 16);
-}
 
 // Element offset of 16-byte chunk c of row r in a [16][D] tile; chunks XOR-swizzled by row so that
 // the 8 rows an ldmatrix reads at one column hit 8 different bank groups.
