@@ -63,7 +63,6 @@ PE_DEVICE void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
 #endif
 }
 
-
 // Element offset of 16-byte chunk c of row r in a [16][D] tile; chunks XOR-swizzled by row so that
 // the 8 rows an ldmatrix reads at one column hit 8 different bank groups.
 template <int D>
