@@ -7,13 +7,15 @@ runs them; `eager_call_ms` also times one Python call between CUDA events (launc
 included). The split-KV unit (ops.cuda.SPLIT_BLOCK) is swept at batch 64 to pick the default, and
 for MLA at batch 1, 8 and 64. Shapes: Llama-3-8B
 (32 query heads, 8 KV heads, D 128, block 16) and DeepSeek-V3 MLA (128 heads, 576/512, block 64),
-bf16. Also the cost of a verify step (q = 1 + k per row) relative to decode.
+bf16. Also the cost of a verify step (q = 1 + k per row) relative to decode, and (`gqa_kernels`) the
+tensor-core GQA kernel against the FMA one on decode, verify and prefill-chunk steps.
 
     python benchmarks/bench_attention.py --out benchmarks/results/attention_h100.json
 """
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -116,6 +118,20 @@ def gqa(result: dict, batches: list[int], contexts: list[int], max_tok: int, cop
             print(f"split {split:5d} b={batch} ctx={ctx} {ms:8.3f} ms {bw / copy_bw:5.2f}", flush=True)
     cuda_ops.SPLIT_BLOCK = default_split
     result["split_block"] = default_split
+    # The two GQA kernels side by side: decode, verify and prefill chunks (batch, context, q_len).
+    # "mma" (tensor cores) is what NVIDIA runs; "fma" (CUDA cores) is AMD's, forced here.
+    result["gqa_kernels"] = []
+    for batch, ctx, q_len in ((64, 4096, 1), (64, 4096, 5), (1, 4096, 512), (4, 2048, 512), (1, 8192, 2048)):
+        if batch * ctx > max_tok:
+            continue
+        meta = make_meta(batch, ctx, q_len, bs, nblocks, gen)
+        q = torch.randn(batch * q_len, hq, d, device="cuda", dtype=dtype)
+        for kernel in ("mma", "fma"):
+            os.environ["PYENGINE_GQA_FMA"] = "1" if kernel == "fma" else "0"
+            ms = time_ms_graph(lambda: cuda_ops.paged_attention(q, k, v, meta, d ** -0.5), inner=5)
+            result["gqa_kernels"].append({"kernel": kernel, "batch": batch, "context": ctx, "q_len": q_len, "ms": ms})
+            print(f"gqa {kernel} b={batch} ctx={ctx} q={q_len} {ms:8.3f} ms", flush=True)
+    os.environ.pop("PYENGINE_GQA_FMA", None)
     frac = [r["fraction_of_copy"] for r in result["gqa"] if r["batch"] == 64 and r["context"] == 4096]
     result["decode_bandwidth_fraction"] = frac[0] if frac else None
     del k, v
