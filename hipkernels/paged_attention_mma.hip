@@ -16,52 +16,22 @@
 #include "hip_compat.h"
 #include "paged_attention.h"
 #include "attention_common.h"
+#include "mma_sync.h"
 
 #include <math.h>
 #include <stdlib.h>
-
-#include <type_traits>
 
 #if !defined(PE_HIP)
 namespace {
 
 using namespace pe_attn;
+using namespace pe_mma;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kRows = 16;                  // pairs per block (one m16 tile)
 constexpr int kWarpKeys = 16;              // keys per warp per tile
 constexpr int kTileKeys = kWarps * kWarpKeys;
-
-template <typename T>
-PE_DEVICE void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same<T, pe_bf16>::value)
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-
-// Four 8x8 matrices of 16-bit values from shared memory; lane l gives the row address of matrix l / 8.
-PE_DEVICE void ldsm_x4(uint32_t (&r)[4], const void* p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-#endif
-}
-PE_DEVICE void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-#endif
-}
 
 // Element offset of 16-byte chunk c of row r in a [16][D] tile; chunks XOR-swizzled by row so that
 // the 8 rows an ldmatrix reads at one column hit 8 different bank groups.
