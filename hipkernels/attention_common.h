@@ -1,5 +1,6 @@
-// Device helpers shared by the paged-attention kernels (paged_attention.hip: GQA and the split-KV
-// combine; mla_attention.hip: MLA): infinities, the per-row split rule, 8-value stores, and the
+// Device helpers shared by the paged-attention kernels (paged_attention.hip: GQA on CUDA cores and
+// the split-KV combine; paged_attention_mma.hip: GQA on tensor cores; mla_attention.hip: MLA):
+// infinities, the per-row split rule, 8-value stores, the GQA blocks' merge and write-out, and the
 // asynchronous global -> shared copies. Include after hip_compat.h and paged_attention.h.
 #pragma once
 
@@ -47,6 +48,44 @@ PE_DEVICE void store8(T* dst, const float* f) {
   v.z = b[4] | ((uint32_t)b[5] << 16);
   v.w = b[6] | ((uint32_t)b[7] << 16);
   *reinterpret_cast<uint4*>(dst) = v;
+}
+
+// The end of a GQA block for one (token t = query_start_loc[row] + i_tok, head h) pair and its
+// output values v * 8 .. + 7: merges the NPARTS partial results of the block's key groups in order
+// (part w: running max (base 2) at ml[w * ml_stride], sum at ml[w * ml_stride + 1], 8 values at
+// acc + w * acc_stride), normalises, and writes out + lse (direct: a row of one split) or the
+// split's partial to the workspace. Shared by the FMA and tensor-core GQA kernels.
+template <typename T, int NPARTS>
+PE_DEVICE void merge_and_store_pair(const PagedAttentionParams& p, const float* ml, int ml_stride, const float* acc,
+                                    int acc_stride, int row, int t, int i_tok, int h, int v, int split, bool direct) {
+  float M = neg_inf();
+#pragma unroll
+  for (int w = 0; w < NPARTS; ++w) M = fmaxf(M, ml[w * ml_stride]);
+  float L = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (M != neg_inf()) {
+#pragma unroll
+    for (int w = 0; w < NPARTS; ++w) {
+      const float wt = exp2f(ml[w * ml_stride] - M);
+      L += ml[w * ml_stride + 1] * wt;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o[j] += acc[w * acc_stride + j] * wt;
+    }
+  }
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] *= inv;
+  const int Hq = p.num_q_heads;
+  if (direct) {
+    T* dst = static_cast<T*>(p.out) + (int64_t)t * p.out_stride_token + (int64_t)h * p.out_stride_head + v * 8;
+    store8<T>(dst, o);
+    if (v == 0 && p.lse != nullptr) p.lse[(int64_t)t * Hq + h] = L > 0.f ? (M + log2f(L)) * kLn2 : pos_inf();
+  } else {
+    const int64_t w = ((int64_t)(p.ws_start[row] + i_tok) * Hq + h) * p.max_splits + split;
+    float4* dst = reinterpret_cast<float4*>(p.ws_out + w * p.head_dim_v + v * 8);
+    dst[0] = make_float4(o[0], o[1], o[2], o[3]);
+    dst[1] = make_float4(o[4], o[5], o[6], o[7]);
+    if (v == 0) p.ws_lse[w] = L > 0.f ? M + log2f(L) : neg_inf();
+  }
 }
 
 // Asynchronous 16-byte global -> shared copies. On NVIDIA (sm_80 and later) these are cp.async

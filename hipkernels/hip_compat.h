@@ -133,5 +133,29 @@ PE_DEVICE void pe_pdl_launch_dependents() {
 #endif
 }
 
+// kernel<<<grid, block, smem, s>>>(args...), with programmatic dependent launch when pdl (CUDA;
+// under hipcc always an ordinary launch). Returns the launch's error.
+template <typename... Params, typename... Args>
+peError_t pe_launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, peStream_t s, bool pdl,
+                    const Args&... args) {
+#if defined(PE_CUDA)
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+#else
+  (void)pdl;
+  kernel<<<grid, block, smem, s>>>(args...);
+  return hipGetLastError();
+#endif
+}
+
 // Data type codes shared by the bindings and the Python wrappers.
 enum PeDType { PE_FLOAT16 = 0, PE_BFLOAT16 = 1, PE_FLOAT32 = 2 };

@@ -27,6 +27,7 @@ using pe_attn::copy_commit;
 using pe_attn::copy_wait;
 using pe_attn::kLn2;
 using pe_attn::kLog2e;
+using pe_attn::merge_and_store_pair;
 using pe_attn::neg_inf;
 using pe_attn::pos_inf;
 using pe_attn::row_splits;
@@ -309,34 +310,8 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>()))
     if (m >= m_count) continue;
     const int i_tok = m / G;
     const int h = kvh * G + (m - i_tok * G);
-    float M = neg_inf();
-#pragma unroll
-    for (int g = 0; g < NG; ++g) M = fmaxf(M, s_ml[g][mm][0]);
-    float L = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (M != neg_inf()) {
-#pragma unroll
-      for (int g = 0; g < NG; ++g) {
-        const float w = exp2f(s_ml[g][mm][0] - M);
-        L += s_ml[g][mm][1] * w;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) o[j] += s_acc[g][mm][v * 8 + j] * w;
-      }
-    }
-    const float inv = L > 0.f ? 1.f / L : 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) o[j] *= inv;
-    const int t = q0 + i_tok;
-    if (direct) {
-      T* dst = static_cast<T*>(p.out) + (int64_t)t * p.out_stride_token + (int64_t)h * p.out_stride_head + v * 8;
-      store8<T>(dst, o);
-      if (v == 0 && p.lse != nullptr) p.lse[(int64_t)t * Hq + h] = L > 0.f ? (M + log2f(L)) * kLn2 : pos_inf();
-    } else {
-      const int64_t w = ((int64_t)(p.ws_start[row] + i_tok) * Hq + h) * p.max_splits + split;
-      float4* dst = reinterpret_cast<float4*>(p.ws_out + w * DV + v * 8);
-      dst[0] = make_float4(o[0], o[1], o[2], o[3]);
-      dst[1] = make_float4(o[4], o[5], o[6], o[7]);
-      if (v == 0) p.ws_lse[w] = L > 0.f ? M + log2f(L) : neg_inf();
-    }
+    merge_and_store_pair<T, NG>(p, &s_ml[0][mm][0], MT * 2, &s_acc[0][mm][v * 8], MT * DV, row, q0 + i_tok, i_tok, h, v,
+                                split, direct);
   }
 }
 
@@ -386,23 +361,8 @@ void launch_main(const PagedAttentionParams& p, peStream_t s) {
   const int G = p.num_q_heads / p.num_kv_heads;
   const int m_tiles = (p.max_query_len * G + MT - 1) / MT;
   const dim3 grid((unsigned)p.max_splits, (unsigned)m_tiles, (unsigned)(p.num_rows * p.num_kv_heads));
-#if !defined(PE_HIP)
-  if (p.pdl) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kThreads);
-    cfg.stream = s;
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    // (a launch error is the runtime's last error, which launch_paged_attention returns)
-    (void)cudaLaunchKernelEx(&cfg, paged_attention_kernel<T, DQK, DV, LPT, MT, U, kStages>, p);
-    return;
-  }
-#endif
-  paged_attention_kernel<T, DQK, DV, LPT, MT, U, kStages><<<grid, kThreads, 0, s>>>(p);
+  // (a launch error is the runtime's last error, which launch_paged_attention returns)
+  (void)pe_launch(paged_attention_kernel<T, DQK, DV, LPT, MT, U, kStages>, grid, dim3(kThreads), 0, s, p.pdl, p);
 }
 
 // (LPT, U) fix the order of the arithmetic; they depend on the head dim and the group size only

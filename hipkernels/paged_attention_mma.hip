@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_mma_kernel(PagedAtte
 #pragma unroll
     for (int nd = 0; nd < D / 8; nd += 2) {
       uint32_t b[4];  // transposed: keys 0-7 / 8-15 ((lane / 8) & 1) x dims 8 nd + 0 / + 8 (lane / 16)
-      ldsm_x4_trans(b, vs + swz<D>((((lane >> 3) & 1) << 3) + (lane & 7), nd + (lane >> 4)));
+      ldsm_x4<true>(b, vs + swz<D>((((lane >> 3) & 1) << 3) + (lane & 7), nd + (lane >> 4)));
       mma16816<T>(o[nd], pa, b[0], b[1]);
       mma16816<T>(o[nd + 1], pa, b[2], b[3]);
     }
@@ -224,35 +224,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_mma_kernel(PagedAtte
     if (m >= m_count) continue;
     const int i_tok = m / G;
     const int h = kvh * G + (m - i_tok * G);
-    float M = neg_inf();
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_ml[(w * kRows + r) * 2]);
-    float L = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (M != neg_inf()) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float wt = exp2f(s_ml[(w * kRows + r) * 2] - M);
-        L += s_ml[(w * kRows + r) * 2 + 1] * wt;
-        const float* src = s_o + (w * kRows + r) * D + v * 8;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += src[e] * wt;
-      }
-    }
-    const float inv = L > 0.f ? 1.f / L : 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] *= inv;
-    const int t = q0 + i_tok;
-    if (direct) {
-      T* dst = static_cast<T*>(p.out) + (int64_t)t * p.out_stride_token + (int64_t)h * p.out_stride_head + v * 8;
-      store8<T>(dst, acc);
-      if (v == 0 && p.lse != nullptr) p.lse[(int64_t)t * Hq + h] = L > 0.f ? (M + log2f(L)) * kLn2 : pos_inf();
-    } else {
-      const int64_t w = ((int64_t)(p.ws_start[row] + i_tok) * Hq + h) * p.max_splits + split;
-      float4* dst = reinterpret_cast<float4*>(p.ws_out + w * D + v * 8);
-      dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-      dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-      if (v == 0) p.ws_lse[w] = L > 0.f ? M + log2f(L) : neg_inf();
-    }
+    merge_and_store_pair<T, kWarps>(p, s_ml + r * 2, kRows * 2, s_o + r * D + v * 8, kRows * D, row, q0 + i_tok, i_tok, h,
+                                    v, split, direct);
   }
 }
 
@@ -266,17 +239,8 @@ int launch(const PagedAttentionParams& p, peStream_t s) {
   if (rc != cudaSuccess) return static_cast<int>(rc);
   const int G = p.num_q_heads / p.num_kv_heads;
   const int m_tiles = (p.max_query_len * G + kRows - 1) / kRows;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)p.max_splits, (unsigned)m_tiles, (unsigned)(p.num_rows * p.num_kv_heads));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = p.pdl ? 1 : 0;
-  return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
+  const dim3 grid((unsigned)p.max_splits, (unsigned)m_tiles, (unsigned)(p.num_rows * p.num_kv_heads));
+  return static_cast<int>(pe_launch(kernel, grid, dim3(kThreads), kSmem, s, p.pdl, p));
 }
 
 template <typename T>

@@ -429,23 +429,8 @@ template <typename T, int V, int KW, bool EXACT, bool ONE, int THREADS>
 int launch_conv_update(const CausalConv1dParams& p, peStream_t s) {
   const int threads = (p.dim + V - 1) / V;
   const dim3 grid((threads + THREADS - 1) / THREADS, p.num_rows);
-#if defined(PE_CUDA)
-  if (p.pdl) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(THREADS);
-    cfg.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    const cudaError_t rc = cudaLaunchKernelEx(&cfg, conv1d_update_kernel<T, V, KW, EXACT, ONE, THREADS>, p);
-    return rc != cudaSuccess ? (int)rc : (int)peGetLastError();
-  }
-#endif
-  conv1d_update_kernel<T, V, KW, EXACT, ONE, THREADS><<<grid, THREADS, 0, s>>>(p);
-  return (int)peGetLastError();
+  const peError_t rc = pe_launch(conv1d_update_kernel<T, V, KW, EXACT, ONE, THREADS>, grid, dim3(THREADS), 0, s, p.pdl, p);
+  return rc != peSuccess ? (int)rc : (int)peGetLastError();
 }
 
 template <typename T>
