@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from pyengine.attention_metadata import AttentionMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.ops import cuda as cuda_ops
 from gpu_timing import copy_bandwidth_gbps, time_ms, time_ms_graph, write_result, run_header  # noqa: E402  (benchmarks/ is on sys.path)
 

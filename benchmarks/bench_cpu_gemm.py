@@ -2,7 +2,7 @@
 linears of one SmolLM2-135M decode step (30 layers' qkv, o, gate_up, down, and the lm_head), fp32 and
 bf16, batch 1 and 16. The weights are random values put through GGUF's Q4_1 (layers) and Q8_0
 (lm_head) quantisers and back, as the default model's file holds them; fp32 then also runs the
-compact panels (codes + per-run scale and offset, csrc/cpu_gemm_affine.h) next to the dense ones.
+compact panels (codes + per-run scale and offset, csrc/cpu/cpu_gemm_affine.h) next to the dense ones.
 All run in this process, taking turns, best of --repeats; PackedLinear with its own pool (torch at
 one thread, as inside an engine step), oneDNN with torch's --threads. Prints JSON (ms per step of
 linears and the dense weight bytes per second).

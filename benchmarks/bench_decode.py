@@ -96,7 +96,7 @@ def make_llm(name: str, gguf: str | None, max_num_seqs: int, num_kv_blocks: int,
 
 def llm_from_model(model, cfg, **llm_kw) -> LLM:
     """An LLM around an in-memory model (random weights, token-id prompts only)."""
-    import pyengine.llm as llm_mod
+    import pyengine.engine.llm as llm_mod
 
     orig = llm_mod.load_model
     llm_mod.load_model = lambda *a, **k: (model, cfg, NullTokenizer())

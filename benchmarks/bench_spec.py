@@ -25,9 +25,9 @@ import time
 import torch
 
 from pyengine import LLM, SamplingParams
-from pyengine.engine import LLMEngine
+from pyengine.engine.llm_engine import LLMEngine
 from pyengine.loader import default_model_path
-from pyengine.speculative import SpeculativeConfig
+from pyengine.spec_decode.config import SpeculativeConfig
 
 from layer_skip_draft import write_layer_skip_draft  # noqa: E402  (benchmarks/ is on sys.path)
 

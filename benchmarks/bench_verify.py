@@ -16,7 +16,7 @@ import torch
 
 from bench_decode import LLAMA8B_HF, random_llama  # noqa: E402  (benchmarks/ is on sys.path)
 from gpu_timing import copy_bandwidth_gbps, run_header, time_ms_graph, write_result
-from pyengine.attention_metadata import AttentionMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
 
 BLOCK = 16
 

@@ -1,4 +1,4 @@
-// Entry point of the GPU kernel bindings. csrc/bindings.cpp calls register_kernels(m) under
+// Entry point of the GPU kernel bindings. csrc/core/bindings.cpp calls register_kernels(m) under
 // #ifdef PYENGINE_WITH_KERNELS (defined by hipkernels/kernels.cmake when the kernels are built).
 #pragma once
 

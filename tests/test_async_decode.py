@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pyengine import LLM, SamplingParams
-from pyengine.cuda_graph_runner import CudaGraphRunner
+from pyengine.engine.cuda_graph_runner import CudaGraphRunner
 from tests.test_spec_decode import make_prompts
 from tests.tiny_models import make_checkpoint
 

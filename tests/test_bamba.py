@@ -10,7 +10,7 @@ import transformers
 from pyengine import LLM
 from pyengine.loader import load_model
 from pyengine.models.bamba import rope_permutation
-from pyengine.state_cache import StateCache
+from pyengine.engine.state_cache import StateCache
 from tests.hybrid_spec_checks import SCRIPTED_CASES, check_greedy_matches_hf_generate, check_ngram_ragged, check_scripted
 from tests.tiny_models import VOCAB, write_tokenizer
 from tests.utils_paged import PagedCache, make_meta

@@ -1,4 +1,4 @@
-"""The CPU layer stack (csrc/cpu_llama_stack.h, one C++ call for every decoder layer) against the
+"""The CPU layer stack (csrc/cpu/cpu_llama_stack.h, one C++ call for every decoder layer) against the
 op-by-op layer loop of pyengine/models/llama.py: same hidden states and KV caches, bit for bit."""
 from __future__ import annotations
 

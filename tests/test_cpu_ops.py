@@ -199,7 +199,7 @@ def _gguf_roundtrip(w: torch.Tensor, kind: str) -> torch.Tensor:
 @pytest.mark.parametrize("kind,bits", [("Q4_1", 4), ("Q4_0", 4), ("Q8_0", 8)])
 def test_compact_panels_give_the_dense_results_bit_for_bit(kind: str, bits: int) -> None:
     """Block-quantised fp32 weights are packed as codes + per-run scale and offset and rebuilt in
-    the kernel (csrc/cpu_gemm_affine.h): same outputs as the dense fp32 panels, every bit, for
+    the kernel (csrc/cpu/cpu_gemm_affine.h): same outputs as the dense fp32 panels, every bit, for
     whole and partial row tiles and a partial last panel, in a fraction of the bytes."""
     gen = torch.Generator().manual_seed(bits)
     w = _gguf_roundtrip(torch.randn(96, 70, generator=gen) * 0.05, kind)
@@ -234,7 +234,7 @@ def test_weights_that_are_not_block_quantised_stay_dense() -> None:
 
 
 def test_cpu_ops_report_misuse_as_value_error() -> None:
-    """The C++ side returns its error messages instead of throwing (csrc/cpu_ops.h): each reaches
+    """The C++ side returns its error messages instead of throwing (csrc/cpu/cpu_ops.h): each reaches
     Python as a ValueError, and nothing is written before the check."""
     k_cache = torch.full((2, 4, 1, 16), float("nan"))
     v_cache = torch.full_like(k_cache, float("nan"))

@@ -7,7 +7,7 @@ from typing import Callable
 
 import numpy as np
 
-from pyengine.speculative import DraftLengthPolicy
+from pyengine.spec_decode.draft_length import DraftLengthPolicy
 
 # accept(row, step) -> the chance that each draft of that row is accepted (given the earlier ones were)
 Acceptance = Callable[[int, int], float]

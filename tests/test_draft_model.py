@@ -1,4 +1,4 @@
-"""Draft-model speculation (pyengine.draft_model): greedy output equals plain greedy decoding token for
+"""Draft-model speculation (pyengine.spec_decode.draft_model): greedy output equals plain greedy decoding token for
 token, with the target as its own draft (acceptance ~100%: proves the draft KV bookkeeping), a
 perturbed copy (partial acceptance), and a draft of another architecture (no acceptance); batch 1
 and 8, k = 1/3/5, block sizes 4 and 16, prefix caching on/off, preemption. Random sampling: the
@@ -20,12 +20,12 @@ from safetensors.torch import load_file, save_file
 from scipy import stats
 
 from pyengine import LLM, SamplingParams, _C
-from pyengine.draft_model import DraftModelProposer
+from pyengine.spec_decode.draft_model import DraftModelProposer
 from pyengine.loader import load_model
-from pyengine.model_runner import ModelRunner
-from pyengine.rejection_sampler import RejectionSampler
-from pyengine.sampler import SamplingTensors, compute_probs
-from pyengine.speculative import SpeculativeConfig
+from pyengine.engine.model_runner import ModelRunner
+from pyengine.spec_decode.rejection_sampler import RejectionSampler
+from pyengine.engine.sampler import SamplingTensors, compute_probs
+from pyengine.spec_decode.config import SpeculativeConfig
 from tests.spec_harness import assert_lossless, run  # assert_lossless: divergence only at a top-2 gap < 1e-4
 from tests.tiny_models import VOCAB, make_checkpoint
 from tests.utils_paged import PagedCache, make_meta

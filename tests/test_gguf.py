@@ -97,7 +97,7 @@ def test_greedy_matches_hf(smollm2_fp32, hf_model):
 
 def test_default_model_streams_its_quantised_weights_compactly(smollm2_fp32):
     """The default file is Q4_1 (+ a Q8_0 embedding): on an AVX-512 CPU every fp32 linear packs
-    as 4-bit codes and the tied lm_head as 8-bit (csrc/cpu_gemm_affine.h), exact by construction;
+    as 4-bit codes and the tied lm_head as 8-bit (csrc/cpu/cpu_gemm_affine.h), exact by construction;
     test_greedy_matches_hf runs on those weights."""
     from pyengine.ops.cpu import PackedLinear
 

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from pyengine.attention_metadata import AttentionMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
 
 try:
     from pyengine.ops import cuda as cuda_ops
@@ -178,7 +178,7 @@ def test_gqa_verify_tokens_equal_decode_bits(ctx):
     """Speculative decoding is lossless only if a verify step scores each of its tokens exactly as
     plain decoding would: token i of a verify row (q_len 6) must equal, bit for bit, the same query
     decoded alone against its own context (ctx - 5 + i keys, the same block table)."""
-    from pyengine.attention_metadata import AttentionMetadata
+    from pyengine.engine.attention_metadata import AttentionMetadata
 
     q_len, hkv, group, d, bs = 6, 8, 4, 128, 16
     meta, tables, nblocks = make_step([(ctx, q_len)], bs, seed=ctx)

@@ -11,7 +11,7 @@ import transformers
 
 from pyengine import LLM
 from pyengine.loader import load_model
-from pyengine.state_cache import StateCache
+from pyengine.engine.state_cache import StateCache
 from tests.hybrid_spec_checks import SCRIPTED_CASES, check_greedy_matches_hf_generate, check_ngram_ragged, check_scripted, plain
 from tests.spec_harness import run
 from tests.test_spec_decode import make_prompts, scripted

@@ -14,8 +14,8 @@ import pytest
 import torch
 from scipy import stats
 
-from pyengine.rejection_sampler import RejectionSampler
-from pyengine.sampler import RequestGenerators, Sampler, probs_from_params
+from pyengine.spec_decode.rejection_sampler import RejectionSampler
+from pyengine.engine.sampler import RequestGenerators, Sampler, probs_from_params
 from pyengine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)

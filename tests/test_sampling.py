@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from pyengine.sampler import (
+from pyengine.engine.sampler import (
     RequestGenerators,
     Sampler,
     SamplingTensors,

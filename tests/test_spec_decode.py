@@ -62,7 +62,7 @@ def test_per_request_draft_lengths_equal_plain(tiny: str) -> None:
     unchanged. The step-time line is fixed (verify tokens cost compute), so the lengths depend on
     acceptance alone, not on this machine's timing."""
     from pyengine import LLM
-    from pyengine.speculative import DraftLengthPolicy
+    from pyengine.spec_decode.draft_length import DraftLengthPolicy
 
     k, prompts = 4, make_prompts(8, seed=7)
     plain = run(tiny, prompts, max_tokens=40)[0]
@@ -101,7 +101,7 @@ def test_rows_that_cannot_finish_last_get_no_drafts(tiny: str) -> None:
     from then on get no drafts (their early tokens could not shorten the run). With a stop token
     id, a request may end any time, so every row may finish last and keeps its drafts."""
     from pyengine import LLM
-    from pyengine.speculative import DraftLengthPolicy
+    from pyengine.spec_decode.draft_length import DraftLengthPolicy
 
     k, prompts = 4, make_prompts(4, seed=3)
     plain = run(tiny, prompts, max_tokens=32)[0]

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from pyengine.attention_metadata import AttentionMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.config import ModelConfig
 
 

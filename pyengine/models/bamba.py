@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyengine.attention_metadata import AttentionMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.config import _rope_scaling, _rope_theta
 from pyengine.models.llama import LlamaDecoderLayer, _inv_freq, linear
 from pyengine.models.mamba2 import Mamba2Mixer, Mamba2ModelConfig, _json_float
-from pyengine.state_cache import StateCache, StateMetadata
+from pyengine.engine.state_cache import StateCache, StateMetadata
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyengine import ops
-from pyengine.attention_metadata import AttentionMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

@@ -1,5 +1,5 @@
 """A CPU step through all of a Llama model's decoder layers in one C++ call
-(csrc/cpu_llama_stack.h: the same ops as LlamaDecoderLayer.forward, in the same order, on the same
+(csrc/cpu/cpu_llama_stack.h: the same ops as LlamaDecoderLayer.forward, in the same order, on the same
 values; hidden states equal bit for bit). It saves the per-op Python crossings, checks and
 allocations, ~2 ms of a 7 ms SmolLM2 decode step at batch 1 on 2 cores.
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pyengine.attention_metadata import AttentionMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from pyengine.models.llama import LlamaForCausalLM

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyengine.attention_metadata import AttentionMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.config import ModelConfig
 from pyengine.ops import ssm_reference
-from pyengine.state_cache import StateCache, StateMetadata
+from pyengine.engine.state_cache import StateCache, StateMetadata
 
 
 @dataclass

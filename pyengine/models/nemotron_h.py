@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyengine.attention_metadata import AttentionMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.models.bamba import BambaModelConfig, load_hf_weights
 from pyengine.models.llama import LlamaDecoderLayer, linear
 from pyengine.models.mamba2 import Mamba2Mixer
-from pyengine.state_cache import StateCache, StateMetadata
+from pyengine.engine.state_cache import StateCache, StateMetadata
 
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 

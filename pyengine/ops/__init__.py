@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pyengine.attention_metadata import AttentionMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.ops import layer_reference, reference
 
 __all__ = ["reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul",

@@ -1,4 +1,4 @@
-"""CPU layer ops: thin wrappers over the C++ loops of pyengine._C.cpu (csrc/cpu_*.cpp).
+"""CPU layer ops: thin wrappers over the C++ loops of pyengine._C.cpu (csrc/cpu/cpu_*.cpp).
 
 Same signatures and semantics as pyengine.ops.reference / layer_reference, for fp32 and bf16
 tensors; any other dtype, or a layout the loops do not take, runs the reference. The extension
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from pyengine.attention_metadata import AttentionMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.ops import layer_reference, reference
 
 try:
@@ -33,7 +33,7 @@ MAX_QUERY_KEY_PAIRS = 1 << 15
 
 
 def _raise(error: str) -> None:
-    """The C++ ops report misuse as a message rather than an exception (csrc/cpu_ops.h says why)."""
+    """The C++ ops report misuse as a message rather than an exception (csrc/cpu/cpu_ops.h says why)."""
     if error:
         raise ValueError(error)
 
@@ -124,13 +124,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear:
-    """An fp32 or bf16 [in, out] weight in the layout of the C++ decode GEMM (csrc/cpu_gemm.h):
+    """An fp32 or bf16 [in, out] weight in the layout of the C++ decode GEMM (csrc/cpu/cpu_gemm.h):
     called as y = layer(x, bias), one row's result independent of the other rows. Threads:
     torch's count when packed; the pool runs them only inside ModelRunner.step_threads.
 
     compact: an fp32 weight whose values are block-quantised ones (a GGUF Q4_0/Q4_1/Q8_0 tensor
     dequantised on load) is stored as its 4- or 8-bit codes plus per-block scale and offset and
-    rebuilt exactly in the kernel (csrc/cpu_gemm_affine.h): same results bit for bit, 5x fewer
+    rebuilt exactly in the kernel (csrc/cpu/cpu_gemm_affine.h): same results bit for bit, 5x fewer
     bytes streamed per step. `bits_per_weight` says which: 32 (dense), 4 or 8."""
 
     def __init__(self, weight: torch.Tensor, compact: bool = True) -> None:

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from pyengine.attention_metadata import AttentionMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.ops import layer_reference
 
 try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pyengine.attention_metadata import AttentionMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pyengine.attention_metadata import AttentionMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
 
 _CACHE_KEY = "reference_paged_attention"
 

@@ -25,7 +25,6 @@ draft generator, and q is kept so the engine can pass draft_probs to the rejecti
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -35,17 +34,9 @@ import torch
 
 from pyengine import _C
 from pyengine.config import ModelConfig
-from pyengine.model_runner import ModelRunner
-from pyengine.sampler import SamplingTensors, compute_probs, derive_seed, draw_uniforms, sample_from_probs
-from pyengine.speculative import SpeculativeConfig
-
-
-def kv_budget_config(target: ModelConfig, draft: ModelConfig) -> ModelConfig:
-    """A pseudo config whose kv_bytes_per_block is the target's plus the draft's: size the shared
-    block pool (default_num_kv_blocks) so that both caches fit the memory budget."""
-    per_token = (target.num_hidden_layers * target.num_key_value_heads * target.head_dim
-                 + draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim)
-    return dataclasses.replace(target, num_hidden_layers=1, num_key_value_heads=1, head_dim=per_token)
+from pyengine.engine.model_runner import ModelRunner
+from pyengine.engine.sampler import SamplingTensors, compute_probs, derive_seed, draw_uniforms, sample_from_probs
+from pyengine.spec_decode.config import SpeculativeConfig
 
 
 @dataclass
@@ -80,7 +71,7 @@ class _Row:
 
 
 class DraftModelProposer:
-    """Proposer protocol (see pyengine.speculative) plus draft_probs() for the rejection sampler.
+    """Proposer protocol (see pyengine.spec_decode.proposer) plus draft_probs() for the rejection sampler.
 
     get_request(seq_id) returns the engine's request (needs .params and .prompt_token_ids).
     draft: an already loaded (model, ModelConfig); loaded from cfg.model when None.

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "block_hash_table.h"
-#include "common.h"
-#include "huge_page_allocator.h"
+#include "common/common.h"
+#include "common/huge_page_allocator.h"
 
 namespace pyengine {
 

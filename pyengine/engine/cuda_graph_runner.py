@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pyengine.attention_metadata import AttentionMetadata
-from pyengine.state_cache import StateMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
+from pyengine.engine.state_cache import StateMetadata
 
 _PLAN_KEY = "cuda_paged_attention"
 
@@ -102,7 +102,7 @@ class CudaGraphRunner:
     def __init__(self, model, kv_caches, block_size: int, device: torch.device, max_num_seqs: int,
                  max_query_len: int, graph_max_context: int, use_graphs: bool = True, state_cache=None) -> None:
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
-        self.state_cache = state_cache  # pyengine.state_cache.StateCache of a hybrid model, or None
+        self.state_cache = state_cache  # pyengine.engine.state_cache.StateCache of a hybrid model, or None
         self.buckets = default_buckets(max_num_seqs)
         self.max_rows = self.buckets[-1]
         self.max_q = max(1, max_query_len)

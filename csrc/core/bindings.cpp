@@ -16,7 +16,7 @@
 namespace py = pybind11;
 using namespace pyengine;
 
-void register_cpu_ops(py::module_& m);  // csrc/bindings_cpu.cpp
+void register_cpu_ops(py::module_& m);  // csrc/cpu/bindings_cpu.cpp
 
 namespace {
 

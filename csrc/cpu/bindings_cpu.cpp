@@ -19,7 +19,7 @@ T* ptr(uintptr_t address) { return reinterpret_cast<T*>(address); }
 }  // namespace
 
 void register_cpu_ops(py::module_& m) {
-  py::module_ cpu = m.def_submodule("cpu", "CPU layer ops on raw pointers (see csrc/cpu_ops.h)");
+  py::module_ cpu = m.def_submodule("cpu", "CPU layer ops on raw pointers (see csrc/cpu/cpu_ops.h)");
   cpu.def("paged_attention",
           [](uintptr_t q, int64_t q_row_stride, uintptr_t k_cache, uintptr_t v_cache, uintptr_t out, uintptr_t lse,
              uintptr_t block_tables, int64_t block_table_stride, uintptr_t query_start_loc, uintptr_t context_lens,

@@ -29,12 +29,13 @@ import torch
 
 from pyengine import _C
 from pyengine.config import ModelConfig
-from pyengine.draft_model import DraftModelProposer
-from pyengine.model_runner import ModelRunner
-from pyengine.rejection_sampler import RejectionSampler, _argmax
-from pyengine.sampler import RequestGenerators
+from pyengine.engine.model_runner import ModelRunner
+from pyengine.spec_decode.rejection_sampler import RejectionSampler, greedy_argmax
+from pyengine.engine.sampler import RequestGenerators
 from pyengine.sampling_params import SamplingParams
-from pyengine.speculative import DraftLengthPolicy, NgramProposer, Proposer, ScriptedProposer, SpeculativeConfig
+from pyengine.spec_decode.config import SpeculativeConfig
+from pyengine.spec_decode.draft_length import DraftLengthPolicy
+from pyengine.spec_decode.proposer import Proposer, build_proposer
 from pyengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -88,13 +89,8 @@ class LLMEngine:
         self.scheduler = _C.Scheduler(sc)
         self.proposer: Proposer | None = None
         if spec is not None:
-            if spec.method == "ngram":
-                self.proposer = NgramProposer(spec)
-            elif spec.method == "scripted":
-                self.proposer = ScriptedProposer(spec)
-            else:  # draft_model; draft_model = (model, ModelConfig) preloaded by LLM, else loaded here
-                self.proposer = DraftModelProposer(spec, runner, lambda sid: self.requests[sid], cfg.seed,
-                                                   cfg.max_model_len, draft=draft_model)
+            self.proposer = build_proposer(spec, runner, lambda sid: self.requests[sid], cfg.seed, cfg.max_model_len,
+                                           draft=draft_model)
         # Scripted drafts are exact test fixtures: never shorten them.
         adaptive = spec is not None and spec.adaptive_draft_length and spec.method != "scripted"
         self.draft_length = DraftLengthPolicy(self.k) if adaptive else None
@@ -255,7 +251,7 @@ class LLMEngine:
             ready = self._tok_ready
             ready.record()
         else:
-            tok = host = _argmax(logits)
+            tok = host = greedy_argmax(logits)
         if key is not None and self._may_launch_next(batch, key):
             self._pending = self.runner.graph_runner.launch_next(batch, key, tok)
         if ready is not None:

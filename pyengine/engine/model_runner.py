@@ -2,40 +2,14 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 from torch import nn
 
-from pyengine.attention_metadata import AttentionMetadata
+from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.config import ModelConfig
-
-CPU_KV_CACHE_BYTES = int(os.environ.get("PYENGINE_CPU_KV_CACHE_BYTES", 2 << 30))
-
-
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return config.num_hidden_layers * 2 * block_size * config.num_key_value_heads * config.head_dim * elem
-
-
-def default_num_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                          max_num_seqs: int, max_model_len: int, gpu_memory_utilization: float) -> int:
-    """Blocks that fit the memory budget, capped at what max_num_seqs full-length requests use."""
-    per_block = kv_bytes_per_block(config, block_size, dtype)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * gpu_memory_utilization) - (total - free) - (1 << 30)  # 1 GiB for activations
-    else:
-        budget = CPU_KV_CACHE_BYTES
-    most_useful = max_num_seqs * (-(-max_model_len // block_size) + 1)
-    blocks = min(budget // per_block, most_useful)
-    if blocks < -(-max_model_len // block_size):
-        raise ValueError(f"the KV cache budget fits only {blocks} blocks of {block_size} tokens, fewer than one "
-                         f"request of max_model_len={max_model_len} needs; lower max_model_len or set num_kv_blocks")
-    return int(blocks)
-
 
 class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, block_size: int, num_kv_blocks: int,
@@ -52,7 +26,7 @@ class ModelRunner:
         self.graph_runner = None
         self.last_graph_key: tuple[int, int] | None = None  # the graph the last execute() replayed
         if cuda_graphs and max_model_len is not None:
-            from pyengine.cuda_graph_runner import CudaGraphRunner, graphs_supported
+            from pyengine.engine.cuda_graph_runner import CudaGraphRunner, graphs_supported
 
             ok, _ = graphs_supported(model, config, dtype, device)
             if ok:
@@ -62,7 +36,7 @@ class ModelRunner:
         # ---- recurrent state (hybrid models, pyengine/state_cache.py): only when the model declares it ----
         self.state_cache = None
         if hasattr(model, "state_shapes"):
-            from pyengine.state_cache import StateCache
+            from pyengine.engine.state_cache import StateCache
 
             if num_state_slots <= 0:
                 raise ValueError(f"{config.architecture} keeps recurrent state: num_state_slots must be > 0")

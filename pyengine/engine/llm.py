@@ -5,13 +5,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pyengine.draft_model import kv_budget_config
-from pyengine.engine import EngineConfig, LLMEngine, Request
+from pyengine.engine.llm_engine import EngineConfig, LLMEngine, Request
 from pyengine.loader import load_model
-from pyengine.model_runner import ModelRunner, default_num_kv_blocks
+from pyengine.engine.kv_budget import default_num_kv_blocks
+from pyengine.engine.model_runner import ModelRunner
 from pyengine.outputs import CompletionOutput, RequestOutput
 from pyengine.sampling_params import SamplingParams
-from pyengine.speculative import SpeculativeConfig
+from pyengine.spec_decode.config import SpeculativeConfig
 
 Prompt = str | list[int]
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -73,8 +73,8 @@ class LLM:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({limit})")
         max_model_len = max_model_len or min(limit, 8192)
         if num_kv_blocks is None:
-            kv_config = self.model_config if draft is None else kv_budget_config(self.model_config, draft[1])
-            num_kv_blocks = default_num_kv_blocks(kv_config, block_size, self.dtype, self.device, max_num_seqs,
+            kv_configs = [self.model_config] + ([] if draft is None else [draft[1]])
+            num_kv_blocks = default_num_kv_blocks(kv_configs, block_size, self.dtype, self.device, max_num_seqs,
                                                   max_model_len, gpu_memory_utilization)
         # ---- hybrid (recurrent-state) models: a state slot pool; no prefix caching ----
         num_state_slots = 0

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from pyengine.sampler import SamplingTensors, compute_probs, draw_uniforms, sample_from_probs
+from pyengine.engine.sampler import SamplingTensors, compute_probs, draw_uniforms, sample_from_probs
 from pyengine.sampling_params import SamplingParams
 
 
@@ -41,7 +41,7 @@ def _leading_true(mask: torch.Tensor) -> torch.Tensor:
     return torch.cumprod(mask.to(torch.long), dim=1).sum(dim=1)
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row argmax (the first maximum, like torch). NumPy's is several times faster than
     torch's on CPU float32 rows of a vocabulary (about 5x at [160, 49152] on one thread)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
@@ -69,13 +69,13 @@ class RejectionSampler:
                 and not bool(torch.as_tensor(num_draft_tokens).any()):
             # Plain greedy decoding (no drafts in the batch): each row's token is its argmax. The
             # general path below gives the same, through a dozen small ops per step.
-            tokens_t = _argmax(target_logits).cpu()
+            tokens_t = greedy_argmax(target_logits).cpu()
             ones = torch.ones(n_rows, dtype=torch.long)
             return RejectionOutput([[t] for t in tokens_t.tolist()], tokens_t, ones, torch.zeros_like(ones))
         # Greedy rows need only the argmax: one reduction where the logits live, one copy, and the
         # small bookkeeping below on the CPU (on a GPU, dozens of tiny kernels and syncs otherwise).
         device = torch.device("cpu") if all(greedy) else target_logits.device
-        target_argmax = _argmax(target_logits).to(device) if any(greedy) else None
+        target_argmax = greedy_argmax(target_logits).to(device) if any(greedy) else None
         vocab = target_logits.shape[-1]
         d = torch.as_tensor(num_draft_tokens, dtype=torch.long).reshape(-1).to(device)
         drafts_flat = draft_token_ids.reshape(-1).to(device=device, dtype=torch.long)

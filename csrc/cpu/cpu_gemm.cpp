@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "common.h"
+#include "common/common.h"
 #include "cpu_thread_pool.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)

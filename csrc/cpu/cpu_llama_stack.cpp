@@ -4,7 +4,7 @@
 #include <cstring>
 #include <utility>
 
-#include "common.h"
+#include "common/common.h"
 
 namespace pyengine::cpu {
 namespace {

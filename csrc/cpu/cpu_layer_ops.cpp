@@ -5,7 +5,7 @@
 #include <cmath>
 #include <vector>
 
-#include "common.h"
+#include "common/common.h"
 #include "cpu_ops.h"
 #include "cpu_thread_pool.h"
 #include "cpu_vec.h"

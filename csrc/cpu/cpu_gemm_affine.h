@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "huge_page_allocator.h"
+#include "common/huge_page_allocator.h"
 
 namespace pyengine::cpu {
 

@@ -12,7 +12,7 @@
 #include <limits>
 #include <vector>
 
-#include "common.h"
+#include "common/common.h"
 #include "cpu_ops.h"
 #include "cpu_thread_pool.h"
 #include "cpu_vec.h"

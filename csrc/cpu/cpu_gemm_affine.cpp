@@ -7,7 +7,7 @@
 #include <cstring>
 #include <utility>
 
-#include "common.h"
+#include "common/common.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>

