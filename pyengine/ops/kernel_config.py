@@ -1,0 +1,64 @@
+"""Which kernel variants the ops run: typed switches set from Python, never read from the
+environment. The ops read the current KernelConfig at each call and pass the kernel-side fields
+to the kernels as launch parameters; LLM(kernel_config=...) sets it for its steps, tests and
+benchmarks use `use_kernel_config(...)` around the calls they compare."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    cpu_kernels: bool = True  # CPU: the C++ ops and packed GEMM; False keeps the PyTorch references
+    cpu_layer_stack: bool = True  # CPU: a Llama model's decoder layers in one C++ call per step
+    skinny_gemm: bool = True  # CUDA: single-row projections on pyengine's skinny GEMM (False: cuBLAS)
+    pdl: bool = True  # CUDA: programmatic dependent launch for the skinny GEMM and GQA attention
+    gqa_fma: bool = False  # NVIDIA: the CUDA-core (FMA) GQA kernel instead of the tensor-core one
+    gqa_pairs_per_block: int = 0  # GQA: query-head pairs per block, 0 = chosen per launch (else 1, 2, 4, 8)
+    mla_small_tile: bool = False  # NVIDIA: the small MLA tile (the one AMD builds) instead of the fast one
+
+    def __post_init__(self) -> None:
+        if self.gqa_pairs_per_block not in (0, 1, 2, 4, 8):
+            raise ValueError(f"gqa_pairs_per_block must be 0 (auto), 1, 2, 4 or 8, got {self.gqa_pairs_per_block!r}")
+
+    @classmethod
+    def from_value(cls, value: "KernelConfig | dict[str, Any] | None") -> "KernelConfig":
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"kernel_config must be a KernelConfig or a dict, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(f"kernel_config: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+        return cls(**value)
+
+
+_current = KernelConfig()
+
+
+def get_kernel_config() -> KernelConfig:
+    return _current
+
+
+def set_kernel_config(config: KernelConfig) -> None:
+    global _current
+    _current = config
+
+
+@contextlib.contextmanager
+def use_kernel_config(config: KernelConfig | None = None, **overrides: Any) -> Iterator[KernelConfig]:
+    """Run a block under `config` (default: the current one) with `overrides` applied."""
+    global _current
+    saved = _current
+    _current = dataclasses.replace(config or saved, **overrides)
+    try:
+        yield _current
+    finally:
+        _current = saved
