@@ -28,7 +28,10 @@ find_package(CUDAToolkit REQUIRED)
 message(STATUS "pyengine: building GPU kernels with ${CMAKE_CUDA_COMPILER} for sm_90a")
 
 set(_PYENGINE_KDIR ${CMAKE_CURRENT_SOURCE_DIR}/hipkernels)
-file(GLOB PYENGINE_KERNEL_SOURCES CONFIGURE_DEPENDS ${_PYENGINE_KDIR}/*.hip)
+# One folder per kernel family (attention, gemm, layer_ops, ssm) plus common/; includes are relative
+# to hipkernels/ ("common/hip_compat.h").
+file(GLOB_RECURSE PYENGINE_KERNEL_SOURCES CONFIGURE_DEPENDS ${_PYENGINE_KDIR}/*.hip)
+file(GLOB_RECURSE PYENGINE_KERNEL_BINDINGS CONFIGURE_DEPENDS ${_PYENGINE_KDIR}/*.cpp)
 set_source_files_properties(${PYENGINE_KERNEL_SOURCES} PROPERTIES LANGUAGE CUDA)
 
 add_library(pyengine_kernels OBJECT ${PYENGINE_KERNEL_SOURCES})
@@ -41,9 +44,8 @@ target_include_directories(pyengine_kernels PRIVATE ${_PYENGINE_KDIR})
 target_compile_options(pyengine_kernels PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-x cu -gencode=arch=compute_90a,code=sm_90a -O3 --expt-relaxed-constexpr>)
 
-target_sources(_C PRIVATE ${_PYENGINE_KDIR}/bindings_kernels.cpp ${_PYENGINE_KDIR}/bindings_ssm.cpp
-  ${_PYENGINE_KDIR}/bindings_layer_ops.cpp ${_PYENGINE_KDIR}/bindings_skinny_gemm.cpp
-  $<TARGET_OBJECTS:pyengine_kernels>)
-target_include_directories(_C PRIVATE ${_PYENGINE_KDIR})
+target_sources(_C PRIVATE ${PYENGINE_KERNEL_BINDINGS} $<TARGET_OBJECTS:pyengine_kernels>)
+# common/ too: csrc/core/bindings.cpp includes "register_kernels.h" by its bare name.
+target_include_directories(_C PRIVATE ${_PYENGINE_KDIR} ${_PYENGINE_KDIR}/common)
 target_compile_definitions(_C PRIVATE PYENGINE_WITH_KERNELS)
 target_link_libraries(_C PRIVATE CUDA::cudart_static)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compiles every kernel source in hipkernels/ to an object file, for NVIDIA (nvcc, sm_90a) or AMD
+# Compiles every kernel source under hipkernels/ (its family folders, recursively) to an object file, for NVIDIA (nvcc, sm_90a) or AMD
 # (hipcc, gfx90a). Usage: scripts/compile_kernels.sh cuda|hip [out_dir]. Exits non-zero on failure.
 set -euo pipefail
 target="${1:-}"
@@ -22,19 +22,18 @@ case "$target" in
     exit 2
     ;;
 esac
-shopt -s nullglob
-sources=("$root"/hipkernels/*.hip)
+mapfile -t sources < <(cd "$root" && find hipkernels -name '*.hip' | sort)
 if [ ${#sources[@]} -eq 0 ]; then
   echo "no kernel sources in $root/hipkernels" >&2
   exit 1
 fi
 status=0
 for src in "${sources[@]}"; do
-  obj="$out/$target/$(basename "${src%.hip}").o"
-  if compile "$src" "$obj"; then
-    echo "compiled ($target) hipkernels/$(basename "$src") -> $obj"
+  obj="$out/$target/$(echo "${src#hipkernels/}" | tr / _ | sed 's/\.hip$/.o/')"
+  if compile "$root/$src" "$obj"; then
+    echo "compiled ($target) $src -> $obj"
   else
-    echo "FAILED ($target) hipkernels/$(basename "$src")" >&2
+    echo "FAILED ($target) $src" >&2
     status=1
   fi
 done

@@ -1,8 +1,8 @@
 // Paged KV-cache writes: reshape_and_cache (K and V caches) and its MLA latent variant.
 // Semantics in kv_cache_write.h. One block per token; threads copy the token's row in units of
 // 16 bytes when every row start is 16-byte aligned, otherwise in units of the element size.
-#include "hip_compat.h"
-#include "kv_cache_write.h"
+#include "common/hip_compat.h"
+#include "attention/kv_cache_write.h"
 
 namespace {
 

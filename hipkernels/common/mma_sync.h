@@ -7,7 +7,7 @@
 
 #include <type_traits>
 
-#include "hip_compat.h"
+#include "common/hip_compat.h"
 
 namespace pe_mma {
 

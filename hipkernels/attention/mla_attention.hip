@@ -18,12 +18,12 @@
 // written / P written). In both kernels the block layout and the arithmetic of a pair depend only on
 // the model (Hq) and the row, never on the batch; the key split is the one of the GQA path
 // (paged_attention.h), merged by the same combine kernel.
-#include "hip_compat.h"
-#include "paged_attention.h"
-#include "attention_common.h"
-#include "mla_attention.h"
-#include "mla_tile.h"
-#include "wgmma_tile.h"
+#include "common/hip_compat.h"
+#include "attention/paged_attention.h"
+#include "attention/attention_common.h"
+#include "attention/mla_attention.h"
+#include "attention/mla_tile.h"
+#include "common/wgmma_tile.h"
 
 #include <math.h>
 #include <stdlib.h>

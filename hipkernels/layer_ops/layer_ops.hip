@@ -13,8 +13,8 @@
 // are the same whatever else is in the launch.
 #include <type_traits>
 
-#include "hip_compat.h"
-#include "layer_ops.h"
+#include "common/hip_compat.h"
+#include "layer_ops/layer_ops.h"
 
 namespace {
 

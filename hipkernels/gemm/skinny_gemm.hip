@@ -10,9 +10,9 @@
 // Rows of M beyond MB run as further blocks over the same tiles (the weights are re-read, mostly
 // from L2: those blocks are adjacent in launch order). MB only changes how many rows one block
 // carries, never a row's arithmetic, which keeps a row's result independent of the batch.
-#include "skinny_gemm.h"
+#include "gemm/skinny_gemm.h"
 
-#include "hip_compat.h"
+#include "common/hip_compat.h"
 
 #if defined(PE_CUDA)
 #include <cooperative_groups.h>

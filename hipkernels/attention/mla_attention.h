@@ -8,7 +8,7 @@
 //   for a query with no keys); query i of a row of q_len attends to keys [0, ctx - (q_len - 1 - i)).
 #pragma once
 
-#include "paged_attention.h"
+#include "attention/paged_attention.h"
 
 // p as for launch_paged_attention with num_kv_heads 1, head_dim_qk 576, head_dim_v 512 and k_cache
 // the latent cache (v_cache unused). Two tile configurations (mla_tile.h), each its own kernel: on

@@ -6,7 +6,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "runtime.h"
+#include "common/runtime.h"
 
 namespace pyengine_bindings {
 

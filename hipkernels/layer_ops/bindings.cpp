@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
-#include "binding_utils.h"
-#include "layer_ops.h"
+#include "common/binding_utils.h"
+#include "layer_ops/layer_ops.h"
 
 namespace py = pybind11;
 

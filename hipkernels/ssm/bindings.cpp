@@ -7,9 +7,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "binding_utils.h"
-#include "runtime.h"
-#include "ssm_state.h"
+#include "common/binding_utils.h"
+#include "common/runtime.h"
+#include "ssm/ssm_state.h"
 
 namespace py = pybind11;
 

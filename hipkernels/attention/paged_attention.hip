@@ -12,9 +12,9 @@
 // butterfly shuffles, the softmax is online (base-2, scores pre-scaled by log2(e)), and the groups
 // are merged through shared memory at the end. All per-pair arithmetic is independent of the other
 // pairs of the tile, so the tile size never changes a result.
-#include "hip_compat.h"
-#include "paged_attention.h"
-#include "attention_common.h"
+#include "common/hip_compat.h"
+#include "attention/paged_attention.h"
+#include "attention/attention_common.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -13,10 +13,10 @@
 // (max, sum, O) are merged through shared memory in warp order at the end. Every step of a pair's
 // arithmetic depends only on its own row of Q, the keys and the split rule, never on the other
 // pairs of the tile, q_len or the batch, so decode and verify rows give the same bits.
-#include "hip_compat.h"
-#include "paged_attention.h"
-#include "attention_common.h"
-#include "mma_sync.h"
+#include "common/hip_compat.h"
+#include "attention/paged_attention.h"
+#include "attention/attention_common.h"
+#include "common/mma_sync.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -14,8 +14,8 @@
 // on 64-wide AMD wavefronts: masks < 32).
 #include <type_traits>
 
-#include "hip_compat.h"
-#include "ssm_state.h"
+#include "common/hip_compat.h"
+#include "ssm/ssm_state.h"
 
 namespace {
 

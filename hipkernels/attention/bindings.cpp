@@ -1,22 +1,18 @@
 // Thin pybind11 bindings of the GPU kernels: Python passes tensor.data_ptr() values and the
 // current stream as integers; the wrappers in pyengine/ops/cuda.py validate shapes and dtypes.
-#include "register_kernels.h"
+#include <pybind11/pybind11.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 
-#include "kv_cache_write.h"
-#include "mla_attention.h"
-#include "paged_attention.h"
-#include "binding_utils.h"
-#include "runtime.h"
+#include "attention/kv_cache_write.h"
+#include "attention/mla_attention.h"
+#include "attention/paged_attention.h"
+#include "common/binding_utils.h"
+#include "common/runtime.h"
 
 namespace py = pybind11;
-
-void register_ssm_kernels(py::module_& k);  // bindings_ssm.cpp (recurrent-state kernels)
-void register_layer_ops_kernels(py::module_& k);  // bindings_layer_ops.cpp (norms, SwiGLU, RoPE + KV write)
-void register_skinny_gemm_kernels(py::module_& k);  // bindings_skinny_gemm.cpp (few-row GEMM for decode)
 
 namespace {
 
@@ -25,12 +21,7 @@ using pyengine_bindings::ptr;
 
 }  // namespace
 
-void register_kernels(py::module_& m) {
-  py::module_ k = m.def_submodule("kernels", "GPU kernels (raw device pointers and streams)");
-  register_ssm_kernels(k);
-  register_layer_ops_kernels(k);
-  register_skinny_gemm_kernels(k);
-
+void register_attention_kernels(py::module_& k) {
   k.def(
       "reshape_and_cache",
       [](std::uintptr_t key, std::uintptr_t value, std::uintptr_t k_cache, std::uintptr_t v_cache,

@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
-#include "binding_utils.h"
-#include "skinny_gemm.h"
+#include "common/binding_utils.h"
+#include "gemm/skinny_gemm.h"
 
 namespace py = pybind11;
 

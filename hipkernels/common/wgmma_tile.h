@@ -17,7 +17,7 @@
 
 #include <type_traits>
 
-#include "hip_compat.h"
+#include "common/hip_compat.h"
 
 #if defined(PE_CUDA) && defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define PE_WGMMA 1

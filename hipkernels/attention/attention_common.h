@@ -4,8 +4,8 @@
 // asynchronous global -> shared copies. Include after hip_compat.h and paged_attention.h.
 #pragma once
 
-#include "hip_compat.h"
-#include "paged_attention.h"
+#include "common/hip_compat.h"
+#include "attention/paged_attention.h"
 
 namespace pe_attn {
 
