@@ -1,11 +1,12 @@
-"""Model hyper-parameters, read from a HF config.json dict (the GGUF loader builds the same dict)."""
+"""Model hyper-parameters and the HF config.json fields every architecture reads the same way.
+
+Each model file builds its own config from the HF dict (pyengine.models.registry picks the builder
+by `architectures`); this module knows no model, so the models can import it freely.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-
-HYBRID_ARCHITECTURES = ("Mamba2ForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM")
 
 
 @dataclass
@@ -30,60 +31,73 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        if not archs:
-            raise ValueError("config.json has no 'architectures' entry")
-        arch = str(archs[0])
-        if arch == "BambaForCausalLM":  # Mamba2 + attention hybrid: pyengine/models/bamba.py
-            from pyengine.models.bamba import bamba_model_config
-
-            return bamba_model_config(cfg)
-        if arch == "NemotronHForCausalLM":  # Mamba2 / attention / MLP blocks: pyengine/models/nemotron_h.py
-            from pyengine.models.nemotron_h import nemotron_h_model_config
-
-            return nemotron_h_model_config(cfg)
-        if arch in HYBRID_ARCHITECTURES:  # SSM hyper-parameters: pyengine/models/mamba2.py
-            from pyengine.models.mamba2 import mamba2_model_config
-
-            return mamba2_model_config(cfg)
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """The decoder fields in the Llama family's spelling. Architecture-specific builders start
+        here; pyengine.models.model_config_from_hf picks the one for cfg's architecture."""
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or hidden // num_heads
-        eos = cfg.get("eos_token_id")
-        eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-        # Qwen2 always has q/k/v bias (its config has no attention_bias key); Llama reads the flag.
-        attention_bias = bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))
-        if arch == "Qwen2ForCausalLM":
-            attention_bias = True
         return cls(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
+            **hf_common_fields(cfg, max_position_embeddings=2048),
             intermediate_size=int(cfg["intermediate_size"]),
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=num_heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(_rope_theta(cfg)),
-            rope_scaling=_rope_scaling(cfg),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
-            bos_token_id=None if cfg.get("bos_token_id") is None else int(cfg["bos_token_id"]),
-            eos_token_ids=eos_ids,
+            rope_theta=rope_theta_from_hf(cfg),
+            rope_scaling=rope_scaling_from_hf(cfg),
+            attention_bias=bool(cfg.get("attention_bias", False)),
         )
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
+@dataclass
+class Mamba2ModelConfig(ModelConfig):
+    """ModelConfig plus the hyper-parameters of the Mamba2 mixer (pyengine.models.layers)."""
+    num_ssm_heads: int = 0
+    ssm_head_dim: int = 0
+    state_size: int = 0
+    n_groups: int = 1
+    conv_kernel: int = 4
+    expand: int = 2
+    chunk_size: int = 256
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+
+def architecture_of(cfg: dict[str, Any]) -> str:
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ValueError("config.json has no 'architectures' entry")
+    return str(archs[0])
+
+
+def hf_common_fields(cfg: dict[str, Any], max_position_embeddings: int) -> dict[str, Any]:
+    """ModelConfig fields every architecture spells alike (max_position_embeddings: the default)."""
+    eos = cfg.get("eos_token_id")
+    return dict(
+        architecture=architecture_of(cfg),
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", max_position_embeddings)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=None if cfg.get("bos_token_id") is None else int(cfg["bos_token_id"]),
+        eos_token_ids=[] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])],
+    )
+
+
+def json_float(v: Any) -> float:
+    """transformers writes inf as {"__float__": "Infinity"} in config.json."""
+    return float(v["__float__"] if isinstance(v, dict) else v)
+
+
+def rope_theta_from_hf(cfg: dict[str, Any]) -> float:
     # transformers 5 moved rope_theta into rope_parameters; older configs keep it top-level.
     params = cfg.get("rope_parameters") or {}
     return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
 
-def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+def rope_scaling_from_hf(cfg: dict[str, Any]) -> dict[str, Any] | None:
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     if not scaling:
         return None

@@ -1,12 +1,15 @@
 """The CPU layer stack (csrc/cpu/cpu_llama_stack.h, one C++ call for every decoder layer) against the
-op-by-op layer loop of pyengine/models/llama.py: same hidden states and KV caches, bit for bit."""
+op-by-op layer loop of pyengine/models/llama.py: same hidden states and KV caches, bit for bit.
+KernelConfig.cpu_layer_stack switches between them at each step."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from pyengine.loader import load_model
+from pyengine.models.llama_cpu_stack import CpuLlamaStack
 from pyengine.ops import cpu as cpu_ops
+from pyengine.ops.kernel_config import use_kernel_config
 from tests.tiny_models import make_checkpoint
 from tests.utils_paged import PagedCache, make_meta
 
@@ -28,15 +31,16 @@ def _step(model, rows, cache: PagedCache, tokens: torch.Tensor) -> torch.Tensor:
 
 @needs_packed_gemm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_stack_equals_the_layer_loop(checkpoint: str, dtype: torch.dtype) -> None:
+def test_layer_stack_equals_the_layer_loop(checkpoint: str, dtype: torch.dtype, monkeypatch) -> None:
     model, config, _ = load_model(checkpoint, "cpu", dtype)
-    stack = model.__dict__.get("_cpu_stack")
-    assert stack is not None
+    assert model.cpu_stack is not None
+    stack_steps = []  # the steps the C++ stack ran, so the comparison cannot pass with the loop twice
+    stack_call = CpuLlamaStack.__call__
+    monkeypatch.setattr(CpuLlamaStack, "__call__", lambda self, *a: stack_steps.append(1) or stack_call(self, *a))
     gen = torch.Generator().manual_seed(0)
     caches = {}
     outs: dict[str, list[torch.Tensor]] = {}
     for mode in ("stack", "loop"):
-        model.__dict__["_cpu_stack"] = stack if mode == "stack" else None
         cache = caches[mode] = PagedCache(config, 40, 4, dtype, seed=1)
         tables: list[list[int]] = [[], [], []]
         for t, n in zip(tables, (13, 9, 30)):
@@ -47,10 +51,11 @@ def test_layer_stack_equals_the_layer_loop(checkpoint: str, dtype: torch.dtype) 
                  [(tables[0], 13, 1), (tables[1], 9, 4), (tables[2], 3, 27)],
                  [(tables[0], 14, 1), (tables[1], 13, 1), (tables[2], 30, 2)]]
         outs[mode] = []
-        for rows in steps:
-            tokens = torch.randint(0, config.vocab_size, (sum(q for _, _, q in rows),), generator=gen)
-            outs[mode].append(_step(model, rows, cache, tokens))
-    model.__dict__["_cpu_stack"] = stack
+        with use_kernel_config(cpu_layer_stack=mode == "stack"):
+            for rows in steps:
+                tokens = torch.randint(0, config.vocab_size, (sum(q for _, _, q in rows),), generator=gen)
+                outs[mode].append(_step(model, rows, cache, tokens))
+        assert len(stack_steps) == len(steps)  # every step of "stack", none of "loop"
     for a, b in zip(outs["stack"], outs["loop"]):
         assert torch.equal(a, b)
     for (ka, va), (kb, vb) in zip(caches["stack"].kv_caches, caches["loop"].kv_caches):
@@ -61,7 +66,7 @@ def test_layer_stack_equals_the_layer_loop(checkpoint: str, dtype: torch.dtype) 
 @needs_packed_gemm
 def test_layer_stack_leaves_long_prefills_and_bad_caches_alone(checkpoint: str) -> None:
     model, config, _ = load_model(checkpoint, "cpu", torch.float32)
-    stack = model.__dict__["_cpu_stack"]
+    stack = model.cpu_stack
     cache = PagedCache(config, 80, 4, torch.float32)
     table: list[int] = []
     cache.grow(table, 200)
@@ -70,7 +75,7 @@ def test_layer_stack_leaves_long_prefills_and_bad_caches_alone(checkpoint: str) 
     short_meta, positions = make_meta([(table, 0, 5)], 4)
     assert stack.applies(short_meta, cache.kv_caches)
     h = torch.randn(5, config.hidden_size)
-    cos, sin = model.rope_cos[positions], model.rope_sin[positions]
+    cos, sin = model.rotary_emb(positions)
     with pytest.raises(ValueError, match="KV caches for 2 layers"):
         stack(h, cos, sin, short_meta, cache.kv_caches[:1])
     bad_table = [t + 1000 for t in table]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pyengine.config import ModelConfig
-from pyengine.models import build_model
+from pyengine.models import build_model, model_config_from_hf
 from pyengine.tokenizer import Tokenizer
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -94,7 +94,7 @@ def config_from_fields(fields: dict[str, Any], tensor_names: set[str]) -> ModelC
     }
     if get("rope.scaling.type") == "linear" and get("rope.scaling.factor"):
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    return ModelConfig.from_hf_dict(cfg)
+    return model_config_from_hf(cfg)
 
 
 def _dequantize(tensor: Any) -> torch.Tensor:

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pyengine.config import ModelConfig
-from pyengine.models import build_model
+from pyengine.models import build_model, model_config_from_hf
 from pyengine.tokenizer import Tokenizer
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -58,7 +58,7 @@ def load_hf_dir(path: str, dtype: torch.dtype) -> tuple[nn.Module, ModelConfig, 
         raise ValueError(f"no config.json in {path}")
     files = safetensors_files(path)  # refuse pickle-only dirs before any other work
     with open(cfg_file, encoding="utf-8") as f:
-        config = ModelConfig.from_hf_dict(json.load(f))
+        config = model_config_from_hf(json.load(f))
     model = build_model(config, dtype)
     model.load_weights(iter_safetensors(files, dtype))  # type: ignore[operator]
     tokenizer = Tokenizer.from_dir(path)

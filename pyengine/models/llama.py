@@ -1,146 +1,41 @@
 """The Llama family (Llama 2/3, SmolLM, Qwen2 with qkv bias, Qwen3 with per-head q/k RMSNorm).
 
-One flat token batch [T] runs through the decoder; every layer appends its new K/V to the paged
-cache (ops.reshape_and_cache) and attends over it (ops.paged_attention). Projections are fused
-(q|k|v -> qkv_proj, gate|up -> gate_up_proj) so a layer is a handful of large matmuls.
-
-Linear weights are stored transposed, [in, out], and applied as x @ W: small-batch decode is
-memory-bound and MKL streams that layout ~25% faster than F.linear's [out, in] at batch 1-16
-(measured on SmolLM2-135M, 2 cores). On an H100 (bf16, in CUDA graphs) it is also the faster one
-for cuBLAS overall: on the Llama-3-8B projections at M = 1..64, F.linear's [out, in] wins only qkv
-at M = 2..5 (and by < 2% at 64), and is 2-15% slower on o, gate_up, down and lm_head
-(benchmarks/bench_gemm_layouts.py). At decode batch sizes on CUDA, linear() runs pyengine's own
-skinny GEMM on that layout instead (pyengine.ops.skinny_linear: no split-K reduce kernel, and a
-row's result independent of the batch; benchmarks/bench_skinny_gemm.py). A tied lm_head is kept
-only once, as [hidden, vocab]; token embedding then gathers its columns.
+One flat token batch [T] runs through the decoder layers (pyengine.models.layers.LlamaDecoderLayer);
+each appends its new K/V to the paged cache and attends over it. Weights are [in, out] (see
+docs/models.md for why); a tied lm_head is kept only once, as [hidden, vocab], and token embedding
+then gathers its columns.
 """
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pyengine import ops
+from pyengine.config import ModelConfig, architecture_of
 from pyengine.engine.attention_metadata import AttentionMetadata
-from pyengine.config import ModelConfig
+from pyengine.models.layers import KVCache, LlamaDecoderLayer, RotaryEmbedding, linear, param
+from pyengine.ops.kernel_config import get_kernel_config
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
-_LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+if TYPE_CHECKING:
+    from pyengine.models.llama_cpu_stack import CpuLlamaStack
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W (+ bias) for a dense [in, out] weight, a oneDNN-prepacked one, or a
-    pyengine.ops.cpu.PackedLinear (see prepack_for_cpu)."""
-    if not isinstance(w, torch.Tensor):
-        return w(x, bias)
-    if w.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-    if w.is_cuda:
-        y = ops.skinny_linear(x, w, bias)
-        if y is not None:
-            return y
-    return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+def llama_model_config(cfg: dict[str, Any]) -> ModelConfig:
+    arch = architecture_of(cfg)
+    config = ModelConfig.from_hf_dict(cfg)
+    # Qwen2 always has q/k/v bias (its config has no attention_bias key); Qwen3 norms q and k per head.
+    config.attention_bias = config.attention_bias or arch == "Qwen2ForCausalLM"
+    config.qk_norm = arch == "Qwen3ForCausalLM"
+    return config
 
 
 def _prepack(w: torch.Tensor) -> torch.Tensor:
     """[in, out] dense -> oneDNN's blocked layout of the [out, in] weight."""
     return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
-
-
-def _inv_freq(config: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies (float64), with llama3 / linear scaling applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling["rope_type"] == "freq_factors":  # GGUF rope_freqs.weight: llama3 divisors, precomputed
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
-    factor = float(scaling.get("factor", 1.0))
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    original = float(scaling.get("original_max_position_embeddings", 8192))
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
-    smooth = (original / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= original / high) & (wavelen <= original / low)
-    return torch.where(medium, blended, scaled)
-
-
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention then (optionally) a pre-norm SwiGLU MLP, each added to the residual.
-    Hybrid models reuse the attention half on its own (mlp=False: no MLP parameters)."""
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, mlp: bool = True) -> None:
-        super().__init__()
-        hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        hidden, inter = config.hidden_size, config.intermediate_size
-        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
-        self.eps = config.rms_norm_eps
-        self.scale = d**-0.5
-
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-        self.input_layernorm = param(hidden)
-        self.qkv_proj = param(hidden, (hq + 2 * hkv) * d)  # [in, out], see module docstring
-        self.qkv_bias = param((hq + 2 * hkv) * d) if config.attention_bias else None
-        # Qwen3: q_norm and k_norm stacked per head so one rms_norm + one mul covers q and k.
-        self.qk_norm = param(hq + hkv, d) if config.qk_norm else None
-        self.o_proj = param(hq * d, hidden)
-        self.post_attention_layernorm = param(hidden) if mlp else None
-        self.gate_up_proj = param(hidden, 2 * inter) if mlp else None
-        self.down_proj = param(inter, hidden) if mlp else None
-        self.intermediate_size = inter
-
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor | None,
-                sin: torch.Tensor | None, meta: AttentionMetadata,
-                kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """vLLM's residual stream: h is the previous layer's MLP output and residual the sum before
-        it (None at the first layer, where h is the embedding). Returns (this layer's MLP output,
-        residual); the caller adds the last pair. The adds are fused into the norms."""
-        if residual is None:
-            residual, x = h, ops.rms_norm(h, self.input_layernorm, self.eps)
-        else:
-            x, residual = ops.fused_add_rms_norm(h, residual, self.input_layernorm, self.eps)
-        attn = self.self_attention(x, cos, sin, meta, kv_cache)
-        x, residual = ops.fused_add_rms_norm(attn, residual, self.post_attention_layernorm, self.eps)
-        return self.swiglu(x), residual
-
-    def attention(self, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                  meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        """h + attention(norm(h)), for hybrid models that use the attention half on its own."""
-        return h + self.self_attention(ops.rms_norm(h, self.input_layernorm, self.eps), cos, sin, meta, kv_cache)
-
-    def self_attention(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                       meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        """o_proj(attention(x)) for normed x [T, hidden]: writes this step's K/V, then reads the
-        paged context. cos/sin [T, head_dim] (rotate_half's sign folded into sin), None: no RoPE."""
-        t = x.shape[0]
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = linear(x, self.qkv_proj, self.qkv_bias)
-        qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)  # strided rows: q|k|v stay in one buffer
-        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-        if self.qk_norm is not None:
-            qk = (F.rms_norm(qk, (d,), None, self.eps) * self.qk_norm).contiguous()
-        ops.rope_and_cache(qk, v, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        attn = ops.paged_attention(qk[:, :hq], kv_cache[0], kv_cache[1], meta, self.scale)
-        assert isinstance(attn, torch.Tensor)
-        return linear(attn.reshape(t, hq * d), self.o_proj)
-
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate(x)) * up(x)) for normed x."""
-        return linear(ops.silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -150,20 +45,15 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         vocab, hidden = config.vocab_size, config.hidden_size
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
-        self.norm = nn.Parameter(torch.empty(hidden, dtype=dtype), requires_grad=False)
-        self.lm_head = nn.Parameter(torch.empty(hidden, vocab, dtype=dtype), requires_grad=False)  # [in, out]
+        self.norm = param(hidden, dtype=dtype)
+        self.lm_head = param(hidden, vocab, dtype=dtype)  # [in, out]
         # Untied: a row-major [vocab, hidden] table. Tied: None, rows come from lm_head's columns.
-        self.embed_tokens = (
-            None if config.tie_word_embeddings else nn.Parameter(torch.empty(vocab, hidden, dtype=dtype), requires_grad=False)
-        )
-        # cos/sin for every position, computed once in float64 then cast: [max_pos, head_dim].
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float64)
-        freqs = torch.outer(positions, _inv_freq(config))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("rope_cos", emb.cos().to(dtype), persistent=False)
-        sin = emb.sin()
-        sin[:, : config.head_dim // 2] *= -1  # rotate_half(x) = (-x2, x1); see the layer's RoPE
-        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+        self.embed_tokens = None if config.tie_word_embeddings else param(vocab, hidden, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.head_dim, config.rope_theta, config.rope_scaling,
+                                          dtype, max_positions=config.max_position_embeddings)
+        # Set by prepack_for_cpu: the packed lm_head, and every layer in one C++ call per step.
+        self.packed_lm_head: Any = None
+        self.cpu_stack: CpuLlamaStack | None = None
 
     @torch.inference_mode()
     def forward(
@@ -178,10 +68,9 @@ class LlamaForCausalLM(nn.Module):
             h = self.lm_head.index_select(1, input_ids).t().contiguous()
         else:
             h = F.embedding(input_ids, self.embed_tokens)
-        cos = self.rope_cos.index_select(0, positions)  # [T, D], shared by all heads and layers
-        sin = self.rope_sin.index_select(0, positions)
-        stack = self.__dict__.get("_cpu_stack")  # CPU: every layer in one C++ call, see prepack_for_cpu
-        if stack is not None and stack.applies(meta, kv_caches):
+        cos, sin = self.rotary_emb(positions)  # [T, D], shared by all heads and layers
+        stack = self.cpu_stack
+        if stack is not None and get_kernel_config().cpu_layer_stack and stack.applies(meta, kv_caches):
             h, residual = stack(h, cos, sin, meta, kv_caches)
         else:
             residual = None
@@ -196,41 +85,33 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, self.lm_logits_weight).float()
 
     @property
-    def lm_logits_weight(self) -> torch.Tensor:
-        packed = self.__dict__.get("_packed_lm_head")
-        return self.lm_head if packed is None else packed
+    def lm_logits_weight(self) -> Any:
+        return self.lm_head if self.packed_lm_head is None else self.packed_lm_head
 
     def prepack_for_cpu(self) -> bool:
         """Swap every linear weight for a packed copy (CPU only, after load_weights): on AVX-512
-        CPUs (avx512_bf16 for bf16) pyengine's own GEMM (pyengine.ops.cpu.PackedLinear), else a
-        oneDNN-prepacked weight.
-
-        benchmarks/bench_cpu_gemm.py (SmolLM2-135M shapes, GGUF-quantised values, 2 cores;
-        results/cpu_gemm.json), all linears of one step: fp32 compact panels 11.7 ms at batch 16 and
-        4.5 at batch 1 (dense panels 18.1 / 11.1, oneDNN 18.4 / 13.3); bf16 8.2 vs oneDNN 10.9 at
-        batch 16 and 5.7 vs 7.5 at batch 1. Dense fp32 keeps the packed GEMM for its
-        batch-invariant rows even near a tie.
-        Returns False (model unchanged) where neither is available. The dense copies are dropped,
-        so load_weights cannot run again."""
+        CPUs (avx512_bf16 for bf16) pyengine's own GEMM (pyengine.ops.cpu.PackedLinear), which also
+        runs the C++ layer stack, else a oneDNN-prepacked weight. Returns False (model unchanged)
+        where neither is available. The dense copies are dropped, so load_weights cannot run again."""
         if self.lm_head.device.type != "cpu":
             return False
         pack = self._cpu_packer()
         if pack is None:
             return False
         for layer in self.layers:
-            for name in _LINEAR_NAMES:
+            for name in LlamaDecoderLayer.LINEAR_NAMES:
                 packed = pack(getattr(layer, name).detach())
                 delattr(layer, name)  # drop the Parameter; a plain attribute takes its name
                 setattr(layer, name, packed)
         # lm_head stays dense as well when tied: token embedding gathers from it.
-        self.__dict__["_packed_lm_head"] = pack(self.lm_head.detach())
+        self.packed_lm_head = pack(self.lm_head.detach())
         if self.embed_tokens is not None:
             self.lm_head.data = torch.empty(0, dtype=self.dtype)
         self.owns_cpu_threads = pack is not _prepack  # see ModelRunner.step_threads
-        if self.owns_cpu_threads and os.environ.get("PYENGINE_CPU_STACK", "1") != "0":
-            from pyengine.models.llama_cpu_stack import CpuLlamaStack
+        if self.owns_cpu_threads:  # used per step while KernelConfig.cpu_layer_stack is on
+            from pyengine.models.llama_cpu_stack import CpuLlamaStack  # needs the extension's CPU ops
 
-            self.__dict__["_cpu_stack"] = CpuLlamaStack.build(self)  # None: layers the C++ loop does not cover
+            self.cpu_stack = CpuLlamaStack.build(self.layers, self.config, self.dtype)
         return True
 
     def _cpu_packer(self) -> Callable[[torch.Tensor], Any] | None:
@@ -262,8 +143,7 @@ class LlamaForCausalLM(nn.Module):
         qk_norm_rows = {"q_norm": (0, hq), "k_norm": (hq, hkv)}
         transposed = {id(self.lm_head)}
         for layer in self.layers:
-            assert isinstance(layer, LlamaDecoderLayer)
-            transposed.update(id(p) for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+            transposed.update(id(getattr(layer, name)) for name in LlamaDecoderLayer.LINEAR_NAMES)
         filled: dict[int, int] = {}  # parameter id -> HF rows copied so far
 
         def put(target: torch.Tensor | None, name: str, src: torch.Tensor, start: int = 0, rows: int | None = None) -> None:

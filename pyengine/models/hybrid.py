@@ -1,0 +1,72 @@
+"""The trunk the Mamba2-based models share (Mamba2, Bamba, NemotronH): token embedding, a stack of
+layers over one flat token batch, final RMSNorm and a (possibly tied) lm_head.
+
+Recurrent state lives in the runner's StateCache; a standalone forward (state None) runs every row
+as a prefill from zero state. The runner allocates one (K, V) pair per layer and only attention
+layers use theirs (the other layers' pairs are waste of the KV budget).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyengine.config import Mamba2ModelConfig
+from pyengine.engine.attention_metadata import AttentionMetadata
+from pyengine.engine.state_cache import StateCache, StateMetadata
+from pyengine.models.layers import Mamba2Mixer, WeightTargets, param
+from pyengine.models.weight_utils import load_named_weights
+
+
+class HybridForCausalLM(nn.Module):
+    # HF names of the trunk's embedding and final norm
+    hf_embed_name: ClassVar[str]
+    hf_norm_name: ClassVar[str]
+
+    def __init__(self, config: Mamba2ModelConfig, dtype: torch.dtype, layers: Iterable[nn.Module]) -> None:
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        vocab, hidden = config.vocab_size, config.hidden_size
+        self.layers = nn.ModuleList(layers)
+        self.embed_tokens = param(vocab, hidden, dtype=dtype)
+        self.norm = param(hidden, dtype=dtype)
+        self.lm_head = None if config.tie_word_embeddings else param(vocab, hidden, dtype=dtype)
+
+    def state_shapes(self, num_spec_tokens: int) -> list[tuple[tuple[int, ...], tuple[int, ...]] | None]:
+        """Per layer (conv row shape, ssm shape), None for layers without a Mamba2 mixer: the runner
+        builds its StateCache from this."""
+        return [layer.mixer.state_shape(num_spec_tokens) if isinstance(getattr(layer, "mixer", None), Mamba2Mixer)
+                else None for layer in self.layers]
+
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list,
+                   state: StateMetadata) -> torch.Tensor:
+        """Embeddings [T, hidden] -> the last layer's output (before the final norm)."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list, state: StateMetadata | None = None) -> torch.Tensor:
+        """input_ids/positions [T] -> final-norm hidden [T, hidden]; kv_caches[i] for attention layer i."""
+        if state is None:
+            state = StateCache.scratch(self, meta.query_start_loc, self.dtype, input_ids.device)
+        h = self.run_layers(F.embedding(input_ids, self.embed_tokens), positions, meta, kv_caches, state)
+        return F.rms_norm(h, (h.shape[-1],), self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.embed_tokens if self.lm_head is None else self.lm_head).float()
+
+    def weight_targets(self) -> WeightTargets:
+        """HF name -> (parameter, destination view [out, in]) for the trunk; models add their layers'."""
+        t: WeightTargets = {self.hf_embed_name: (self.embed_tokens, self.embed_tokens),
+                            self.hf_norm_name: (self.norm, self.norm)}
+        if self.lm_head is not None:
+            t["lm_head.weight"] = (self.lm_head, self.lm_head)
+        return t
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF names; every parameter must be covered exactly, else ValueError."""
+        load_named_weights(self, self.weight_targets(), weights, self.lm_head is None)
