@@ -76,3 +76,20 @@ def test_unknown_architecture_and_missing_path(tmp_path):
         load_model(str(tmp_path), "cpu", torch.float32)
     with pytest.raises(ValueError, match="model file not found"):
         load_model(str(tmp_path / "nope.gguf"), "cpu", torch.float32)
+
+
+def test_registry_and_config_layering():
+    """Each family's architecture names resolve through the registry, and pyengine.config, which the
+    models import, imports no model (no cycle)."""
+    import subprocess
+    import sys
+
+    from pyengine.models import model_config_from_hf, supported_architectures
+
+    assert supported_architectures() == ["BambaForCausalLM", "LlamaForCausalLM", "Mamba2ForCausalLM",
+                                         "NemotronHForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+    with pytest.raises(ValueError, match="no 'architectures'"):
+        model_config_from_hf(dict(_COMMON))
+    code = "import sys, pyengine.config; print(sorted(m for m in sys.modules if m.startswith('pyengine.models')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
