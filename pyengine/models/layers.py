@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -18,7 +17,6 @@ from pyengine import ops
 from pyengine.config import Mamba2ModelConfig, ModelConfig
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.state_cache import StateMetadata
-from pyengine.ops import ssm_reference
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # HF checkpoint name -> the tensor it fills, as a view in HF orientation ([out, in] for linears)
@@ -179,18 +177,6 @@ class LlamaDecoderLayer(nn.Module):
                 prefix + "o_proj.weight": (self.o_proj, self.o_proj.t())}
 
 
-def ssm_ops(device: torch.device) -> ModuleType:
-    """GPU kernels (pyengine.ops.ssm_cuda) for CUDA tensors when built, else the references."""
-    if device.type == "cuda":
-        try:
-            from pyengine.ops import ssm_cuda
-
-            return ssm_cuda
-        except ImportError:
-            pass
-    return ssm_reference
-
-
 class Mamba2Mixer(nn.Module):
     """in_proj -> [gate z | xBC | dt]; causal depthwise conv over xBC (silu); SSM over x with B, C
     (groups), dt (softplus + dt_bias), A = -exp(A_log), skip D; gated group RMSNorm (y * silu(z));
@@ -229,7 +215,6 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, h: torch.Tensor, state: StateMetadata, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor) -> torch.Tensor:
-        ssm = ssm_ops(h.device)
         t, nd = h.shape[0], state.num_decode_tokens
         gate, xbc, dt = F.linear(h, self.in_proj, self.in_proj_bias).split(
             [self.inner, self.conv_dim, self.num_heads], dim=-1)
@@ -238,10 +223,10 @@ class Mamba2Mixer(nn.Module):
         dec_qsl, dec_idx, dec_acc = state.decode_rows()
         pre_qsl, pre_idx, pre_acc, pre_init = state.prefill_rows()
         if state.num_decode_rows:
-            conv_out[:nd] = ssm.causal_conv1d_update(xbc[:nd], conv_state, self.conv_weight, self.conv_bias,
+            conv_out[:nd] = ops.causal_conv1d_update(xbc[:nd], conv_state, self.conv_weight, self.conv_bias,
                                                      dec_qsl, dec_idx, dec_acc, "silu")
         if nd < t:
-            conv_out[nd:] = ssm.causal_conv1d_fn(xbc[nd:], conv_state, self.conv_weight, self.conv_bias,
+            conv_out[nd:] = ops.causal_conv1d_fn(xbc[nd:], conv_state, self.conv_weight, self.conv_bias,
                                                  pre_qsl, pre_idx, pre_acc, pre_init, "silu")
         x, B, C = conv_out.split([self.inner, self.n_groups * self.state_size, self.n_groups * self.state_size], -1)
         x = x.reshape(t, self.num_heads, self.head_dim)
@@ -251,10 +236,10 @@ class Mamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         y = torch.empty_like(x)
         if state.num_decode_rows:
-            y[:nd] = ssm.selective_state_update(ssm_state, x[:nd], dt[:nd], A, B[:nd], C[:nd], self.D, None,
+            y[:nd] = ops.selective_state_update(ssm_state, x[:nd], dt[:nd], A, B[:nd], C[:nd], self.D, None,
                                                 self.dt_bias, dec_qsl, dec_idx, dec_acc, True, self.dt_limit)
         if nd < t:
-            y[nd:] = ssm.ssd_chunk_scan(x[nd:], dt[nd:], A, B[nd:], C[nd:], self.D, None, self.dt_bias, pre_qsl,
+            y[nd:] = ops.ssd_chunk_scan(x[nd:], dt[nd:], A, B[nd:], C[nd:], self.D, None, self.dt_bias, pre_qsl,
                                         ssm_state, pre_idx, pre_acc, pre_init, self.chunk_size, True, self.dt_limit)
         # gated group RMSNorm (HF MambaRMSNormGated, norm_before_gate=False), fp32
         g = y.reshape(t, self.inner).float() * F.silu(gate.float())
