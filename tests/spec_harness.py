@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pyengine import LLM, SamplingParams
+from tests.scripted_proposer import make_llm
 from tests.utils_paged import make_meta
 
 NEAR_TIE = 1e-4
@@ -65,7 +66,7 @@ class RecordingScheduler:
 
 def run(model: str, prompts: list[list[int]], max_tokens: int = 24, spec: dict | None = None,
         params: SamplingParams | None = None, **llm_kw: Any) -> tuple[list[list[int]], dict, RecordingScheduler, LLM]:
-    llm = LLM(model=model, device="cpu", speculative_config=spec, **llm_kw)
+    llm = make_llm(model, spec, device="cpu", **llm_kw)
     rec = RecordingScheduler(llm.engine.scheduler)
     llm.engine.scheduler = rec
     params = params or SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

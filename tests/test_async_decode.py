@@ -1,6 +1,6 @@
 """Async decode (pyengine/engine.py): a greedy decode step launches the next step's forward before
 it has its own tokens; the next step uses that forward only if the scheduler's batch is exactly the
-predicted one. Run here on the CPU through the graph runner's padded path (use_graphs=False, where
+predicted one. Run here on the CPU through the graph runner's padded path (a CPU device, where
 the "launch" computes at once), so the prediction, the match and every discard path are exercised:
 outputs must be identical to the synchronous engine's, token for token and finish reason for
 finish reason, through EOS / stop ids / stop strings, ragged max_tokens, block-boundary steps
@@ -23,11 +23,10 @@ def tiny(tmp_path_factory) -> str:
 
 
 def make_llm(tiny: str, async_on: bool, **kw) -> LLM:
-    llm = LLM(model=tiny, device="cpu", **kw)
+    llm = LLM(model=tiny, device="cpu", async_decode=async_on, **kw)
     r = llm.engine.runner
     r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, r.block_size, r.device, llm.engine.cfg.max_num_seqs, 1,
-                                     llm.engine.cfg.max_model_len + 1 + r.block_size, use_graphs=False)
-    llm.engine.async_decode = async_on
+                                     llm.engine.cfg.max_model_len + 1 + r.block_size)
     return llm
 
 
@@ -125,6 +124,6 @@ def test_no_launch_without_graphs_or_with_speculation(tiny: str) -> None:
     llm = LLM(model=tiny, device="cpu", speculative_config=spec)
     r = llm.engine.runner
     r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, r.block_size, r.device, llm.engine.cfg.max_num_seqs, 3,
-                                     llm.engine.cfg.max_model_len + 3 + r.block_size, use_graphs=False)
+                                     llm.engine.cfg.max_model_len + 3 + r.block_size)
     assert [o[0] for o in outputs(llm, prompts, params)] == [o[0] for o in outputs(plain, prompts, params)]
     assert llm.engine.num_async_steps == 0

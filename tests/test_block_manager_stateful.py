@@ -20,7 +20,8 @@ VOCAB = 5  # tiny vocabulary: shared prefixes (and prefix hits) are common
 
 
 class Req:
-    def __init__(self, tokens: list[int], num_computed: int, reserved: int) -> None:
+    def __init__(self, alloc: _C.KVAllocation, tokens: list[int], num_computed: int, reserved: int) -> None:
+        self.alloc = alloc  # its blocks
         self.tokens = tokens  # committed tokens
         self.num_computed = num_computed
         self.reserved = reserved  # furthest position end any step (or admission) covered
@@ -39,7 +40,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     # --- helpers -------------------------------------------------------------------------------
     def slot(self, rid: int, pos: int) -> int:
-        table = self.bm.block_table(rid)
+        table = self.reqs[rid].alloc.block_table
         return table[pos // self.B] * self.B + pos % self.B
 
     def write(self, rid: int, start: int, tokens: list[int]) -> None:
@@ -52,16 +53,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """A forward over n_inputs at [num_computed, ...), then commit `accepted` of them."""
         r = self.reqs[rid]
         n = len(n_inputs)
-        if not self.bm.can_append(rid, r.num_computed, n):
+        if not self.bm.can_append(self.reqs[rid].alloc, r.num_computed, n):
             free = self.bm.num_free_blocks
             try:
-                self.bm.append(rid, r.num_computed, n)
+                self.bm.append(self.reqs[rid].alloc, r.num_computed, n)
                 raise AssertionError("append succeeded where can_append said no")
             except _C.NoFreeBlocksError:
                 pass
             assert self.bm.num_free_blocks == free, "a failed append changed the pool"
             return
-        self.bm.append(rid, r.num_computed, n)
+        self.bm.append(self.reqs[rid].alloc, r.num_computed, n)
         r.reserved = max(r.reserved, r.num_computed + n)
         self.write(rid, r.num_computed, n_inputs)
         r.num_computed += accepted
@@ -73,21 +74,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
         tokens = data.draw(st.lists(st.integers(0, 1), min_size=length, max_size=length))
         rid = self.next_id
         self.next_id += 1
+        alloc = _C.KVAllocation()
         if not self.bm.can_allocate(tokens, lookahead):
             free = self.bm.num_free_blocks
             try:
-                self.bm.allocate(rid, tokens, lookahead)
+                self.bm.allocate(alloc, tokens, lookahead)
                 raise AssertionError("allocate succeeded where can_allocate said no")
             except _C.NoFreeBlocksError:
                 pass
             assert self.bm.num_free_blocks == free
             return
-        cached = self.bm.allocate(rid, tokens, lookahead)
+        cached = self.bm.allocate(alloc, tokens, lookahead)
+        self.reqs[rid] = Req(alloc, tokens, cached, length + lookahead)
         assert cached % self.B == 0 and 0 <= cached < length, "a hit must leave the last token to compute"
         for p in range(cached):  # a prefix hit must serve exactly this prompt's KV
             s = self.slot(rid, p)
             assert (self.kv_pos[s], self.kv_tok[s]) == (p, tokens[p]), "prefix cache served wrong KV"
-        self.reqs[rid] = Req(tokens, cached, length + lookahead)
 
     @precondition(lambda self: any(r.num_computed < len(r.tokens) - 1 for r in self.reqs.values()))
     @rule(data=st.data())
@@ -100,7 +102,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.step(rid, inputs, chunk, 0)
         if r.num_computed == len(r.tokens) and before != r.num_computed:
             r.tokens.append(data.draw(st.integers(0, VOCAB - 1)))  # the sampled token
-        self.bm.cache_full_blocks(rid, r.tokens, min(r.num_computed, len(r.tokens)))
+        self.bm.cache_full_blocks(r.alloc, r.tokens, min(r.num_computed, len(r.tokens)))
 
     @precondition(lambda self: any(r.num_computed == len(r.tokens) - 1 for r in self.reqs.values()))
     @rule(data=st.data())
@@ -118,22 +120,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
         correction = data.draw(st.integers(0, VOCAB - 1))
         r.tokens.extend(drafts[:accepted - 1] + [correction])
         assert r.num_computed == len(r.tokens) - 1
-        self.bm.cache_full_blocks(rid, r.tokens, min(r.num_computed, len(r.tokens)))
+        self.bm.cache_full_blocks(r.alloc, r.tokens, min(r.num_computed, len(r.tokens)))
 
     @precondition(lambda self: bool(self.reqs))
     @rule(data=st.data(), readmit=st.booleans())
     def free_or_preempt(self, data: st.DataObject, readmit: bool) -> None:
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
         r = self.reqs.pop(rid)
-        self.bm.free(rid)
+        self.bm.free(r.alloc)
         try:
-            self.bm.free(rid)
+            self.bm.free(r.alloc)
             raise AssertionError("double free was accepted")
         except ValueError:
             pass
         if readmit and self.bm.can_allocate(r.tokens, 1):  # preemption by recompute
-            cached = self.bm.allocate(self.next_id, r.tokens, 1)
-            self.reqs[self.next_id] = Req(r.tokens, cached, len(r.tokens) + 1)
+            alloc = _C.KVAllocation()
+            cached = self.bm.allocate(alloc, r.tokens, 1)
+            self.reqs[self.next_id] = Req(alloc, r.tokens, cached, len(r.tokens) + 1)
             self.next_id += 1
 
     # --- invariants --------------------------------------------------------------------------------
@@ -141,10 +144,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def pool_and_tables_agree(self) -> None:
         if not hasattr(self, "bm"):
             return
-        self.bm.check_invariants()  # C++: free lists, LRU, hash table consistency
+        self.bm.check_invariants([r.alloc for r in self.reqs.values()])  # C++: free lists, LRU, hash table consistency
         refs = np.zeros(self.bm.num_blocks, dtype=int)
         for rid, r in self.reqs.items():
-            table = self.bm.block_table(rid)
+            table = self.reqs[rid].alloc.block_table
             assert len(table) == math.ceil(r.reserved / self.B), "block table does not match the formula"
             refs[table] += 1
         used = int((refs > 0).sum())

@@ -1,4 +1,4 @@
-"""The CUDA-graph runner's padded static-buffer path, run eagerly on the CPU (use_graphs=False):
+"""The CUDA-graph runner's padded static-buffer path, run eagerly on the CPU (a CPU device captures nothing):
 bucketing, padding rows (slot -1, context 0, never sampled) and step eligibility give the same
 greedy tokens as the plain eager runner, for decode (q = 1) and uniform verify steps (q = 1 + k)."""
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_buckets() -> None:
 def _attach(llm, max_q: int) -> CudaGraphRunner:
     r = llm.engine.runner
     g = CudaGraphRunner(r.model, r.kv_caches, r.block_size, r.device, llm.engine.cfg.max_num_seqs, max_q,
-                        llm.engine.cfg.max_model_len + max_q + r.block_size, use_graphs=False,
+                        llm.engine.cfg.max_model_len + max_q + r.block_size,
                         state_cache=r.state_cache)
     r.graph_runner = g
     return g
@@ -75,7 +75,7 @@ def test_padded_verify_equals_plain(tiny: str, n: int) -> None:
 
 
 def test_ineligible_steps() -> None:
-    g = CudaGraphRunner(None, [], 16, __import__("torch").device("cpu"), 8, 4, 256, use_graphs=False)
+    g = CudaGraphRunner(None, [], 16, __import__("torch").device("cpu"), 8, 4, 256)
 
     def batch(qlens, ctx, width=2, li=None):
         qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
@@ -98,7 +98,7 @@ def test_hybrid_padded_steps_equal_plain(tmp_path, k: int) -> None:
     """Mamba2: decode/verify steps through the static state buffers (PAD slots in the padding row
     of a 3-row step in bucket 4) give plain decoding's tokens; prefill steps never take the padded
     path. k = 3 drafts by script, so every row verifies k drafts with every acceptance count."""
-    from pyengine import LLM
+    from tests.scripted_proposer import make_llm
     from tests.test_mamba2 import make_mamba2_checkpoint
     from tests.test_spec_decode import scripted
 
@@ -111,7 +111,7 @@ def test_hybrid_padded_steps_equal_plain(tmp_path, k: int) -> None:
     if k:
         reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, plain))}
         spec = {"method": "scripted", "num_speculative_tokens": k, "script": scripted(reference, k, [0, 1, 2, 3])}
-    llm = LLM(model=str(tmp_path), device="cpu", speculative_config=spec, max_num_seqs=8)
+    llm = make_llm(str(tmp_path), spec, device="cpu", max_num_seqs=8)
     g = _attach(llm, 1 + k)
     seen = []
     orig = g.execute

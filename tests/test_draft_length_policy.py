@@ -22,17 +22,17 @@ def simulate(k: int, rows: int, accept: float | Acceptance, cost: tuple[float, f
     policy = policy or DraftLengthPolicy(k)
     rate: Acceptance = accept if callable(accept) else (lambda i, s: accept)
     a, b = cost
-    seq_ids = list(range(100, 100 + rows))  # ids need not be dense
+    slots = np.arange(rows)  # the scheduler's request slots
+    seq_ids = slots + 100  # ids need not be dense
     chosen = np.zeros((steps, rows), dtype=np.int64)
     for step in range(steps):
-        plan = policy.draft_lengths(seq_ids)
-        asked = np.array([plan[s] for s in seq_ids])
+        asked = policy.draft_lengths(slots, seq_ids)
         assert ((0 <= asked) & (asked <= k)).all()
         chosen[step] = asked
         drafts = np.where(rng.random(rows) < found, asked, 0)
         accepted = np.array([next((j for j in range(n) if rng.random() > rate(i, step)), n)
                              for i, n in enumerate(drafts)])
-        policy.observe_rows(seq_ids, drafts, accepted + 1)
+        policy.observe_rows(slots, drafts, accepted + 1)
         policy.observe_step(int(rows + drafts.sum()), a + b * (rows + drafts.sum()))
     return chosen
 
@@ -101,19 +101,15 @@ def test_rows_without_proposals_do_not_stop_the_others() -> None:
     assert mostly(simulate(k=4, rows=4, accept=0.9, cost=BANDWIDTH_BOUND, found=0.3)[-100:], 4)
 
 
-def test_finished_rows_are_forgotten_and_their_slots_reused() -> None:
+def test_a_slot_taken_by_a_new_request_starts_afresh() -> None:
     policy = DraftLengthPolicy(4)
-    assert (policy.row_acceptance(5) == 1.0).all()  # a fresh policy is optimistic
-    policy.release(5)
     simulate(k=4, rows=2, accept=lambda i, s: 0.0 if i == 0 else 1.0, cost=BANDWIDTH_BOUND, steps=60, policy=policy)
-    assert policy.row_acceptance(100)[0] < 0.1 < 0.9 < policy.row_acceptance(101)[0]
-    policy.release(100)
-    policy.release(101)
-    assert not policy.slot_of
-    # A new request in a reused slot starts at the batch's estimate, not at the finished row's.
+    assert policy.row_acceptance(0)[0] < 0.1 < 0.9 < policy.row_acceptance(1)[0]
+    # Requests 100 and 101 finished; 7 now holds slot 0: it starts at the batch's estimate.
+    policy.draft_lengths(np.array([0, 1]), np.array([7, 101]))
     batch = (policy.pool_accepts / policy.pool_trials).cumprod()
-    np.testing.assert_allclose(policy.row_acceptance(7), batch)
-    assert len(policy.asked) == 8
+    np.testing.assert_allclose(policy.row_acceptance(0), batch)
+    assert policy.row_acceptance(1)[0] > 0.9, "the request that kept its slot kept its evidence"
 
 
 def test_rows_that_cannot_finish_last_get_nothing() -> None:
@@ -121,6 +117,7 @@ def test_rows_that_cannot_finish_last_get_nothing() -> None:
     not shorten the run, so they get none, while the others keep the full length (and no probe)."""
     policy = DraftLengthPolicy(4)
     simulate(k=4, rows=3, accept=1.0, cost=BANDWIDTH_BOUND, steps=30, policy=policy)
-    assert policy.draft_lengths([100, 101, 102]) == {100: 4, 101: 4, 102: 4}
-    assert policy.draft_lengths([100, 101, 102], np.array([True, False, True])) == {100: 4, 101: 0, 102: 4}
-    assert 101 not in policy.probes
+    slots, seq_ids = np.arange(3), np.arange(100, 103)
+    assert policy.draft_lengths(slots, seq_ids).tolist() == [4, 4, 4]
+    assert policy.draft_lengths(slots, seq_ids, np.array([True, False, True])).tolist() == [4, 0, 4]
+    assert policy.probes[1] == -1

@@ -31,6 +31,12 @@ from tests.tiny_models import VOCAB, make_checkpoint
 from tests.utils_paged import PagedCache, make_meta
 
 
+
+def propose_all(proposer: DraftModelProposer, sched: _C.Scheduler, k: int) -> None:
+    """Up to k drafts for every decode row of the scheduler (what the engine asks without a policy)."""
+    view = sched.decode_view()
+    proposer.propose(sched, view, np.full(view.num_rows, k, dtype=np.int32))
+
 def _perturbed_copy(src: str, dst: str, scale: float, seed: int = 1) -> None:
     """The same checkpoint with Gaussian noise on every weight: a draft that agrees often, not always."""
     shutil.copytree(src, dst, dirs_exist_ok=True)
@@ -218,7 +224,7 @@ def test_first_token_after_verify_follows_target(models, params: SamplingParams)
     spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=k, model=models.perturbed)
     proposer = DraftModelProposer(spec, runner, lambda sid: request, seed=0, max_model_len=64,
                                   draft=(draft_model, draft_config))
-    proposer.propose(sched, k)
+    propose_all(proposer, sched, k)
     batch = sched.schedule()
     nd = batch.num_draft_tokens.astype(np.int64)
     assert (nd == k).all() and batch.num_decode_rows == n
@@ -267,7 +273,7 @@ def test_draft_writes_need_drafter_lookahead(models, lookahead: int) -> None:
 
     def steps() -> None:
         for _ in range(8):
-            proposer.propose(sched, k)
+            propose_all(proposer, sched, k)
             batch = sched.schedule()
             d = int(batch.num_draft_tokens[0])
             logits = runner.execute(batch)

@@ -246,3 +246,27 @@ def test_engine_seed_reproducible(tiny_path: str) -> None:
     b = run(make_llm(tiny_path, seed=3), PROMPTS[:4], params)
     assert a == b
     assert all(len(t) == MAX_TOKENS for t in a)
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}])
+def test_finished_requests_leave_the_engine(tiny_path: str, spec: dict | None) -> None:
+    """A finished request is returned by the step that finishes it (and by generate), then the
+    engine forgets it: by length, stop id, stop string and a request rejected at admission."""
+    llm = make_llm(tiny_path, speculative_config=spec)
+    engine = llm.engine
+    prompts = _prompts()
+    stop_id = run(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=8))[0][3]
+    params = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0, stop_token_ids=[stop_id]),
+              SamplingParams(temperature=0.8, seed=3, stop=["a"], max_tokens=20)]
+    reqs = [engine.add_request(p, params[i % len(params)]) for i, p in enumerate(prompts)]
+    rejected = engine.add_request([engine.model_config.vocab_size], GREEDY)
+    assert rejected.finished and rejected.request_id not in engine.requests
+    returned: list[int] = []
+    while engine.has_unfinished():
+        touched = engine.step()
+        returned += [r.request_id for r in touched if r.finished]
+        assert not any(rid in engine.requests for rid in returned), "a returned finished request stayed"
+    assert sorted(returned) == sorted(r.request_id for r in reqs) and not engine.requests
+    assert len(engine.generators) == 0
+    outs = llm.generate(prompts, params[0], use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "length" for o in outs) and not engine.requests

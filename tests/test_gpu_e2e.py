@@ -208,8 +208,7 @@ def test_async_decode_equals_sync_smollm2(gguf: str) -> None:
             steps.append(llm.engine.num_async_steps - before)
         return free_run, steps, params
 
-    sync = LLM(model=gguf, device="cuda", num_kv_blocks=KV_BLOCKS)
-    sync.engine.async_decode = False
+    sync = LLM(model=gguf, device="cuda", num_kv_blocks=KV_BLOCKS, async_decode=False)
     ref_free, ref, params = session(sync)
     del sync
     free()

@@ -14,9 +14,15 @@ import pytest
 import torch
 from scipy import stats
 
-from pyengine.spec_decode.rejection_sampler import RejectionSampler
-from pyengine.engine.sampler import RequestGenerators, Sampler, probs_from_params
+from pyengine.spec_decode.rejection_sampler import RejectionOutput, RejectionSampler
+from pyengine.engine.sampler import RequestGenerators, draw_uniforms, probs_from_params, sample_from_probs
 from pyengine.sampling_params import SamplingParams
+from tests.test_sampling import sample
+
+
+def token_rows(out: RejectionOutput) -> list[list[int]]:
+    """Each row's tokens: accepted drafts, then the correction or bonus token."""
+    return [t.tolist() for t in torch.split(out.flat_tokens, out.num_tokens.tolist())]
 
 GREEDY = SamplingParams(temperature=0)
 V = 8
@@ -54,7 +60,7 @@ def test_greedy_every_acceptance_count(accepted: int) -> None:
     drafts = argmaxes[:accepted] + [(t + 1) % 20 for t in argmaxes[accepted:k]]
     out = verify(logits, [drafts], [GREEDY], [None])
     expected = argmaxes[: accepted + 1]  # accepted drafts, then correction or bonus
-    assert out.tokens == [expected] and out.num_accepted.tolist() == [accepted]
+    assert token_rows(out) == [expected] and out.num_accepted.tolist() == [accepted]
     assert out.num_tokens.tolist() == [accepted + 1] and out.flat_tokens.tolist() == expected
 
 
@@ -74,10 +80,10 @@ def test_greedy_ragged_batch_matches_sequential_reference() -> None:
     out = verify(logits, drafts, [GREEDY] * rows, [None] * rows)
     start, seen = 0, set()
     for r, d in enumerate(counts):
-        assert out.tokens[r] == greedy_reference(logits[start:start + d + 1], drafts[r])
+        assert token_rows(out)[r] == greedy_reference(logits[start:start + d + 1], drafts[r])
         seen.add((d, int(out.num_accepted[r])))
         start += d + 1
-    assert out.flat_tokens.tolist() == [t for row in out.tokens for t in row]
+    assert out.flat_tokens.tolist() == [t for row in token_rows(out) for t in row]
     assert {(4, a) for a in range(5)} <= seen  # every outcome was exercised
 
 
@@ -89,16 +95,18 @@ def test_mixed_greedy_and_random_rows() -> None:
     params = [GREEDY, SamplingParams(seed=1), GREEDY, SamplingParams(seed=2, top_k=3)]
     pool = RequestGenerators()
     out = verify(logits, drafts, params, [None, pool.get(1, 1), None, pool.get(3, 2)])
-    assert out.tokens[0] == greedy_reference(logits[0:4], drafts[0])
-    assert out.tokens[2] == greedy_reference(logits[5:8], drafts[2])
-    assert len(out.tokens[1]) == 1 and 1 <= len(out.tokens[3]) <= 4
+    assert token_rows(out)[0] == greedy_reference(logits[0:4], drafts[0])
+    assert token_rows(out)[2] == greedy_reference(logits[5:8], drafts[2])
+    assert len(token_rows(out)[1]) == 1 and 1 <= len(token_rows(out)[3]) <= 4
 
 
 def test_zero_draft_rows_match_plain_sampler() -> None:
     logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(4))
     params = [SamplingParams(seed=s, top_p=0.8, temperature=1.2) for s in range(6)]
     a, b = RequestGenerators(), RequestGenerators()
-    plain = Sampler().sample(logits, params, [a.get(i, p.seed) for i, p in enumerate(params)])
+    # inverse-CDF sampling with one uniform per row from the row's own generator
+    u = draw_uniforms([a.get(i, p.seed) for i, p in enumerate(params)], [1] * 6)
+    plain = sample_from_probs(probs_from_params(logits, params), u)
     spec = verify(logits, [[]] * 6, params, [b.get(i, p.seed) for i, p in enumerate(params)])
     assert spec.flat_tokens.tolist() == plain.tolist() and spec.num_accepted.sum() == 0
 
@@ -110,13 +118,13 @@ def test_greedy_without_drafts_is_the_argmax() -> None:
     logits[2, [3, 17]] = logits[2].max() + 1.0  # a tie: the first maximum wins
     out = RejectionSampler()(logits, torch.zeros(0, dtype=torch.long), torch.zeros(5, dtype=torch.long), None,
                              [GREEDY] * 5, [None] * 5)
-    assert out.tokens == [[t] for t in logits.argmax(-1).tolist()] and out.tokens[2] == [3]
+    assert token_rows(out) == [[t] for t in logits.argmax(-1).tolist()] and token_rows(out)[2] == [3]
     assert out.num_tokens.tolist() == [1] * 5 and out.num_accepted.tolist() == [0] * 5
     # the general path (one row has a draft) agrees on the rows without drafts
     with_draft = torch.cat([logits[:1], logits[:1], logits[1:]])
     general = RejectionSampler()(with_draft, torch.tensor([0]), torch.tensor([1, 0, 0, 0, 0]), None,
                                  [GREEDY] * 5, [None] * 5)
-    assert general.tokens[1:] == out.tokens[1:]
+    assert token_rows(general)[1:] == token_rows(out)[1:]
     with pytest.raises(ValueError):  # draft counts without draft tokens are still rejected
         RejectionSampler()(logits, torch.zeros(0, dtype=torch.long), torch.tensor([1, 0, 0, 0, 0]), None,
                            [GREEDY] * 5, [None] * 5)
@@ -129,7 +137,7 @@ def test_edge_cases_zero_probabilities() -> None:
     # p(draft) = 0 (filtered by top_k): always rejected, correction never the draft.
     params = [SamplingParams(top_k=2)] * rows
     out = verify(logits.repeat(rows, 1), [[3]] * rows, params, [pool.get(i) for i in range(rows)])
-    assert out.num_accepted.sum() == 0 and all(t[0] in (0, 1) for t in out.tokens)
+    assert out.num_accepted.sum() == 0 and all(t[0] in (0, 1) for t in token_rows(out))
     # q(draft) = 0: a token the drafter could not have produced is rejected.
     q = torch.tensor([[0.5, 0.5, 0.0, 0.0]]).repeat(rows, 1)
     out = verify(logits.repeat(rows, 1), [[2]] * rows, [SamplingParams()] * rows,
@@ -184,7 +192,7 @@ def pvalue(stat: float, dof: int) -> float:
     return 0.0 if not np.isfinite(stat) else float(stats.chi2.sf(stat, max(dof, 1)))
 
 
-Verifier = Callable[..., object]  # RejectionSampler's call signature, returns .tokens
+Verifier = Callable[..., RejectionOutput]  # RejectionSampler's call signature
 
 
 def spec_trial(verifier: Verifier, params: SamplingParams, drafter: str, seed: int = 0) -> dict:
@@ -204,14 +212,14 @@ def spec_trial(verifier: Verifier, params: SamplingParams, drafter: str, seed: i
     gens = [pool.get(i) for i in range(n)]
     out = verifier(logits.reshape(3 * n, V), torch.stack([x1, x2], 1).reshape(-1), [2] * n,
                    draft_probs, [params] * n, gens)
-    first = np.array([t[0] for t in out.tokens])
-    has_second = np.array([len(t) >= 2 for t in out.tokens])
-    second = np.array([t[1] if len(t) >= 2 else -1 for t in out.tokens])
+    first = np.array([t[0] for t in token_rows(out)])
+    has_second = np.array([len(t) >= 2 for t in token_rows(out)])
+    second = np.array([t[1] if len(t) >= 2 else -1 for t in token_rows(out)])
     # End-to-end: where the step emitted one token, continue with the plain sampler.
     missing = np.flatnonzero(~has_second)
     if missing.size:
-        cont = Sampler().sample(TARGET_TABLE[torch.from_numpy(first[missing])], [params] * missing.size,
-                                [gens[i] for i in missing])
+        cont = sample(TARGET_TABLE[torch.from_numpy(first[missing])], [params] * missing.size,
+                      [gens[i] for i in missing])
         second_e2e = second.copy()
         second_e2e[missing] = cont.numpy()
     else:
@@ -262,12 +270,16 @@ def test_distribution_preserved(params: SamplingParams, drafter: str) -> None:
 # ---------------------------------------------------------------- the test has teeth
 
 
+def rows_output(rows: list[list[int]]) -> RejectionOutput:
+    """A broken verifier's rows as the rejection sampler's output."""
+    num_tokens = torch.tensor([len(r) for r in rows])
+    return RejectionOutput(torch.tensor([t for r in rows for t in r]), num_tokens, num_tokens - 1)
+
+
 def accept_always(logits, drafts, counts, draft_probs, params, gens):
     """Broken: commits every draft (first token then follows q, not p)."""
     n, k = len(counts), counts[0]
-    class Out:
-        tokens = drafts.reshape(n, k).tolist()
-    return Out
+    return rows_output(drafts.reshape(n, k).tolist())
 
 
 def greedy_verify(logits, drafts, counts, draft_probs, params, gens):
@@ -292,10 +304,7 @@ def resample_from_p(logits, drafts, counts, draft_probs, params, gens):
             row.append(int(torch.multinomial(p[r, j], 1, generator=gens[r])))
             break
         tokens.append(row)
-    class Out:
-        pass
-    Out.tokens = tokens
-    return Out
+    return rows_output(tokens)
 
 
 @pytest.mark.parametrize("broken", [accept_always, greedy_verify, resample_from_p])
@@ -317,4 +326,4 @@ def test_random_rows_independent_of_batch() -> None:
     gens = [pool.get(i, p.seed) if i < 3 else None for i, p in enumerate(params)]
     batch = verify(logits, drafts, params, gens, q)
     alone = verify(logits[4:8], [drafts[2]], [params[2]], [RequestGenerators().get(2, 2)], q[2:5])
-    assert batch.tokens[2] == alone.tokens[0]
+    assert token_rows(batch)[2] == token_rows(alone)[0]

@@ -10,7 +10,6 @@ from scipy import stats
 
 from pyengine.engine.sampler import (
     RequestGenerators,
-    Sampler,
     SamplingTensors,
     compute_probs,
     derive_seed,
@@ -18,6 +17,14 @@ from pyengine.engine.sampler import (
     sample_from_probs,
 )
 from pyengine.sampling_params import SamplingParams
+from pyengine.spec_decode.rejection_sampler import RejectionSampler
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list) -> torch.Tensor:
+    """One token per row, the way the engine samples rows without drafts (the rejection
+    sampler's d = 0 rows)."""
+    none = torch.zeros(len(params), dtype=torch.long)
+    return RejectionSampler()(logits, torch.zeros(0, dtype=torch.long), none, None, params, gens).flat_tokens
 
 # A hand-checkable distribution: sorted, distinct, no ties.
 BASE = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -142,7 +149,7 @@ def test_mixed_batch_equals_rows_alone() -> None:
 
 def test_greedy_argmax_lowest_index_on_ties() -> None:
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -0.5, -0.5]])
-    tokens = Sampler().sample(logits, [SamplingParams(temperature=0)] * 3, [None] * 3)
+    tokens = sample(logits, [SamplingParams(temperature=0)] * 3, [None] * 3)
     assert tokens.tolist() == [1, 0, 2]
 
 
@@ -162,7 +169,7 @@ def test_sampler_frequencies_follow_processed_probs() -> None:
     logits = BASE_LOGITS.repeat(n, 1)
     params = [SamplingParams(temperature=0.8, top_k=3)] * n
     gens = RequestGenerators(engine_seed=3)
-    tokens = Sampler().sample(logits, params, [gens.get(i) for i in range(n)])
+    tokens = sample(logits, params, [gens.get(i) for i in range(n)])
     counts = np.bincount(tokens.numpy(), minlength=4)
     expected = processed(temperature=0.8, top_k=3).double().numpy()
     assert counts[3] == 0
@@ -170,8 +177,7 @@ def test_sampler_frequencies_follow_processed_probs() -> None:
 
 
 def _run_steps(logits: torch.Tensor, params: list[SamplingParams], gens: list, steps: int) -> list[list[int]]:
-    sampler = Sampler()
-    return [sampler.sample(logits, params, gens).tolist() for _ in range(steps)]
+    return [sample(logits, params, gens).tolist() for _ in range(steps)]
 
 
 def test_seeded_reproducibility() -> None:
@@ -215,7 +221,7 @@ def test_request_generators_derive_stable_distinct_seeds() -> None:
 
 def test_non_greedy_row_without_generator_is_an_error() -> None:
     with pytest.raises(ValueError):
-        Sampler().sample(BASE_LOGITS, [SamplingParams()], [None])
+        sample(BASE_LOGITS, [SamplingParams()], [None])
 
 
 def test_probs_are_normalised_under_filters() -> None:

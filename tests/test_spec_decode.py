@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pyengine import SamplingParams
+from tests.scripted_proposer import make_llm
 from tests.spec_harness import RecordingScheduler, assert_lossless, run
 from tests.tiny_models import VOCAB, make_checkpoint
 
@@ -61,7 +62,6 @@ def test_per_request_draft_lengths_equal_plain(tiny: str) -> None:
     drafts are always right keep k, requests whose drafts are always wrong get none; the output is
     unchanged. The step-time line is fixed (verify tokens cost compute), so the lengths depend on
     acceptance alone, not on this machine's timing."""
-    from pyengine import LLM
     from pyengine.spec_decode.draft_length import DraftLengthPolicy
 
     k, prompts = 4, make_prompts(8, seed=7)
@@ -74,7 +74,7 @@ def test_per_request_draft_lengths_equal_plain(tiny: str) -> None:
         return good if seq_id % 2 == 0 else [(t + 1) % VOCAB for t in good]
 
     spec = {"method": "scripted", "num_speculative_tokens": k, "script": script}
-    llm = LLM(model=tiny, device="cpu", speculative_config=spec, block_size=4)
+    llm = make_llm(tiny, spec, device="cpu", block_size=4)
     policy = DraftLengthPolicy(k)
     for n in (8, 40, 8, 40):  # T(n) = 10 ms + 1 ms per token
         policy.observe_step(n, 0.010 + 0.001 * n)
@@ -83,7 +83,7 @@ def test_per_request_draft_lengths_equal_plain(tiny: str) -> None:
     llm.engine.draft_length = policy  # (scripted drafts are otherwise never shortened)
     # Every row may finish last here (lengths by acceptance alone; the next test covers the rule
     # that rows which cannot finish last get no drafts).
-    llm.engine._can_finish_last = lambda seq_ids: None  # type: ignore[method-assign]
+    llm.engine._can_finish_last = lambda view: None  # type: ignore[method-assign]
     rec = RecordingScheduler(llm.engine.scheduler)
     llm.engine.scheduler = rec
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -100,7 +100,6 @@ def test_rows_that_cannot_finish_last_get_no_drafts(tiny: str) -> None:
     wrong, so it needs every step and finishes last; the others accept everything, run ahead, and
     from then on get no drafts (their early tokens could not shorten the run). With a stop token
     id, a request may end any time, so every row may finish last and keeps its drafts."""
-    from pyengine import LLM
     from pyengine.spec_decode.draft_length import DraftLengthPolicy
 
     k, prompts = 4, make_prompts(4, seed=3)
@@ -113,8 +112,8 @@ def test_rows_that_cannot_finish_last_get_no_drafts(tiny: str) -> None:
         return [(t + 1) % VOCAB for t in good] if seq_id == 0 else good
 
     for stop_ids, ahead_rows_draft in ((None, False), ([VOCAB + 7], True)):
-        llm = LLM(model=tiny, device="cpu", speculative_config={"method": "scripted", "num_speculative_tokens": k,
-                                                                 "script": script}, block_size=4)
+        llm = make_llm(tiny, {"method": "scripted", "num_speculative_tokens": k, "script": script},
+                       device="cpu", block_size=4)
         policy = DraftLengthPolicy(k)
         for n in (4, 20, 4, 20):  # T(n) = 10 ms + 0.1 ms per token: drafts that are accepted pay
             policy.observe_step(n, 0.010 + 0.0001 * n)

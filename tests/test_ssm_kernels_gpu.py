@@ -1,20 +1,20 @@
-"""GPU recurrent-state kernels (hipkernels/ssm_state.hip via pyengine.ops.ssm_cuda) against the PyTorch
+"""GPU recurrent-state kernels (hipkernels/ssm/ssm_state.hip via the pyengine.ops facade) against the PyTorch
 references on random mixed batches (verify rows with random acceptance, T = 1 rows, PAD rows, slot
 pools with unowned slots), and Mamba2 spec == plain end to end on the GPU. Skipped without a GPU."""
 from __future__ import annotations
 
-import functools
 import random
 
 import pytest
 import torch
 
-from pyengine.ops import ssm_reference as ref
+from pyengine import ops
+from pyengine.ops import reference as ref
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 try:
-    from pyengine.ops import ssm_cuda
+    from pyengine.ops import cuda as cuda_ops
 except ImportError as e:
     pytest.skip(str(e), allow_module_level=True)
 
@@ -51,7 +51,7 @@ def test_causal_conv1d_update_matches_reference(dtype, width: int, k: int, dim: 
     w = torch.randn(dim, width, device="cuda", generator=gen).to(dtype)
     b = torch.randn(dim, device="cuda", generator=gen).to(dtype)
     pool_ref = pool.clone()
-    y = ssm_cuda.causal_conv1d_update(x, pool, w, b, qsl, idx, acc)
+    y = ops.causal_conv1d_update(x, pool, w, b, qsl, idx, acc)
     y_ref = ref.causal_conv1d_update(x, pool_ref, w, b, qsl, idx, acc)
     torch.testing.assert_close(y.float(), y_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(pool, pool_ref), "state windows differ (a pure copy: must be bit-identical)"
@@ -70,9 +70,8 @@ def test_causal_conv1d_update_pdl_launch_and_converted_weights() -> None:
     w = torch.randn(dim, W, device="cuda", generator=gen)  # fp32: converted per call
     b = torch.randn(dim, device="cuda", generator=gen)
     pool_plain, pool_ref = pool.clone(), pool.clone()
-    y = ssm_cuda.causal_conv1d_update(x, pool, w, b, qsl, idx, acc)
-    plain = functools.partial(ssm_cuda._K.causal_conv1d_update, pdl=False)
-    y_plain = ssm_cuda._conv(plain, x, pool_plain, w, b, qsl, idx, acc, None, "silu")
+    y = ops.causal_conv1d_update(x, pool, w, b, qsl, idx, acc)
+    y_plain = cuda_ops.causal_conv1d_update(x, pool_plain, w, b, qsl, idx, acc, pdl=False)
     y_ref = ref.causal_conv1d_update(x, pool_ref, w.to(dtype), b.to(dtype), qsl, idx, acc)
     assert torch.equal(y, y_plain) and torch.equal(pool, pool_plain)
     torch.testing.assert_close(y.float(), y_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
@@ -97,7 +96,7 @@ def test_causal_conv1d_update_batch_invariant_and_empty_rows(dtype, num_rows: in
     w = torch.randn(dim, W, device="cuda", generator=gen).to(dtype)
     b = torch.randn(dim, device="cuda", generator=gen).to(dtype)
     pool_batch, pool_ref = pool.clone(), pool.clone()
-    y = ssm_cuda.causal_conv1d_update(x, pool_batch, w, b, qsl, idx, acc)
+    y = ops.causal_conv1d_update(x, pool_batch, w, b, qsl, idx, acc)
     y_ref = ref.causal_conv1d_update(x, pool_ref, w, b, qsl, idx, acc)
     torch.testing.assert_close(y.float(), y_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(pool_batch, pool_ref)
@@ -105,7 +104,7 @@ def test_causal_conv1d_update_batch_invariant_and_empty_rows(dtype, num_rows: in
         s, e = int(qsl[n]), int(qsl[n + 1])
         pool_one = pool.clone()
         qsl_one = torch.tensor([0, e - s], dtype=torch.int32, device="cuda")
-        y_one = ssm_cuda.causal_conv1d_update(x[s:e], pool_one, w, b, qsl_one, idx[n:n + 1], acc[n:n + 1])
+        y_one = ops.causal_conv1d_update(x[s:e], pool_one, w, b, qsl_one, idx[n:n + 1], acc[n:n + 1])
         assert torch.equal(y_one, y[s:e]), f"row {n}: output depends on the batch"
         line = int(idx[n, 0])
         if line >= 0:
@@ -125,7 +124,7 @@ def test_causal_conv1d_fn_matches_reference(dtype) -> None:
     x = torch.randn(sum(lens), dim, device="cuda", generator=gen).to(dtype)
     w, b = torch.randn(dim, W, device="cuda", generator=gen).to(dtype), torch.randn(dim, device="cuda").to(dtype)
     pool_ref = pool.clone()
-    y = ssm_cuda.causal_conv1d_fn(x, pool, w, b, qsl, idx, acc, init)
+    y = ops.causal_conv1d_fn(x, pool, w, b, qsl, idx, acc, init)
     y_ref = ref.causal_conv1d_fn(x, pool_ref, w, b, qsl, idx, acc, init)
     torch.testing.assert_close(y.float(), y_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(pool, pool_ref)
@@ -146,7 +145,7 @@ def test_selective_state_update_matches_reference(dtype, H, P, N, G, k, with_z) 
     A = -torch.rand(H, device="cuda", generator=gen) - 0.1
     D, dt_bias = torch.randn(H, device="cuda", generator=gen), torch.randn(H, device="cuda", generator=gen)
     state_ref = state.clone()
-    y = ssm_cuda.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, qsl, idx, acc)
+    y = ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, qsl, idx, acc)
     y_ref = ref.selective_state_update(state_ref, x, dt, A, B, C, D, z, dt_bias, qsl, idx, acc)
     tol = TOL[dtype]
     torch.testing.assert_close(y.float(), y_ref.float(), atol=tol * 10, rtol=tol)
@@ -176,7 +175,7 @@ def test_prefill_scan_matches_chunked_reference(dtype, H, P, N, G) -> None:
     A = -torch.rand(H, device="cuda", generator=gen) - 0.1
     D, dt_bias = torch.randn(H, device="cuda", generator=gen), torch.randn(H, device="cuda", generator=gen)
     state_ref = state.clone()
-    y = ssm_cuda.ssd_chunk_scan(x, dt, A, B, C, D, None, dt_bias, qsl, state, idx, acc, init, 16)
+    y = ops.ssd_chunk_scan(x, dt, A, B, C, D, None, dt_bias, qsl, state, idx, acc, init, 16)
     y_ref = ref.ssd_chunk_scan(x, dt, A, B, C, D, None, dt_bias, qsl, state_ref, idx, acc, init, 16)
     tol = TOL[dtype]
     torch.testing.assert_close(y.float(), y_ref.float(), atol=tol * 10, rtol=tol)
@@ -203,7 +202,8 @@ def test_hybrid_spec_equals_plain_on_gpu(tmp_path, name: str) -> None:
     """Scripted drafts (every acceptance count, steps without drafts) == plain, fp32 on the GPU;
     Mamba2 (no attention layers) replays its decode/verify steps as CUDA graphs, and those give
     the eager path's tokens too."""
-    from pyengine import LLM, SamplingParams
+    from pyengine import SamplingParams
+    from tests.scripted_proposer import make_llm
     from tests.test_spec_decode import make_prompts, scripted
 
     path = str(tmp_path)
@@ -212,7 +212,7 @@ def test_hybrid_spec_equals_plain_on_gpu(tmp_path, name: str) -> None:
     kw = dict(block_size=4, max_model_len=128, device="cuda", dtype="float32")
 
     def go(spec=None, eager=False):
-        llm = LLM(model=path, speculative_config=spec, enforce_eager=eager, **kw)
+        llm = make_llm(path, spec, enforce_eager=eager, **kw)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
         runner = llm.engine.runner.graph_runner
         return [o.outputs[0].token_ids for o in outs], (runner.num_replays if runner is not None else 0)

@@ -3,8 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
-#include <unordered_map>
 
 #include "block_manager.h"
 #include "ngram_proposer.h"
@@ -29,63 +29,12 @@ py::array view(const Vec& v, py::handle owner, std::vector<py::ssize_t> shape = 
   return py::array_t<typename Vec::value_type>(shape, v.data(), owner);
 }
 
-// Test- and tool-facing BlockManager: the core keyed by request id.
-class PyBlockManager {
- public:
-  PyBlockManager(int32_t num_blocks, int32_t block_size, bool prefix, int32_t slots, int32_t per_seq)
-      : bm_(num_blocks, block_size, prefix, slots, per_seq) {}
+using SeqIdArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
-  bool can_allocate(IntArray tokens, int64_t lookahead, int64_t salt) const {
-    PE_CHECK(tokens.size() > 0, "cannot allocate an empty prompt");
-    return bm_.can_allocate(tokens.data(), tokens.size(), lookahead, salt);
-  }
-  int64_t allocate(int64_t id, IntArray tokens, int64_t lookahead, int64_t salt) {
-    PE_CHECK(!allocs_.count(id), "request id ", id, " already holds blocks");
-    KVAllocation a;
-    int64_t cached = bm_.allocate(a, tokens.data(), tokens.size(), lookahead, salt);
-    allocs_.emplace(id, std::move(a));
-    return cached;
-  }
-  bool can_append(int64_t id, int64_t num_computed, int64_t n) const {
-    return bm_.can_append(get(id), num_computed, n);
-  }
-  int64_t blocks_needed(int64_t id, int64_t end) const { return bm_.blocks_needed(get(id), end); }
-  void append(int64_t id, int64_t num_computed, int64_t n) { bm_.append(get(id), num_computed, n); }
-  void cache_full_blocks(int64_t id, IntArray tokens, int64_t num_valid) {
-    PE_CHECK(num_valid <= tokens.size(), "num_valid (", num_valid, ") exceeds the ", tokens.size(), " tokens given");
-    bm_.cache_full_blocks(get(id), tokens.data(), num_valid);
-  }
-  void free(int64_t id) {
-    auto it = allocs_.find(id);
-    PE_CHECK(it != allocs_.end(), "free of unknown request id ", id, " (double free?)");
-    bm_.free(it->second);
-    allocs_.erase(it);
-  }
-  std::vector<int32_t> block_table(int64_t id) const { return get(id).block_table; }
-  std::vector<int32_t> state_slots(int64_t id) const { return get(id).state_slots; }
-  std::vector<int64_t> seq_ids() const {
-    std::vector<int64_t> ids;
-    for (const auto& kv : allocs_) ids.push_back(kv.first);
-    return ids;
-  }
-  void check_invariants() const {
-    std::vector<const KVAllocation*> tables;
-    for (const auto& kv : allocs_) tables.push_back(&kv.second);
-    bm_.check_invariants(tables);
-  }
-  const BlockManager& core() const { return bm_; }
-
- private:
-  KVAllocation& get(int64_t id) {
-    auto it = allocs_.find(id);
-    PE_CHECK(it != allocs_.end(), "unknown request id ", id);
-    return it->second;
-  }
-  const KVAllocation& get(int64_t id) const { return const_cast<PyBlockManager*>(this)->get(id); }
-
-  BlockManager bm_;
-  std::unordered_map<int64_t, KVAllocation> allocs_;
-};
+const int32_t* nonempty(const IntArray& tokens) {
+  PE_CHECK(tokens.size() > 0, "cannot allocate an empty prompt");
+  return tokens.data();
+}
 
 }  // namespace
 
@@ -93,33 +42,42 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "pyengine C++ core: block manager, scheduler, ngram proposer";
   py::register_exception<NoFreeBlocksError>(m, "NoFreeBlocksError", PyExc_RuntimeError);
 
-  py::class_<PyBlockManager>(m, "BlockManager")
+  py::class_<KVAllocation>(m, "KVAllocation")
+      .def(py::init<>())
+      .def_readonly("block_table", &KVAllocation::block_table)
+      .def_readonly("state_slots", &KVAllocation::state_slots)
+      .def_readonly("allocated", &KVAllocation::allocated);
+
+  py::class_<BlockManager>(m, "BlockManager")
       .def(py::init<int32_t, int32_t, bool, int32_t, int32_t>(), py::arg("num_blocks"), py::arg("block_size"),
            py::arg("enable_prefix_caching") = true, py::arg("num_state_slots") = 0,
            py::arg("state_slots_per_seq") = 0)
-      .def("can_allocate", &PyBlockManager::can_allocate, py::arg("token_ids"), py::arg("lookahead") = 0,
-           py::arg("cache_salt") = 0)
-      .def("allocate", &PyBlockManager::allocate, py::arg("seq_id"), py::arg("token_ids"),
-           py::arg("lookahead") = 0, py::arg("cache_salt") = 0)
-      .def("can_append", &PyBlockManager::can_append, py::arg("seq_id"), py::arg("num_computed"), py::arg("n"))
-      .def("blocks_needed", &PyBlockManager::blocks_needed, py::arg("seq_id"), py::arg("end"))
-      .def("append", &PyBlockManager::append, py::arg("seq_id"), py::arg("num_computed"), py::arg("n"))
-      .def("cache_full_blocks", &PyBlockManager::cache_full_blocks, py::arg("seq_id"), py::arg("token_ids"),
-           py::arg("num_valid"))
-      .def("free", &PyBlockManager::free, py::arg("seq_id"))
-      .def("block_table", &PyBlockManager::block_table)
-      .def("state_slots", &PyBlockManager::state_slots)
-      .def("seq_ids", &PyBlockManager::seq_ids)
-      .def("check_invariants", &PyBlockManager::check_invariants)
-      .def_property_readonly("num_free_blocks", [](const PyBlockManager& b) { return b.core().num_free_blocks(); })
-      .def_property_readonly("num_blocks", [](const PyBlockManager& b) { return b.core().num_blocks(); })
-      .def_property_readonly("block_size", [](const PyBlockManager& b) { return b.core().block_size(); })
-      .def_property_readonly("num_free_state_slots",
-                             [](const PyBlockManager& b) { return b.core().num_free_state_slots(); })
-      .def("ref_count", [](const PyBlockManager& b, int32_t id) { return b.core().ref_count(id); })
-      .def("block_has_hash", [](const PyBlockManager& b, int32_t id) { return b.core().block_has_hash(id); })
-      .def("block_tokens", [](const PyBlockManager& b, int32_t id) { return b.core().block_tokens(id); })
-      .def("hashed_block_ids", [](const PyBlockManager& b) { return b.core().hashed_block_ids(); });
+      .def("can_allocate", [](const BlockManager& b, IntArray t, int64_t lookahead, int64_t salt) {
+             return b.can_allocate(nonempty(t), t.size(), lookahead, salt);
+           }, py::arg("token_ids"), py::arg("lookahead") = 0, py::arg("cache_salt") = 0)
+      .def("allocate", [](BlockManager& b, KVAllocation& a, IntArray t, int64_t lookahead, int64_t salt) {
+             PE_CHECK(!a.allocated, "the allocation already holds blocks");
+             return b.allocate(a, nonempty(t), t.size(), lookahead, salt);
+           }, py::arg("alloc"), py::arg("token_ids"), py::arg("lookahead") = 0, py::arg("cache_salt") = 0)
+      .def("can_append", &BlockManager::can_append, py::arg("alloc"), py::arg("num_computed"), py::arg("n"))
+      .def("blocks_needed", &BlockManager::blocks_needed, py::arg("alloc"), py::arg("end"))
+      .def("append", &BlockManager::append, py::arg("alloc"), py::arg("num_computed"), py::arg("n"))
+      .def("cache_full_blocks", [](BlockManager& b, KVAllocation& a, IntArray t, int64_t num_valid) {
+             PE_CHECK(num_valid <= t.size(), "num_valid (", num_valid, ") exceeds the ", t.size(), " tokens given");
+             b.cache_full_blocks(a, t.data(), num_valid);
+           }, py::arg("alloc"), py::arg("token_ids"), py::arg("num_valid"))
+      .def("free", &BlockManager::free, py::arg("alloc"))
+      .def("check_invariants", [](const BlockManager& b, const std::vector<const KVAllocation*>& live) {
+             b.check_invariants(live);
+           }, py::arg("live_allocs"))
+      .def_property_readonly("num_free_blocks", &BlockManager::num_free_blocks)
+      .def_property_readonly("num_blocks", &BlockManager::num_blocks)
+      .def_property_readonly("block_size", &BlockManager::block_size)
+      .def_property_readonly("num_free_state_slots", &BlockManager::num_free_state_slots)
+      .def("ref_count", &BlockManager::ref_count)
+      .def("block_has_hash", &BlockManager::block_has_hash)
+      .def("block_tokens", &BlockManager::block_tokens)
+      .def("hashed_block_ids", &BlockManager::hashed_block_ids);
 
   py::class_<SchedulerConfig>(m, "SchedulerConfig")
       .def(py::init<>())
@@ -145,7 +103,8 @@ PYBIND11_MODULE(_C, m) {
         return view(self.cast<const ScheduledBatch&>().name, self); })
       PE_VIEW(seq_ids) PE_VIEW(input_ids) PE_VIEW(positions) PE_VIEW(slot_mapping) PE_VIEW(query_start_loc)
       PE_VIEW(context_lens) PE_VIEW(num_computed) PE_VIEW(num_draft_tokens) PE_VIEW(cu_num_draft_tokens)
-      PE_VIEW(num_logits) PE_VIEW(logits_indices) PE_VIEW(num_accepted_prev)
+      PE_VIEW(num_logits) PE_VIEW(logits_indices) PE_VIEW(num_accepted_prev) PE_VIEW(request_slots)
+      PE_VIEW(tokens_left)
 #undef PE_VIEW
       .def_property_readonly("block_tables", [](py::object self) {
         const auto& b = self.cast<const ScheduledBatch&>();
@@ -157,21 +116,61 @@ PYBIND11_MODULE(_C, m) {
         return view(b.state_slots, self, {b.num_rows(), per});
       });
 
+  py::class_<DecodeView, std::shared_ptr<DecodeView>>(m, "DecodeView")
+      .def_property_readonly("num_rows", &DecodeView::num_rows)
+      .def_readonly("max_fewest_tokens_left", &DecodeView::max_fewest_tokens_left)
+      .def_readonly("num_waiting", &DecodeView::num_waiting)
+#define PE_VIEW(name) .def_property_readonly(#name, [](py::object self) { \
+        return view(self.cast<const DecodeView&>().name, self); })
+      PE_VIEW(seq_ids) PE_VIEW(request_slots) PE_VIEW(num_tokens) PE_VIEW(tokens_left) PE_VIEW(fewest_tokens_left);
+#undef PE_VIEW
+
   py::class_<Scheduler>(m, "Scheduler")
       .def(py::init<const SchedulerConfig&>(), py::arg("config"))
       .def("add_request", &Scheduler::add_request, py::arg("seq_id"), py::arg("prompt_token_ids"),
            py::arg("max_tokens"), py::arg("eos_token_ids") = std::vector<int32_t>{},
            py::arg("stop_token_ids") = std::vector<int32_t>{}, py::arg("ignore_eos") = false,
-           py::arg("cache_salt") = 0)
+           py::arg("cache_salt") = 0, py::arg("has_stop_strings") = false)
       .def("abort_request", &Scheduler::abort_request, py::arg("seq_id"))
       .def("set_draft_tokens", [](Scheduler& s, int64_t id, IntArray t) { s.set_draft_tokens(id, t.data(), t.size()); },
            py::arg("seq_id"), py::arg("draft_token_ids"))
-      .def("set_draft_tokens_batch", [](Scheduler& s, py::array_t<int64_t, py::array::c_style | py::array::forcecast> ids,
-                                        IntArray flat, IntArray counts) {
+      .def("set_draft_tokens_batch", [](Scheduler& s, SeqIdArray ids, IntArray flat, IntArray counts) {
              PE_CHECK(ids.size() == counts.size(), "seq_ids and counts differ in length");
              s.set_draft_tokens_batch(ids.data(), counts.data(), ids.size(), flat.data(), flat.size());
            }, py::arg("seq_ids"), py::arg("draft_token_ids"), py::arg("counts"))
-      .def("propose_ngram", &Scheduler::propose_ngram, py::arg("min_n"), py::arg("max_n"), py::arg("k"))
+      .def("propose_ngram", [](Scheduler& s, int32_t min_n, int32_t max_n, SeqIdArray ids, IntArray max_drafts) {
+             PE_CHECK(ids.size() == max_drafts.size(), "seq_ids and max_drafts differ in length");
+             s.propose_ngram(min_n, max_n, ids.data(), max_drafts.data(), ids.size());
+           }, py::arg("min_n"), py::arg("max_n"), py::arg("seq_ids"), py::arg("max_drafts"))
+      .def("decode_view", &Scheduler::decode_view)
+      .def("token_ids_from", [](const Scheduler& s, SeqIdArray ids, SeqIdArray starts) {
+             // Each request's committed tokens from starts[i] on, concatenated, and the row offsets.
+             PE_CHECK(ids.size() == starts.size(), "seq_ids and starts differ in length");
+             std::vector<int32_t> flat;
+             py::array_t<int64_t> offsets(ids.size() + 1);
+             int64_t* off = offsets.mutable_data();
+             off[0] = 0;
+             for (py::ssize_t i = 0; i < ids.size(); ++i) {
+               const std::vector<int32_t>& t = s.sequence(ids.data()[i]).token_ids;
+               const int64_t from = std::clamp<int64_t>(starts.data()[i], 0, static_cast<int64_t>(t.size()));
+               flat.insert(flat.end(), t.begin() + from, t.end());
+               off[i + 1] = static_cast<int64_t>(flat.size());
+             }
+             return py::make_tuple(py::array_t<int32_t>(flat.size(), flat.data()), offsets);
+           }, py::arg("seq_ids"), py::arg("starts"))
+      .def("block_tables", [](const Scheduler& s, SeqIdArray ids) {
+             // The requests' block tables as rows of one -1 padded matrix.
+             size_t width = 0;
+             for (py::ssize_t i = 0; i < ids.size(); ++i)
+               width = std::max(width, s.sequence(ids.data()[i]).kv.block_table.size());
+             py::array_t<int32_t> out({static_cast<size_t>(ids.size()), width});
+             int32_t* row = out.mutable_data();
+             for (py::ssize_t i = 0; i < ids.size(); ++i, row += width) {
+               const std::vector<int32_t>& t = s.sequence(ids.data()[i]).kv.block_table;
+               std::fill(std::copy(t.begin(), t.end(), row), row + width, -1);
+             }
+             return out;
+           }, py::arg("seq_ids"))
       .def("schedule", &Scheduler::schedule)
       .def("update", [](Scheduler& s, IntArray tokens, IntArray counts) {
              UpdateResult r = s.update(tokens.data(), tokens.size(), counts.data(), counts.size());

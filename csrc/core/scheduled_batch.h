@@ -47,6 +47,8 @@ struct ScheduledBatch {
   int32_t max_blocks = 0;
   BatchArray<int32_t> state_slots;        // rows x slots_per_seq (hybrid models)
   BatchArray<int32_t> num_accepted_prev;  // tokens committed by each row's previous step
+  BatchArray<int32_t> request_slots;      // Sequence::slot of each row (a dense request index)
+  BatchArray<int64_t> tokens_left;        // tokens each row may still commit, before this step
   std::vector<int64_t> preempted_seq_ids;
   int32_t num_decode_rows = 0;
   int32_t max_query_len = 0;

@@ -40,7 +40,7 @@ const Sequence& Scheduler::sequence(int64_t seq_id) const {
 
 void Scheduler::add_request(int64_t seq_id, std::vector<int32_t> prompt, int64_t max_tokens,
                             std::vector<int32_t> eos_token_ids, std::vector<int32_t> stop_token_ids,
-                            bool ignore_eos, int64_t cache_salt) {
+                            bool ignore_eos, int64_t cache_salt, bool has_stop_strings) {
   PE_CHECK(!seqs_.count(seq_id), "request id ", seq_id, " is already in use");
   PE_CHECK(!prompt.empty(), "request ", seq_id, ": the prompt is empty");
   PE_CHECK(max_tokens >= 1, "request ", seq_id, ": max_tokens must be >= 1, got ", max_tokens);
@@ -61,6 +61,7 @@ void Scheduler::add_request(int64_t seq_id, std::vector<int32_t> prompt, int64_t
   seq->stop_token_ids = std::move(stop_token_ids);
   if (!ignore_eos)
     seq->stop_token_ids.insert(seq->stop_token_ids.end(), eos_token_ids.begin(), eos_token_ids.end());
+  seq->only_length_stops = seq->stop_token_ids.empty() && !has_stop_strings;
   seq->cache_salt = cache_salt;
   waiting_.push_back(seq.get());
   seqs_.emplace(seq_id, std::move(seq));
@@ -74,9 +75,31 @@ void Scheduler::abort_request(int64_t seq_id) {
 
 int64_t Scheduler::max_useful_drafts(const Sequence& seq) const {
   // A verify step commits up to drafts + 1 tokens; drafts past the stop limits are wasted work.
-  int64_t left = std::min(seq.max_tokens - seq.num_output_tokens(),
-                          static_cast<int64_t>(config_.max_model_len) - seq.num_tokens());
-  return std::max<int64_t>(0, std::min<int64_t>(config_.num_spec_tokens, left - 1));
+  return std::max<int64_t>(0, std::min<int64_t>(config_.num_spec_tokens, tokens_left(seq) - 1));
+}
+
+std::shared_ptr<DecodeView> Scheduler::decode_view() const {
+  auto view = std::make_shared<DecodeView>();
+  view->num_waiting = num_waiting();
+  for (const Sequence* seq : running_) {
+    const int64_t left = tokens_left(*seq);
+    const int64_t fewest = seq->only_length_stops ? left : 1;
+    view->max_fewest_tokens_left = std::max(view->max_fewest_tokens_left, fewest);
+    if (!seq->is_decode()) continue;
+    view->seq_ids.push_back(seq->seq_id);
+    view->request_slots.push_back(seq->slot);
+    view->num_tokens.push_back(seq->num_tokens());
+    view->tokens_left.push_back(left);
+    view->fewest_tokens_left.push_back(fewest);
+  }
+  return view;
+}
+
+Sequence& Scheduler::find_running(int64_t seq_id, int64_t i) {
+  // Proposers list the running requests in order: take running_[i] when it matches and skip the
+  // hash lookup.
+  const bool in_order = i < num_running() && running_[i]->seq_id == seq_id;
+  return in_order ? *running_[i] : find(seq_id);
 }
 
 void Scheduler::set_draft_tokens(int64_t seq_id, const int32_t* tokens, int64_t n) {
@@ -97,22 +120,21 @@ void Scheduler::set_draft_tokens_batch(const int64_t* seq_ids, const int32_t* co
   int64_t off = 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
     PE_CHECK(off + counts[i] <= num_tokens, "counts exceed the draft tokens given");
-    // Proposers list the running requests in order: take running_[i] when it matches and skip the
-    // hash lookup.
-    const bool in_order = i < num_running() && running_[i]->seq_id == seq_ids[i];
-    set_draft_tokens(in_order ? *running_[i] : find(seq_ids[i]), tokens + off, counts[i]);
+    set_draft_tokens(find_running(seq_ids[i], i), tokens + off, counts[i]);
     off += counts[i];
   }
 }
 
-void Scheduler::propose_ngram(int32_t min_n, int32_t max_n, int32_t k) {
+void Scheduler::propose_ngram(int32_t min_n, int32_t max_n, const int64_t* seq_ids, const int32_t* max_drafts,
+                              int64_t num_seqs) {
   PE_CHECK(min_n >= 1 && max_n >= min_n, "ngram sizes need 1 <= min_n <= max_n, got ", min_n, "..", max_n);
-  k = std::min(k, config_.num_spec_tokens);
-  for (Sequence* seq : running_) {
-    if (!seq->is_decode()) continue;
-    int64_t limit = std::min<int64_t>(k, max_useful_drafts(*seq));
-    seq->num_drafts = static_cast<int32_t>(propose_ngram_tokens(
-        seq->token_ids.data(), seq->num_tokens(), min_n, max_n, static_cast<int32_t>(limit), draft_row(seq->slot)));
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    Sequence& seq = find_running(seq_ids[i], i);
+    PE_CHECK(seq.status == SeqStatus::kRunning && seq.is_decode(), "request ", seq.seq_id,
+             " is not a running decode request");
+    const int64_t limit = std::min<int64_t>(max_drafts[i], max_useful_drafts(seq));
+    seq.num_drafts = static_cast<int32_t>(propose_ngram_tokens(
+        seq.token_ids.data(), seq.num_tokens(), min_n, max_n, static_cast<int32_t>(limit), draft_row(seq.slot)));
   }
 }
 
@@ -227,8 +249,7 @@ std::shared_ptr<ScheduledBatch> Scheduler::schedule() {
 
 int32_t Scheduler::commit_tokens(Sequence& seq, const int32_t* tokens, int32_t n) {
   // Accepted tokens count one by one: a stop inside the run ends it there and drops the rest.
-  const int64_t room = std::min(seq.max_tokens - seq.num_output_tokens(),
-                                static_cast<int64_t>(config_.max_model_len) - seq.num_tokens());
+  const int64_t room = tokens_left(seq);
   const int32_t limit = static_cast<int32_t>(std::min<int64_t>(n, room));
   int32_t m = limit;
   FinishReason reason = limit < n || limit == room ? FinishReason::kLength : FinishReason::kNone;

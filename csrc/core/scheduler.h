@@ -3,6 +3,7 @@
 // commits what the sampler accepted.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "block_manager.h"
+#include "decode_view.h"
 #include "scheduled_batch.h"
 #include "sequence.h"
 
@@ -51,17 +53,26 @@ class Scheduler {
 
   void add_request(int64_t seq_id, std::vector<int32_t> prompt, int64_t max_tokens,
                    std::vector<int32_t> eos_token_ids, std::vector<int32_t> stop_token_ids,
-                   bool ignore_eos, int64_t cache_salt);
+                   bool ignore_eos, int64_t cache_salt, bool has_stop_strings = false);
   void abort_request(int64_t seq_id);
   // Drafts for the next step (0..k per running decode request); replaces earlier proposals.
   void set_draft_tokens(int64_t seq_id, const int32_t* tokens, int64_t n);
   // The same for num_seqs requests at once: counts[i] drafts each, concatenated in tokens.
   void set_draft_tokens_batch(const int64_t* seq_ids, const int32_t* counts, int64_t num_seqs,
                               const int32_t* tokens, int64_t num_tokens);
-  // Prompt-lookup proposals for every running decode request (see ngram_proposer.h).
-  void propose_ngram(int32_t min_n, int32_t max_n, int32_t k);
+  // Prompt-lookup proposals (see ngram_proposer.h) for num_seqs running decode requests, up to
+  // max_drafts[i] each (clamped to max_useful_drafts); the others keep theirs.
+  void propose_ngram(int32_t min_n, int32_t max_n, const int64_t* seq_ids, const int32_t* max_drafts,
+                     int64_t num_seqs);
+  // Tokens a request may still commit: max_tokens and max_model_len both bound it.
+  int64_t tokens_left(const Sequence& seq) const {
+    return std::min(seq.max_tokens - seq.num_output_tokens(),
+                    static_cast<int64_t>(config_.max_model_len) - seq.num_tokens());
+  }
   // Clamp of the drafts a request may still use: more would pass max_tokens or max_model_len.
   int64_t max_useful_drafts(const Sequence& seq) const;
+  // The running requests whose next step decodes (see decode_view.h).
+  std::shared_ptr<DecodeView> decode_view() const;
 
   // The batch is the caller's until it drops its last reference; the scheduler then reuses it.
   std::shared_ptr<ScheduledBatch> schedule();
@@ -88,6 +99,8 @@ class Scheduler {
   };
 
   Sequence& find(int64_t seq_id);
+  // seq_ids[i] of a list in running order: running_[i] when it matches, else the hash lookup.
+  Sequence& find_running(int64_t seq_id, int64_t i);
   // Row `slot` of the draft matrix: the drafts of the running request holding that slot.
   int32_t* draft_row(int32_t slot) {
     return draft_matrix_.data() + static_cast<size_t>(slot) * config_.num_spec_tokens;

@@ -42,6 +42,8 @@ void Scheduler::build_batch(const std::vector<Row>& rows, ScheduledBatch& b) con
   b.num_draft_tokens.resize(n);
   b.num_logits.resize(n);
   b.num_accepted_prev.resize(n);
+  b.request_slots.resize(n);
+  b.tokens_left.resize(n);
   b.logits_indices.resize(num_logits);
   b.state_slots.resize(n * slots_per_seq);
   b.block_tables.resize(n * b.max_blocks);
@@ -87,6 +89,8 @@ void Scheduler::build_batch(const std::vector<Row>& rows, ScheduledBatch& b) con
     b.num_draft_tokens[i] = r.num_drafts;
     b.num_logits[i] = r.num_logits;
     b.num_accepted_prev[i] = s.num_accepted_last;
+    b.request_slots[i] = s.slot;
+    b.tokens_left[i] = tokens_left(s);
     if (slots_per_seq > 0)
       std::copy_n(s.kv.state_slots.data(), slots_per_seq, b.state_slots.data() + i * slots_per_seq);
     b.max_query_len = std::max(b.max_query_len, r.num_scheduled);

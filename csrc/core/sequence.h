@@ -32,6 +32,7 @@ struct alignas(64) Sequence {
   FinishReason finish_reason = FinishReason::kNone;
   std::vector<int32_t> stop_token_ids;  // a commit stops at any of these: stop ids and, unless
                                         // ignore_eos, the EOS ids
+  bool only_length_stops = false;       // no stop id and no stop string: it runs to its length
   KVAllocation kv;
 
   int64_t cache_salt = 0;  // extra prefix-cache key (e.g. per tenant)

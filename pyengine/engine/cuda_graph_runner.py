@@ -100,16 +100,16 @@ class CudaGraphRunner:
     """Captures (lazily, on first use) and replays decode/verify steps of one ModelRunner."""
 
     def __init__(self, model, kv_caches, block_size: int, device: torch.device, max_num_seqs: int,
-                 max_query_len: int, graph_max_context: int, use_graphs: bool = True, state_cache=None) -> None:
+                 max_query_len: int, graph_max_context: int, state_cache=None) -> None:
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
         self.state_cache = state_cache  # pyengine.engine.state_cache.StateCache of a hybrid model, or None
         self.buckets = default_buckets(max_num_seqs)
         self.max_rows = self.buckets[-1]
         self.max_q = max(1, max_query_len)
         self.width = max(1, -(-graph_max_context // block_size))
-        # use_graphs=False replays nothing: the same padded static-buffer path runs eagerly (lets the
-        # padding logic be tested on the CPU).
-        self.use_graphs = use_graphs and device.type == "cuda"
+        # On a CPU device nothing is captured: the same padded static-buffer path runs eagerly (so the
+        # padding and async-decode logic run in the CPU tests).
+        self.use_graphs = device.type == "cuda"
         T = self.max_rows * self.max_q
         self.T = T
         # int64 layout: [input_ids T | positions T | slots T | context_lens R], then int32 [R, W] tables

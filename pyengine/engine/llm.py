@@ -7,8 +7,9 @@ import torch
 
 from pyengine.engine.llm_engine import EngineConfig, LLMEngine, Request
 from pyengine.loader import load_model
-from pyengine.engine.kv_budget import default_num_kv_blocks
+from pyengine.engine.kv_budget import CPU_KV_CACHE_BYTES, default_num_kv_blocks
 from pyengine.engine.model_runner import ModelRunner
+from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
 from pyengine.outputs import CompletionOutput, RequestOutput
 from pyengine.sampling_params import SamplingParams
 from pyengine.spec_decode.config import SpeculativeConfig
@@ -50,55 +51,64 @@ class LLM:
                  max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  speculative_config: dict[str, Any] | None = None, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False) -> None:
-        for name, value, opt in [("block_size", block_size, False), ("max_num_seqs", max_num_seqs, False),
-                                 ("max_model_len", max_model_len, True), ("num_kv_blocks", num_kv_blocks, True),
-                                 ("max_num_batched_tokens", max_num_batched_tokens, True)]:
-            _positive(name, value, opt)
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        if not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        torch.manual_seed(seed)
-        self.model, self.model_config, self.tokenizer = load_model(model, str(self.device), self.dtype)
-        draft = None  # draft model: loaded before the KV budget, which then covers both caches
-        if spec is not None and spec.method == "draft_model":
-            draft_model, draft_config, _ = load_model(spec.model, str(self.device), self.dtype)
-            draft = (draft_model, draft_config)
-        limit = self.model_config.max_position_embeddings
-        if max_model_len is not None and max_model_len > limit:
-            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({limit})")
-        max_model_len = max_model_len or min(limit, 8192)
-        if num_kv_blocks is None:
-            kv_configs = [self.model_config] + ([] if draft is None else [draft[1]])
-            num_kv_blocks = default_num_kv_blocks(kv_configs, block_size, self.dtype, self.device, max_num_seqs,
-                                                  max_model_len, gpu_memory_utilization)
-        # ---- hybrid (recurrent-state) models: a state slot pool; no prefix caching ----
-        num_state_slots = 0
-        if hasattr(self.model, "state_shapes"):
+                 enforce_eager: bool = False, async_decode: bool = True,
+                 cpu_kv_cache_bytes: int = CPU_KV_CACHE_BYTES,
+                 kernel_config: KernelConfig | dict[str, Any] | None = None) -> None:
+        """vLLM's arguments, plus: async_decode (launch the next greedy decode step before this
+        one's tokens reach the host; CUDA graphs only), cpu_kv_cache_bytes (the KV budget on the
+        CPU) and kernel_config (the kernel variants this LLM's loading and steps run: a
+        KernelConfig or a dict of its fields; another LLM in the process keeps its own)."""
+        self.kernel_config = KernelConfig.from_value(kernel_config)
+        with use_kernel_config(self.kernel_config):  # loading may pick kernels (CPU GEMM packing)
+            for name, value, opt in [("block_size", block_size, False), ("max_num_seqs", max_num_seqs, False),
+                                     ("max_model_len", max_model_len, True), ("num_kv_blocks", num_kv_blocks, True),
+                                     ("max_num_batched_tokens", max_num_batched_tokens, True),
+                                     ("cpu_kv_cache_bytes", cpu_kv_cache_bytes, False)]:
+                _positive(name, value, opt)
+            if not 0.0 < gpu_memory_utilization <= 1.0:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+            if not isinstance(seed, int):
+                raise ValueError(f"seed must be an int, got {seed!r}")
+            spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
+            self.device = resolve_device(device)
+            self.dtype = resolve_dtype(dtype, self.device)
+            torch.manual_seed(seed)
+            self.model, self.model_config, self.tokenizer = load_model(model, str(self.device), self.dtype)
+            draft = None  # draft model: loaded before the KV budget, which then covers both caches
             if spec is not None and spec.method == "draft_model":
-                raise ValueError(f"{self.model_config.architecture}: draft-model speculation is not supported for "
-                                 "recurrent-state models (use ngram)")
-            # Recurrent state is not checkpointed per KV block, so a prefix hit would skip the state of
-            # the cached tokens: prefix caching is forced off for these models.
-            enable_prefix_caching = False
-            num_state_slots = max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
-        # ---- end hybrid ----
-        cfg = EngineConfig(
-            max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(2048, 4 * max_num_seqs),
-            enable_prefix_caching=enable_prefix_caching, seed=seed, speculative=spec,
-            num_state_slots=num_state_slots)
-        # enforce_eager (vLLM's name): no CUDA graphs; decode/verify steps are captured otherwise (GPU only).
-        runner = ModelRunner(self.model, self.model_config, block_size, num_kv_blocks, self.device, self.dtype,
-                             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                             max_query_len=1 + (spec.num_speculative_tokens if spec else 0),
-                             cuda_graphs=not enforce_eager and self.device.type == "cuda",
-                             num_state_slots=num_state_slots)
-        self.engine = LLMEngine(runner, self.model_config, self.tokenizer, cfg, draft_model=draft)
+                draft_model, draft_config, _ = load_model(spec.model, str(self.device), self.dtype)
+                draft = (draft_model, draft_config)
+            limit = self.model_config.max_position_embeddings
+            if max_model_len is not None and max_model_len > limit:
+                raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({limit})")
+            max_model_len = max_model_len or min(limit, 8192)
+            if num_kv_blocks is None:
+                kv_configs = [self.model_config] + ([] if draft is None else [draft[1]])
+                num_kv_blocks = default_num_kv_blocks(kv_configs, block_size, self.dtype, self.device, max_num_seqs,
+                                                      max_model_len, gpu_memory_utilization, cpu_kv_cache_bytes)
+            # ---- hybrid (recurrent-state) models: a state slot pool; no prefix caching ----
+            num_state_slots = 0
+            if hasattr(self.model, "state_shapes"):
+                if spec is not None and spec.method == "draft_model":
+                    raise ValueError(f"{self.model_config.architecture}: draft-model speculation is not supported for "
+                                     "recurrent-state models (use ngram)")
+                # Recurrent state is not checkpointed per KV block, so a prefix hit would skip the state of
+                # the cached tokens: prefix caching is forced off for these models.
+                enable_prefix_caching = False
+                num_state_slots = max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+            # ---- end hybrid ----
+            cfg = EngineConfig(
+                max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens or max(2048, 4 * max_num_seqs),
+                enable_prefix_caching=enable_prefix_caching, seed=seed, speculative=spec,
+                num_state_slots=num_state_slots, async_decode=async_decode, kernel_config=self.kernel_config)
+            # enforce_eager (vLLM's name): no CUDA graphs; decode/verify steps are captured otherwise (GPU only).
+            runner = ModelRunner(self.model, self.model_config, block_size, num_kv_blocks, self.device, self.dtype,
+                                 max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                 max_query_len=1 + (spec.num_speculative_tokens if spec else 0),
+                                 cuda_graphs=not enforce_eager and self.device.type == "cuda",
+                                 num_state_slots=num_state_slots)
+            self.engine = LLMEngine(runner, self.model_config, self.tokenizer, cfg, draft_model=draft)
 
     # ---- generation ---------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -2,7 +2,7 @@
 
     propose drafts -> schedule (C++) -> forward -> verify / sample -> commit (C++) -> detokenize
 
-Async decode (CUDA graphs, greedy decode rows only; PYENGINE_ASYNC_DECODE=0 turns it off): a step
+Async decode (CUDA graphs, greedy decode rows only; EngineConfig.async_decode=False turns it off): a step
 whose rows are all greedy decode rows launches the NEXT step's graph before it waits for its own
 tokens. That next step's inputs are predicted on the host (every row continues in the block it
 holds: positions, slots and context lengths + 1, the block tables as they are; a step where a row
@@ -20,7 +20,6 @@ requests never launch ahead.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +29,7 @@ import torch
 from pyengine import _C
 from pyengine.config import ModelConfig
 from pyengine.engine.model_runner import ModelRunner
+from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
 from pyengine.spec_decode.rejection_sampler import RejectionSampler, greedy_argmax
 from pyengine.engine.sampler import RequestGenerators
 from pyengine.sampling_params import SamplingParams
@@ -67,6 +67,8 @@ class EngineConfig:
     seed: int
     speculative: SpeculativeConfig | None = None
     num_state_slots: int = 0  # hybrid models: recurrent-state slot pool (1 + k per request)
+    async_decode: bool = True  # launch the next greedy decode step before this one's tokens arrive
+    kernel_config: KernelConfig = field(default_factory=KernelConfig)  # the kernels this engine's steps run
 
 
 class LLMEngine:
@@ -91,18 +93,17 @@ class LLMEngine:
         if spec is not None:
             self.proposer = build_proposer(spec, runner, lambda sid: self.requests[sid], cfg.seed, cfg.max_model_len,
                                            draft=draft_model)
-        # Scripted drafts are exact test fixtures: never shorten them.
-        adaptive = spec is not None and spec.adaptive_draft_length and spec.method != "scripted"
+        adaptive = spec is not None and spec.adaptive_draft_length
         self.draft_length = DraftLengthPolicy(self.k) if adaptive else None
         self.rejection_sampler = RejectionSampler()
         self.generators = RequestGenerators(cfg.seed)
         self.eos_token_ids = list(dict.fromkeys(tokenizer.eos_token_ids + model_config.eos_token_ids))
-        self.requests: dict[int, Request] = {}
+        self.requests: dict[int, Request] = {}  # unfinished requests; a finished one leaves once returned
         self.next_id = 0
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_tokens": 0}
         self.prefill_time = self.decode_time = 0.0
         # async decode (module docstring): the launched next step, if any
-        self.async_decode = os.environ.get("PYENGINE_ASYNC_DECODE", "1") != "0"
+        self.async_decode = cfg.async_decode
         self._pending = None
         self.num_async_steps = 0  # steps that used a forward launched by the step before
         self.num_async_discarded = 0  # launched forwards whose step was not the predicted one
@@ -114,15 +115,15 @@ class LLMEngine:
         rid = self.next_id
         self.next_id += 1
         req = Request(rid, prompt, list(prompt_token_ids), params, self.tokenizer.incremental_detokenizer())
-        self.requests[rid] = req
         try:
             if any(not 0 <= t < self.model_config.vocab_size for t in req.prompt_token_ids):
                 raise ValueError(f"request {rid}: token ids must be in [0, {self.model_config.vocab_size})")
             self.scheduler.add_request(rid, req.prompt_token_ids, params.max_tokens, self.eos_token_ids,
-                                       params.stop_token_ids or [], params.ignore_eos, 0)
+                                       params.stop_token_ids or [], params.ignore_eos, 0, bool(params.stop))
         except ValueError as e:
             req.finish_reason, req.error = "error", str(e)
             return req
+        self.requests[rid] = req
         self.generators.get(rid, params.seed)
         self.counters["prompt_tokens"] += len(req.prompt_token_ids)
         return req
@@ -132,21 +133,19 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that received tokens (or finished) in it."""
-        with self.runner.step_threads():
+        """Run one step; returns the requests that received tokens (or finished) in it. A finished
+        request is returned once and then forgotten."""
+        with self.runner.step_threads(), use_kernel_config(self.cfg.kernel_config):
             return self._step()
 
     def _step(self) -> list[Request]:
         t0 = time.perf_counter()
         if self.proposer is not None:
-            if self.draft_length is None:
-                self.proposer.propose(self.scheduler, self.k)
-            else:  # a length per decode request
-                ids = self._decode_ids()
-                lengths = self.draft_length.draft_lengths(ids, self._can_finish_last(ids))
-                self.proposer.propose(self.scheduler, max(lengths.values(), default=0), lengths)
+            self._propose()
         batch = self.scheduler.schedule()
         assert batch.num_rows > 0, "the scheduler made no progress with requests pending"
+        if self.proposer is not None and batch.preempted_seq_ids:
+            self.proposer.forget(batch.preempted_seq_ids, finished=False)
         pending, self._pending = self._pending, None
         if pending is not None and pending.matches(batch):
             self.num_async_steps += 1
@@ -170,36 +169,34 @@ class LLMEngine:
             self.counters["decode_tokens"] += int(num_committed.sum())
         if self.draft_length is not None:
             rows = batch.num_decode_rows
-            self.draft_length.observe_rows(batch.seq_ids[:rows].tolist(), batch.num_draft_tokens[:rows], counts[:rows])
+            self.draft_length.observe_rows(batch.request_slots[:rows], batch.num_draft_tokens[:rows], counts[:rows])
             if not num_prefill:
                 self.draft_length.observe_step(int(batch.num_tokens), elapsed)
         return touched
 
-    def _decode_ids(self) -> list[int]:
-        """Running requests whose next step decodes (all their committed tokens but the last computed)."""
-        sched, reqs = self.scheduler, self.requests
-        return [sid for sid in sched.running_ids()
-                if sched.num_computed(sid) == len(reqs[sid].prompt_token_ids) + len(reqs[sid].output_token_ids) - 1]
+    def _propose(self) -> None:
+        """Drafts for this step's decode rows: one decode view from the scheduler, one length per
+        row (k, or the draft-length policy's), one call into the proposer."""
+        view = self.scheduler.decode_view()
+        if not view.num_rows:
+            return
+        if self.draft_length is None:
+            max_drafts = np.full(view.num_rows, self.k, dtype=np.int32)
+        else:
+            max_drafts = self.draft_length.draft_lengths(view.request_slots, view.seq_ids, self._can_finish_last(view))
+        self.proposer.propose(self.scheduler, view, max_drafts)
 
-    def _can_finish_last(self, seq_ids: list[int]) -> np.ndarray | None:
-        """Per decode request: can it still be the last running request to finish? None while
-        requests wait for admission (a row that finishes early is replaced, so every committed
-        token counts). A request has at most `most` tokens left (max_tokens, max_model_len) and at
-        least `fewest` (the same if only the length can stop it, else 1: EOS or a stop may come any
-        time); one whose most is below another running request's fewest finishes first."""
-        if self.scheduler.num_waiting or len(seq_ids) < 2:
+    @staticmethod
+    def _can_finish_last(view) -> np.ndarray | None:
+        """Per decode row (view: the scheduler's DecodeView): can it still be the last running
+        request to finish? None while requests wait for admission (a row that finishes early is
+        replaced, so every committed token counts). A request has at most tokens_left tokens to go
+        and at least fewest_tokens_left (the same if only the length can stop it, else 1: EOS or a
+        stop may come any time); one whose most is below another running request's fewest
+        finishes first."""
+        if view.num_waiting or view.num_rows < 2:
             return None
-
-        def left(sid: int) -> tuple[int, int]:
-            req = self.requests[sid]
-            p, done = req.params, len(req.output_token_ids)
-            most = min(p.max_tokens - done, self.cfg.max_model_len - len(req.prompt_token_ids) - done)
-            only_length_stops = p.ignore_eos and not p.stop and not p.stop_token_ids
-            return most, (most if only_length_stops else 1)
-
-        bounds = {sid: left(sid) for sid in self.scheduler.running_ids()}  # the decode rows among them
-        fewest = max(f for _, f in bounds.values())
-        return np.fromiter((bounds[sid][0] >= fewest for sid in seq_ids), bool, len(seq_ids))
+        return view.tokens_left >= view.max_fewest_tokens_left
 
     def _sample(self, batch, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         num_logits = batch.num_logits
@@ -214,11 +211,14 @@ class LLMEngine:
         seq_ids = batch.seq_ids[rows].tolist()
         params = [self.requests[s].params for s in seq_ids]
         gens = [None if p.is_greedy else self.generators.get(s, p.seed) for s, p in zip(seq_ids, params)]
-        # q of each draft (draft models); None: one-hot drafters (ngram, scripted)
+        # q of each draft (draft models); None: one-hot drafters (ngram)
         get_q = getattr(self.proposer, "draft_probs", None)
         draft_probs = get_q(seq_ids, num_drafts.tolist()) if get_q is not None and num_drafts.any() else None
-        # Left on the CPU: the verifier moves them where it works (the CPU for all-greedy batches).
-        draft_ids = torch.from_numpy(batch.input_ids[np.repeat(starts, num_drafts) + offsets])
+        # Draft j of the step (row r: cu_num_draft_tokens[r] <= j < [r + 1]) is the input after the
+        # row's first token. Left on the CPU: the verifier moves them where it works.
+        cu, starts = batch.cu_num_draft_tokens, batch.query_start_loc[:-1] + 1
+        draft_idx = np.arange(int(cu[-1])) + np.repeat(starts - cu[:-1], batch.num_draft_tokens)
+        draft_ids = torch.from_numpy(batch.input_ids[draft_idx])
         out = self.rejection_sampler(logits, draft_ids, torch.from_numpy(num_drafts.astype(np.int64)), draft_probs,
                                      params, gens)
         counts[rows] = out.num_tokens.cpu().numpy()
@@ -271,14 +271,8 @@ class LLMEngine:
         rows = batch.num_rows
         if key[1] != 1 or batch.num_decode_rows != rows or self.scheduler.num_waiting:
             return False
-        max_len = self.cfg.max_model_len
-        for sid in batch.seq_ids.tolist():
-            req = self.requests[sid]
-            done = len(req.output_token_ids)
-            # commit_tokens' room: this step's token is the last one when room == 1
-            if min(req.params.max_tokens - done, max_len - len(req.prompt_token_ids) - done) <= 1:
-                return False
-        return True
+        # this step's token is a row's last one when it has one token left
+        return bool((batch.tokens_left > 1).all())
 
     def _commit(self, batch, tokens: np.ndarray, counts: np.ndarray, num_committed: np.ndarray,
                 reasons: np.ndarray) -> list[Request]:
@@ -296,11 +290,12 @@ class LLMEngine:
                 req.finish_reason = _C.FINISH_REASONS[reasons[r]]
             self._append_text(req, new)
             touched.append(req)
-        for req in touched:
-            if req.finished:
-                self.generators.release(req.request_id)
-                if self.draft_length is not None:
-                    self.draft_length.release(req.request_id)
+        finished = [req.request_id for req in touched if req.finished]
+        for rid in finished:
+            self.generators.release(rid)
+            del self.requests[rid]
+        if finished and self.proposer is not None:
+            self.proposer.forget(finished, finished=True)
         return touched
 
     def _append_text(self, req: Request, new: list[int]) -> None:

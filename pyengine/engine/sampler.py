@@ -1,4 +1,5 @@
-"""Batched sampling: logits -> processed probabilities -> one token per row.
+"""Sampling pieces: logits -> processed probabilities -> tokens (the rejection sampler draws
+with them; its rows without drafts are plain sampling).
 
 Rows may carry different SamplingParams. Filters are applied in a fixed order (temperature,
 top-k, top-p, min-p) with per-row tensors, so a mixed batch costs one sort at most, and a batch
@@ -8,7 +9,7 @@ Randomness: every request owns a seeded torch.Generator, and a row draws only fr
 generator, so its token does not depend on which other requests share the batch. Sampling uses
 the inverse CDF with ONE uniform per token: a row consumes a fixed, small amount of randomness
 regardless of vocabulary size, and the rejection sampler can reuse the exact same routine
-(a d=0 verify row then gives bit-identical tokens to Sampler.sample).
+(a d=0 verify row is plain sampling).
 """
 from __future__ import annotations
 
@@ -219,34 +220,3 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     vocab = probs.shape[-1]
     last_nonzero = vocab - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
     return torch.minimum(tokens, last_nonzero)
-
-
-class Sampler:
-    """Samples one token per row; greedy rows take argmax (lowest index on ties)."""
-
-    def sample(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        generators: Sequence[Optional[torch.Generator]],
-    ) -> torch.Tensor:
-        if logits.dim() != 2 or logits.shape[0] != len(params) or len(generators) != len(params):
-            raise ValueError("logits must be [N, V] with one SamplingParams and generator per row")
-        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if len(random_rows) < len(params):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-        if not random_rows:
-            return tokens
-        all_random = len(random_rows) == len(params)
-        idx = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
-        sub_logits = logits if all_random else logits.index_select(0, idx)
-        sub_params = [params[i] for i in random_rows]
-        probs = probs_from_params(sub_logits, sub_params)
-        u = draw_uniforms([generators[i] for i in random_rows], [1] * len(random_rows), logits.device)
-        sampled = sample_from_probs(probs, u)
-        if all_random:
-            return sampled
-        tokens[idx] = sampled
-        return tokens

@@ -2,27 +2,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
-
-# script(request_id, committed_token_ids) -> drafts: forces any acceptance pattern in tests.
-DraftScript = Callable[[int, list[int]], list[int]]
+from typing import Any
 
 
 @dataclass
 class SpeculativeConfig:
-    method: str  # "ngram", "draft_model" or "scripted"
+    method: str  # "ngram" or "draft_model"
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None
-    script: DraftScript | None = None
     adaptive_draft_length: bool = True  # False: always propose up to k (tests pin every path)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "script",
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
                  "adaptive_draft_length"}
         unknown = set(d) - known
         if unknown:
@@ -30,16 +26,15 @@ class SpeculativeConfig:
         method = d.get("method") or ("draft_model" if d.get("model") else None)
         if method == "draft":
             method = "draft_model"
-        if method not in ("ngram", "draft_model", "scripted"):
-            raise ValueError(f"speculative_config.method must be 'ngram', 'draft_model' or 'scripted', got {method!r}")
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {method!r}")
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an int in 1..32, got {k!r}")
         adaptive = d.get("adaptive_draft_length", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config.adaptive_draft_length must be a bool, got {adaptive!r}")
-        cfg = cls(method=method, num_speculative_tokens=k, model=d.get("model"), script=d.get("script"),
-                  adaptive_draft_length=adaptive)
+        cfg = cls(method=method, num_speculative_tokens=k, model=d.get("model"), adaptive_draft_length=adaptive)
         if method == "ngram":
             cfg.prompt_lookup_max = int(d.get("prompt_lookup_max", 4))
             cfg.prompt_lookup_min = int(d.get("prompt_lookup_min", min(2, cfg.prompt_lookup_max)))
@@ -48,6 +43,4 @@ class SpeculativeConfig:
                                  f"{cfg.prompt_lookup_min}..{cfg.prompt_lookup_max}")
         if method == "draft_model" and not cfg.model:
             raise ValueError("speculative_config.model (the draft model's path) is required for a draft model")
-        if method == "scripted" and not callable(cfg.script):
-            raise ValueError("speculative_config.script must be a callable for method 'scripted'")
         return cfg

@@ -49,30 +49,34 @@ class DraftLengthPolicy:
         self.prior_weight = prior_weight
         # Batch-wide decayed counts per position; start optimistic (c = 1 with one trial's weight).
         self.pool_trials, self.pool_accepts = np.ones(k), np.ones(k)
-        # Per-row statistics live in the rows of these arrays (slot_of maps seq id -> row).
-        self.slot_of: dict[int, int] = {}
-        self.free_slots: list[int] = []
+        # Per-request statistics live in row `request slot` (the scheduler's dense index) of these
+        # arrays; owner says whose they are, so a slot taken by a new request starts afresh.
+        self.owner = np.zeros(0, dtype=np.int64)
         self.trials = np.zeros((0, k))  # decayed count: draft j verified after drafts 0..j-1 were accepted
         self.accepts = np.zeros((0, k))  # ... and accepted
         self.asked = np.zeros(0)  # decayed count: steps the row was asked for drafts
         self.found = np.zeros(0)  # ... in which the proposer found at least one
         self.idle = np.zeros((0, k), dtype=np.int64)  # steps since position j was last verified
-        self.planned: dict[int, int] = {}  # this step's lengths
-        self.probes: dict[int, int] = {}  # this step's probes: seq id -> first probed position
+        self.planned = np.zeros(0, dtype=np.int64)  # this step's lengths
+        self.probes = np.zeros(0, dtype=np.int64)  # this step's probes: first probed position, -1: none
         self.fit_sums = [0.0] * 5  # decayed sums of 1, n, t, n*n, n*t over decode-only steps
         self.steps = 0
 
     # ---- the plan ------------------------------------------------------------------------------
-    def draft_lengths(self, seq_ids: Sequence[int], can_finish_last: np.ndarray | None = None) -> dict[int, int]:
-        """Drafts to propose for each running decode request (seq id -> 0..k). can_finish_last:
-        one bool per request (None: all True); a False row gets none (see the class docstring)."""
-        self.planned, self.probes = {}, {}
-        if not seq_ids:
-            return self.planned
-        self.steps += 1
-        rows = np.fromiter((self._slot(s) for s in seq_ids), np.int64, len(seq_ids))
-        self.idle[rows] += 1
+    def draft_lengths(self, slots: np.ndarray, seq_ids: np.ndarray,
+                      can_finish_last: np.ndarray | None = None) -> np.ndarray:
+        """Drafts to propose for each running decode request (0..k, one per row of the scheduler's
+        decode view: request slots and seq ids). can_finish_last: one bool per request (None: all
+        True); a False row gets none (see the class docstring)."""
+        rows = np.asarray(slots, dtype=np.int64)
+        self._claim(rows, np.asarray(seq_ids, dtype=np.int64))
+        self.planned[:] = 0
+        self.probes[:] = -1
         num_rows = len(rows)
+        if not num_rows:
+            return np.zeros(0, dtype=np.int32)
+        self.steps += 1
+        self.idle[rows] += 1
         eligible = np.ones(num_rows, dtype=bool) if can_finish_last is None else np.asarray(can_finish_last, dtype=bool)
         # Probes (and the warm-up that gives the time line two token counts) stay cheap where
         # verify tokens cost compute: about k extra tokens per step whatever the batch size.
@@ -89,10 +93,10 @@ class DraftLengthPolicy:
             interval = self.probe_every * max(1.0, num_rows / self.k)
             can_grow = np.nonzero(eligible & (lengths < self.k))[0]
             stale = can_grow[self.idle[rows[can_grow], lengths[can_grow]] >= interval]
-            self.probes = {seq_ids[i]: int(lengths[i]) for i in stale}
+            self.probes[rows[stale]] = lengths[stale]
             lengths[stale] = np.minimum(lengths[stale] + probe, self.k)
-        self.planned = dict(zip(seq_ids, lengths.tolist()))
-        return self.planned
+        self.planned[rows] = lengths
+        return lengths.astype(np.int32)
 
     def _best_lengths(self, rows: np.ndarray, eligible: np.ndarray, a: float, b: float) -> np.ndarray:
         """Greedy marginal allocation of drafts over the eligible rows (see the class docstring)."""
@@ -118,9 +122,9 @@ class DraftLengthPolicy:
         c = (self.accepts[rows] + w * prior) / (self.trials[rows] + w)
         return np.cumprod(c, axis=1)
 
-    def row_acceptance(self, seq_id: int) -> np.ndarray:
-        """P_j of one request (for tests and debugging)."""
-        return self.acceptance(np.array([self._slot(seq_id)]))[0]
+    def row_acceptance(self, slot: int) -> np.ndarray:
+        """P_j of the request in one slot (for tests and debugging)."""
+        return self.acceptance(np.array([slot]))[0]
 
     # ---- observations ----------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float) -> None:
@@ -128,13 +132,14 @@ class DraftLengthPolicy:
         for i, v in enumerate((1.0, num_tokens, seconds, num_tokens * num_tokens, num_tokens * seconds)):
             self.fit_sums[i] = self.decay * self.fit_sums[i] + v
 
-    def observe_rows(self, seq_ids: Sequence[int], num_drafts: np.ndarray, num_committed: np.ndarray) -> None:
-        """The decode rows of a step: drafts verified and tokens committed per row (rows this
-        step's plan asked nothing of are ignored)."""
-        asked = [i for i, s in enumerate(seq_ids) if self.planned.get(int(s), 0) > 0 and int(s) in self.slot_of]
-        if not asked:
+    def observe_rows(self, slots: np.ndarray, num_drafts: np.ndarray, num_committed: np.ndarray) -> None:
+        """The decode rows of a step (request slots): drafts verified and tokens committed per row
+        (rows this step's plan asked nothing of are ignored)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        asked = np.nonzero(self.planned[slots] > 0)[0]
+        if not len(asked):
             return
-        rows = np.fromiter((self.slot_of[int(seq_ids[i])] for i in asked), np.int64, len(asked))
+        rows = slots[asked]
         drafts = np.asarray(num_drafts)[asked]
         accepted = np.asarray(num_committed)[asked] - 1
         self.asked[rows] = self.decay * self.asked[rows] + 1.0
@@ -144,10 +149,12 @@ class DraftLengthPolicy:
         tried = verified & (cols[None, :] <= accepted[:, None])  # ... after all earlier ones were accepted
         passed = cols[None, :] < accepted[:, None]
         # An accepted probe: the row's acceptance has changed, forget its evidence from there on.
-        for n, i in enumerate(asked):
-            start = self.probes.get(int(seq_ids[i]))
-            if start is not None and accepted[n] > start:
-                self.trials[rows[n], start:] = self.accepts[rows[n], start:] = 0.0
+        start = self.probes[rows]
+        forget = (start >= 0) & (accepted > start)
+        if forget.any():
+            wipe = forget[:, None] & (cols[None, :] >= start[:, None])
+            self.trials[rows] = np.where(wipe, 0.0, self.trials[rows])
+            self.accepts[rows] = np.where(wipe, 0.0, self.accepts[rows])
         has = drafts > 0  # rows with evidence this step: their counts decay, at every position
         if has.any():
             seen = rows[has]
@@ -157,32 +164,26 @@ class DraftLengthPolicy:
             self.pool_accepts = self.decay * self.pool_accepts + passed.sum(axis=0)
             self.idle[seen] = np.where(verified[has], 0, self.idle[seen])
 
-    def release(self, seq_id: int) -> None:
-        """A finished request: its row is reused."""
-        slot = self.slot_of.pop(seq_id, None)
-        if slot is not None:
-            self.free_slots.append(slot)
-
     # ---- internals -------------------------------------------------------------------------------
-    def _slot(self, seq_id: int) -> int:
-        slot = self.slot_of.get(seq_id)
-        if slot is not None:
-            return slot
-        if not self.free_slots:
-            old = len(self.asked)
-            grow = max(old, 8)
+    def _claim(self, slots: np.ndarray, seq_ids: np.ndarray) -> None:
+        """Rows for these slots; a slot whose request changed starts at the batch's estimate."""
+        need = int(slots.max(initial=-1)) + 1
+        if need > len(self.owner):
+            grow = max(need, 2 * len(self.owner), 8) - len(self.owner)
+            self.owner = np.concatenate([self.owner, np.full(grow, -1, dtype=np.int64)])
             self.trials = np.concatenate([self.trials, np.zeros((grow, self.k))])
             self.accepts = np.concatenate([self.accepts, np.zeros((grow, self.k))])
-            self.asked = np.concatenate([self.asked, np.zeros(grow)])
-            self.found = np.concatenate([self.found, np.zeros(grow)])
+            self.asked = np.concatenate([self.asked, np.ones(grow)])
+            self.found = np.concatenate([self.found, np.ones(grow)])
             self.idle = np.concatenate([self.idle, np.zeros((grow, self.k), dtype=np.int64)])
-            self.free_slots.extend(range(old + grow - 1, old - 1, -1))
-        slot = self.free_slots.pop()
-        self.trials[slot] = self.accepts[slot] = 0.0  # no evidence of its own: the batch's estimate
-        self.asked[slot] = self.found[slot] = 1.0
-        self.idle[slot] = 0
-        self.slot_of[seq_id] = slot
-        return slot
+            self.planned = np.concatenate([self.planned, np.zeros(grow, dtype=np.int64)])
+            self.probes = np.concatenate([self.probes, np.full(grow, -1, dtype=np.int64)])
+        new = slots[self.owner[slots] != seq_ids]
+        if len(new):
+            self.trials[new] = self.accepts[new] = 0.0  # no evidence of its own: the batch's estimate
+            self.asked[new] = self.found[new] = 1.0
+            self.idle[new] = 0
+            self.owner[slots] = seq_ids
 
     def _time_line(self) -> tuple[float, float] | None:
         s1, sn, st, snn, snt = self.fit_sums

@@ -4,7 +4,7 @@ running decode request by k sequential batched forwards; the target verifies the
 Draft KV cache
     The draft model owns its own paged KV tensors with the target's block geometry
     (num_kv_blocks x block_size) and writes the SAME slots as the target
-    (block_table[p // B] * B + p % B, from scheduler.block_table). There is no second allocator:
+    (block_table[p // B] * B + p % B, from scheduler.block_tables). There is no second allocator:
     the scheduler reserves `drafter_lookahead = k` extra positions per step, so the blocks the
     draft writes past the committed tokens were allocated by the previous step.
 
@@ -17,7 +17,11 @@ the target's cache, the draft's slots of a hit block may hold anything.
     forward (varlen rows).
     After verification, draft j's KV (position n + j - 1) is valid iff the committed token at
     that position equals draft j; the next propose() resolves `valid` from the committed tokens,
-    so it needs no hook after verify.
+    so it needs no hook after verify. A preempted request (forget) starts at 0 again.
+
+Per step the proposer reads from the scheduler, in one call each: the decode view (rows, token
+counts, tokens left), each row's committed tokens from the first position it may need
+(token_ids_from) and the block tables; the drafts go back in one set_draft_tokens_batch.
 
 Sampling: greedy requests take the argmax of the draft logits; random requests sample from the
 PROCESSED draft distribution q (the request's temperature/top-k/top-p/min-p) with a per-request
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -44,11 +48,11 @@ class _SeqState:
     base: int  # num_tokens when the draft last ran: positions < base hold valid draft KV
     fed: list[int] = field(default_factory=list)  # draft inputs written at positions base, base + 1, ...
 
-    def resolve(self, tokens: Sequence[int]) -> int:
-        """Leading positions with valid draft KV, given the committed tokens now."""
+    def resolve(self, tail: Sequence[int]) -> int:
+        """Leading positions with valid draft KV, given the committed tokens from base on."""
         valid = self.base
         for j, t in enumerate(self.fed):
-            if self.base + j >= len(tokens) or tokens[self.base + j] != t:
+            if j >= len(tail) or tail[j] != t:
                 break
             valid += 1
         return valid
@@ -57,23 +61,20 @@ class _SeqState:
 @dataclass
 class _Row:
     seq_id: int
-    tokens: list[int]
+    n: int  # committed tokens
     valid: int
-    table: list[int]
+    catch_up: np.ndarray  # committed tokens [valid, n): forward 0's inputs
+    table: np.ndarray
     k: int
     params: Any
     drafts: list[int] = field(default_factory=list)
     q: list[torch.Tensor] = field(default_factory=list)
 
-    @property
-    def n(self) -> int:
-        return len(self.tokens)
-
 
 class DraftModelProposer:
     """Proposer protocol (see pyengine.spec_decode.proposer) plus draft_probs() for the rejection sampler.
 
-    get_request(seq_id) returns the engine's request (needs .params and .prompt_token_ids).
+    get_request(seq_id) returns a running request of the engine (needs .params).
     draft: an already loaded (model, ModelConfig); loaded from cfg.model when None.
     """
 
@@ -103,40 +104,39 @@ class DraftModelProposer:
 
     # ---- Proposer ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, scheduler: _C.Scheduler, num_drafts: int, per_request: Mapping[int, int] | None = None) -> None:
-        running = scheduler.running_ids()
-        self._forget_departed(scheduler, running)
+    def propose(self, scheduler: _C.Scheduler, view: _C.DecodeView, max_drafts: np.ndarray) -> None:
         self.pending.clear()
-        num_drafts = min(int(num_drafts), self.k)
-        if num_drafts <= 0:
+        num_tokens = view.num_tokens
+        # The scheduler's clamp (tokens left) and the draft's own position limit.
+        useful = np.minimum(view.tokens_left, self.max_model_len - num_tokens) - 1
+        ks = np.minimum(np.minimum(max_drafts, self.k), useful)
+        picked = np.nonzero(ks > 0)[0]
+        if not len(picked):
             return  # valid stays as is: the next catch-up covers the gap
-        rows: list[_Row] = []
+        seq_ids = view.seq_ids[picked]
+        states = [self.state.get(int(sid)) for sid in seq_ids]
+        # Tokens from the first position each row may need: its draft state's base, else 0.
+        starts = np.fromiter((0 if st is None or st.base > n else st.base
+                              for st, n in zip(states, num_tokens[picked].tolist())), np.int64, len(picked))
+        tails, offsets = scheduler.token_ids_from(seq_ids, starts)
+        tables = scheduler.block_tables(seq_ids)
+        table_lens = (tables >= 0).sum(axis=1)
         B = self.block_size
-        for sid in running:
-            tokens = list(scheduler.token_ids(sid))
-            n = len(tokens)
-            if scheduler.num_computed(sid) != n - 1:
-                self.state.pop(sid, None)  # (re)admitted, still prefilling: the draft cache is unknown
-                continue
-            k_r = min(num_drafts, self._useful_drafts(sid, n))
-            if per_request is not None:
-                k_r = min(k_r, per_request.get(sid, k_r))
-            if k_r <= 0:
-                continue
-            st = self.state.get(sid)
-            valid = 0 if st is None or st.base > n else min(st.resolve(tokens), n - 1)
-            table = list(scheduler.block_table(sid))
+        rows: list[_Row] = []
+        for i, (sid, n, k_r) in enumerate(zip(seq_ids.tolist(), num_tokens[picked].tolist(), ks[picked].tolist())):
+            tail = tails[offsets[i]:offsets[i + 1]]
+            start, st = int(starts[i]), states[i]
+            valid = 0 if st is None or st.base > n else min(st.resolve(tail), n - 1)
             # The draft writes positions up to n - 1 + (k_r - 1) before this step's append: the previous
             # step's allocation (drafter_lookahead = k) must already cover them.
             needed = -(-(n + k_r - 1) // B)
-            assert needed <= len(table), (f"request {sid}: draft positions need {needed} blocks, the table has "
-                                          f"{len(table)}; is SchedulerConfig.drafter_lookahead >= k?")
-            rows.append(_Row(sid, tokens, valid, table, k_r, self.get_request(sid).params))
-        if not rows:
-            return
+            assert needed <= table_lens[i], (f"request {sid}: draft positions need {needed} blocks, the table has "
+                                             f"{table_lens[i]}; is SchedulerConfig.drafter_lookahead >= k?")
+            rows.append(_Row(sid, n, valid, tail[valid - start:], tables[i, :table_lens[i]], k_r,
+                             self.get_request(sid).params))
 
         # Forward 0: catch up [valid, n), sample draft 1 from the last position.
-        logits = self._forward([(r.table, r.valid, r.tokens[r.valid:]) for r in rows])
+        logits = self._forward([(r.table, r.valid, r.catch_up) for r in rows])
         self._sample(rows, logits)
         for j in range(1, max(r.k for r in rows)):
             live = [r for r in rows if r.k > j]
@@ -144,9 +144,18 @@ class DraftModelProposer:
             self._sample(live, logits)
 
         for r in rows:
-            scheduler.set_draft_tokens(r.seq_id, r.drafts)
             self.pending[r.seq_id] = (r.drafts, torch.stack(r.q) if r.q else None)
             self.state[r.seq_id] = _SeqState(base=r.n, fed=r.drafts[:-1])
+        scheduler.set_draft_tokens_batch(seq_ids, np.fromiter((t for r in rows for t in r.drafts), np.int32),
+                                         np.fromiter((len(r.drafts) for r in rows), np.int32, len(rows)))
+
+    def forget(self, seq_ids: Sequence[int], finished: bool) -> None:
+        """Preempted requests lose their draft KV (their blocks were freed); finished ones also
+        their draft generator."""
+        for sid in seq_ids:
+            self.state.pop(int(sid), None)
+            if finished:
+                self.generators.pop(int(sid), None)
 
     # ---- for the rejection sampler ------------------------------------------------------------
     def draft_probs(self, seq_ids: Sequence[int], num_draft_tokens: Sequence[int]) -> Optional[torch.Tensor]:
@@ -169,24 +178,6 @@ class DraftModelProposer:
         return torch.cat(parts) if any_random else None
 
     # ---- internals ------------------------------------------------------------------------------
-    def _useful_drafts(self, sid: int, n: int) -> int:
-        """Same clamp as the scheduler's max_useful_drafts, plus the draft's position limit."""
-        req = self.get_request(sid)
-        left = min(req.params.max_tokens - (n - len(req.prompt_token_ids)), self.max_model_len - n)
-        return min(self.k, left - 1)
-
-    def _forget_departed(self, scheduler: _C.Scheduler, running: Sequence[int]) -> None:
-        """Requests that left the running set (preempted, finished, aborted) lose their draft KV
-        state; generators are kept while the scheduler still knows the request (preempted)."""
-        live = set(running)
-        for sid in [s for s in self.state if s not in live]:
-            del self.state[sid]
-        for sid in [s for s in self.generators if s not in live]:
-            try:
-                scheduler.num_computed(sid)
-            except (ValueError, RuntimeError, IndexError, KeyError):
-                del self.generators[sid]
-
     def _generator(self, sid: int, params: Any) -> torch.Generator:
         gen = self.generators.get(sid)
         if gen is None:
@@ -197,7 +188,7 @@ class DraftModelProposer:
             self.generators[sid] = gen
         return gen
 
-    def _forward(self, rows: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+    def _forward(self, rows: list[tuple[np.ndarray, int, Sequence[int]]]) -> torch.Tensor:
         """rows: (block_table, first position, input tokens). Logits [R, V] at each row's last token."""
         B = self.block_size
         lens = np.array([len(toks) for _, _, toks in rows], dtype=np.int64)

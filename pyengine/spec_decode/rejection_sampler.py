@@ -3,7 +3,7 @@
 Row r proposes d_r >= 0 draft tokens and owns 1 + d_r consecutive target positions: position j
 is the target distribution p_j for the token after the j-th input, so p_j judges draft j and
 p_{d_r} yields the bonus token. Rows with d_r = 0 (plain decode rows, last prefill chunks)
-simply sample one token, exactly as Sampler.sample would.
+simply sample one token from the processed p (inverse CDF, one uniform).
 
 Random rows accept draft x_j with probability min(1, p_j(x_j) / q_j(x_j)); at the first
 rejection they sample from normalize(max(p_j - q_j, 0)); when all drafts pass, they sample the
@@ -28,8 +28,7 @@ from pyengine.sampling_params import SamplingParams
 
 @dataclass
 class RejectionOutput:
-    tokens: list[list[int]]  # per row: accepted drafts, then the correction or bonus token
-    flat_tokens: torch.Tensor  # [sum(num_tokens)] int64, rows concatenated
+    flat_tokens: torch.Tensor  # [sum(num_tokens)] int64, per row: accepted drafts, then the correction or bonus token
     num_tokens: torch.Tensor  # [N] int64, = num_accepted + 1
     num_accepted: torch.Tensor  # [N] int64, accepted drafts per row (for acceptance stats)
 
@@ -71,7 +70,7 @@ class RejectionSampler:
             # general path below gives the same, through a dozen small ops per step.
             tokens_t = greedy_argmax(target_logits).cpu()
             ones = torch.ones(n_rows, dtype=torch.long)
-            return RejectionOutput([[t] for t in tokens_t.tolist()], tokens_t, ones, torch.zeros_like(ones))
+            return RejectionOutput(tokens_t, ones, torch.zeros_like(ones))
         # Greedy rows need only the argmax: one reduction where the logits live, one copy, and the
         # small bookkeeping below on the CPU (on a GPU, dozens of tiny kernels and syncs otherwise).
         device = torch.device("cpu") if all(greedy) else target_logits.device
@@ -127,13 +126,7 @@ class RejectionSampler:
         padded.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
         keep = torch.arange(k + 1, device=device).unsqueeze(0) <= num_accepted.unsqueeze(1)
         flat = padded[keep]
-        num_tokens = num_accepted + 1
-        flat_list = flat.tolist()
-        tokens, start = [], 0
-        for n in num_tokens.tolist():
-            tokens.append(flat_list[start:start + n])
-            start += n
-        return RejectionOutput(tokens, flat, num_tokens, num_accepted)
+        return RejectionOutput(flat, num_accepted + 1, num_accepted)
 
     @staticmethod
     def _verify_random(
