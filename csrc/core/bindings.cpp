@@ -70,27 +70,20 @@ PYBIND11_MODULE(_C, m) {
       .def("check_invariants", [](const BlockManager& b, const std::vector<const KVAllocation*>& live) {
              b.check_invariants(live);
            }, py::arg("live_allocs"))
-      .def_property_readonly("num_free_blocks", &BlockManager::num_free_blocks)
-      .def_property_readonly("num_blocks", &BlockManager::num_blocks)
-      .def_property_readonly("block_size", &BlockManager::block_size)
-      .def_property_readonly("num_free_state_slots", &BlockManager::num_free_state_slots)
-      .def("ref_count", &BlockManager::ref_count)
-      .def("block_has_hash", &BlockManager::block_has_hash)
-      .def("block_tokens", &BlockManager::block_tokens)
-      .def("hashed_block_ids", &BlockManager::hashed_block_ids);
+#define PE_PROPERTY(name) .def_property_readonly(#name, &BlockManager::name)
+#define PE_METHOD(name) .def(#name, &BlockManager::name)
+      PE_PROPERTY(num_free_blocks) PE_PROPERTY(num_blocks) PE_PROPERTY(block_size) PE_PROPERTY(num_free_state_slots)
+      PE_METHOD(ref_count) PE_METHOD(block_has_hash) PE_METHOD(block_tokens) PE_METHOD(hashed_block_ids);
+#undef PE_METHOD
+#undef PE_PROPERTY
 
   py::class_<SchedulerConfig>(m, "SchedulerConfig")
       .def(py::init<>())
-      .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
-      .def_readwrite("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
-      .def_readwrite("max_model_len", &SchedulerConfig::max_model_len)
-      .def_readwrite("block_size", &SchedulerConfig::block_size)
-      .def_readwrite("num_kv_blocks", &SchedulerConfig::num_kv_blocks)
-      .def_readwrite("enable_prefix_caching", &SchedulerConfig::enable_prefix_caching)
-      .def_readwrite("enable_chunked_prefill", &SchedulerConfig::enable_chunked_prefill)
-      .def_readwrite("num_spec_tokens", &SchedulerConfig::num_spec_tokens)
-      .def_readwrite("drafter_lookahead", &SchedulerConfig::drafter_lookahead)
-      .def_readwrite("num_state_slots", &SchedulerConfig::num_state_slots);
+#define PE_FIELD(name) .def_readwrite(#name, &SchedulerConfig::name)
+      PE_FIELD(max_num_seqs) PE_FIELD(max_num_batched_tokens) PE_FIELD(max_model_len) PE_FIELD(block_size)
+      PE_FIELD(num_kv_blocks) PE_FIELD(enable_prefix_caching) PE_FIELD(enable_chunked_prefill)
+      PE_FIELD(num_spec_tokens) PE_FIELD(drafter_lookahead) PE_FIELD(num_state_slots);
+#undef PE_FIELD
 
   py::class_<ScheduledBatch, std::shared_ptr<ScheduledBatch>>(m, "ScheduledBatch")
       .def_property_readonly("num_rows", &ScheduledBatch::num_rows)
