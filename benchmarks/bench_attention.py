@@ -4,7 +4,7 @@ Bandwidth = bytes of K/V the step must read (each row's context once) / kernel t
 device-to-device copy measured in the same run (bytes read + written / time). Kernel time is taken
 inside a CUDA graph of 20 back-to-back calls (gpu_timing.time_ms_graph), as a captured decode step
 runs them; `eager_call_ms` also times one Python call between CUDA events (launch overhead
-included). The split-KV unit (ops.cuda.SPLIT_BLOCK) is swept at batch 64 to pick the default, and
+included). The split-KV unit (ops.cuda.attention.SPLIT_BLOCK) is swept at batch 64 to pick the default, and
 for MLA at batch 1, 8 and 64. Shapes: Llama-3-8B
 (32 query heads, 8 KV heads, D 128, block 16) and DeepSeek-V3 MLA (128 heads, 576/512, block 64),
 bf16. Also the cost of a verify step (q = 1 + k per row) relative to decode, and (`gqa_kernels`) the
@@ -15,12 +15,13 @@ tensor-core GQA kernel against the FMA one on decode, verify and prefill-chunk s
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.ops import cuda as cuda_ops
+from pyengine.ops.cuda import attention as cuda_attention
+from pyengine.ops.kernel_config import use_kernel_config
 from gpu_timing import copy_bandwidth_gbps, time_ms, time_ms_graph, write_result, run_header  # noqa: E402  (benchmarks/ is on sys.path)
 
 
@@ -101,10 +102,10 @@ def gqa(result: dict, batches: list[int], contexts: list[int], max_tok: int, cop
         result["verify"].append({"batch": batch, "context": ctx, "q_len": q_len, "ms": ms, "relative_to_decode": rel})
         print(f"verify q={q_len} b={batch} ctx={ctx} {ms:8.3f} ms  x{rel:.2f} of decode", flush=True)
     # Split-KV unit sweep (a per-process setting; a row's result never depends on the batch).
-    default_split = cuda_ops.SPLIT_BLOCK
+    default_split = cuda_attention.SPLIT_BLOCK
     result["split_sweep"] = []
     for split in (256, 512, 1024, 2048):
-        cuda_ops.SPLIT_BLOCK = split
+        cuda_attention.SPLIT_BLOCK = split
         for ctx in (4096, 32768):
             batch = 64 if ctx == 4096 else 8
             if batch * ctx > max_tok:
@@ -116,7 +117,7 @@ def gqa(result: dict, batches: list[int], contexts: list[int], max_tok: int, cop
             result["split_sweep"].append({"split_block": split, "batch": batch, "context": ctx, "ms": ms,
                                           "fraction_of_copy": bw / copy_bw})
             print(f"split {split:5d} b={batch} ctx={ctx} {ms:8.3f} ms {bw / copy_bw:5.2f}", flush=True)
-    cuda_ops.SPLIT_BLOCK = default_split
+    cuda_attention.SPLIT_BLOCK = default_split
     result["split_block"] = default_split
     # The two GQA kernels side by side: decode, verify and prefill chunks (batch, context, q_len).
     # "mma" (tensor cores) is what NVIDIA runs; "fma" (CUDA cores) is AMD's, forced here.
@@ -127,11 +128,10 @@ def gqa(result: dict, batches: list[int], contexts: list[int], max_tok: int, cop
         meta = make_meta(batch, ctx, q_len, bs, nblocks, gen)
         q = torch.randn(batch * q_len, hq, d, device="cuda", dtype=dtype)
         for kernel in ("mma", "fma"):
-            os.environ["PYENGINE_GQA_FMA"] = "1" if kernel == "fma" else "0"
-            ms = time_ms_graph(lambda: cuda_ops.paged_attention(q, k, v, meta, d ** -0.5), inner=5)
+            with use_kernel_config(gqa_fma=kernel == "fma"):
+                ms = time_ms_graph(lambda: cuda_ops.paged_attention(q, k, v, meta, d ** -0.5), inner=5)
             result["gqa_kernels"].append({"kernel": kernel, "batch": batch, "context": ctx, "q_len": q_len, "ms": ms})
             print(f"gqa {kernel} b={batch} ctx={ctx} q={q_len} {ms:8.3f} ms", flush=True)
-    os.environ.pop("PYENGINE_GQA_FMA", None)
     frac = [r["fraction_of_copy"] for r in result["gqa"] if r["batch"] == 64 and r["context"] == 4096]
     result["decode_bandwidth_fraction"] = frac[0] if frac else None
     del k, v
@@ -174,10 +174,10 @@ def mla(result: dict, batches: list[int], contexts: list[int], max_tok: int, cop
         print(f"mla verify q={q_len} b=64 ctx=4096 {ms:8.3f} ms  x{ms / decode[(64, 4096)]:.2f} of decode", flush=True)
     # The split unit trades batch-1 latency (more blocks per row) against the fp32 partials' round
     # trip and the per-block start (fewer, longer blocks) at large batch; the default stays 512.
-    default_split = cuda_ops.SPLIT_BLOCK
+    default_split = cuda_attention.SPLIT_BLOCK
     result["mla_split_sweep"] = []
     for split in (512, 1024, 2048, 4096):
-        cuda_ops.SPLIT_BLOCK = split
+        cuda_attention.SPLIT_BLOCK = split
         for batch in (1, 8, 64):
             for ctx in (4096, 16384):
                 if batch * ctx > max_tok_mla:
@@ -187,7 +187,7 @@ def mla(result: dict, batches: list[int], contexts: list[int], max_tok: int, cop
                 result["mla_split_sweep"].append({"split_block": split, "batch": batch, "context": ctx, "ms": ms,
                                                   "fraction_of_copy": frac})
                 print(f"mla split {split:5d} b={batch:3d} ctx={ctx:6d} {ms:8.3f} ms {frac:5.2f}", flush=True)
-    cuda_ops.SPLIT_BLOCK = default_split
+    cuda_attention.SPLIT_BLOCK = default_split
 
 
 if __name__ == "__main__":

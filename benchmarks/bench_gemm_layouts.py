@@ -41,6 +41,14 @@ SETTINGS = ("default", "cublaslt", "no_bf16_reduced_reduction")
 STREAM_BYTES = 256 << 20  # weight bytes cycled through per shape: ~5x the H100's L2
 
 
+def streamed_weight(k: int, n: int, gen: torch.Generator) -> tuple[torch.Tensor, int, int]:
+    """A random bf16 [k, n] weight, its bytes, and how many copies of it the timed calls cycle
+    through (enough to exceed STREAM_BYTES, so that no call finds its weight in L2)."""
+    nbytes = k * n * 2
+    base = torch.empty(k, n, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+    return base, nbytes, max(2, -(-STREAM_BYTES // nbytes))
+
+
 @contextlib.contextmanager
 def blas_setting(name: str) -> Iterator[None]:
     """Apply one of SETTINGS for the duration (process-global PyTorch flags, restored after)."""
@@ -108,9 +116,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
-        nbytes = k * n * 2
-        copies = max(2, -(-STREAM_BYTES // nbytes))
-        base = torch.empty(k, n, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+        base, nbytes, copies = streamed_weight(k, n, gen)
         weights = {"mm_in_out": [base.clone() for _ in range(copies)],
                    "linear_out_in": [base.t().contiguous() for _ in range(copies)]}
         del base

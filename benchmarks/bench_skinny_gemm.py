@@ -1,4 +1,4 @@
-"""pyengine's skinny decode GEMM (hipkernels/skinny_gemm.hip) against cuBLAS (torch.mm) on the
+"""pyengine's skinny decode GEMM (hipkernels/gemm/skinny_gemm.hip) against cuBLAS (torch.mm) on the
 Llama-3-8B projections, [in, out] weights, as a fraction of the copy bandwidth measured in the same
 run. Timed as bench_gemm_layouts.py times cuBLAS: inside CUDA graphs of back-to-back calls, each
 call on another copy of the weight (more bytes than L2 holds), median of replays.
@@ -20,10 +20,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_gemm_layouts import SHAPES, STREAM_BYTES, graph_ms  # noqa: E402
+from bench_gemm_layouts import SHAPES, graph_ms, streamed_weight  # noqa: E402
 from gpu_timing import copy_bandwidth_gbps, write_result, run_header  # noqa: E402
 
 from pyengine.ops import cuda as cuda_ops  # noqa: E402
+from pyengine.ops.cuda.launch import kernels as cuda_kernels  # noqa: E402
 
 CONFIGS = [(split, tile_n) for tile_n in (64, 128) for split in (1, 2, 4, 8)]
 
@@ -47,14 +48,12 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
-        nbytes = k * n * 2
-        copies = max(2, -(-STREAM_BYTES // nbytes))
-        base = torch.empty(k, n, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+        base, nbytes, copies = streamed_weight(k, n, gen)
         ws = [base.clone() for _ in range(copies)]
         del base
         inner = max(copies, 16)
-        default_tile = cuda_ops._K.skinny_gemm_tile_n(n, num_sms)
-        default_split = cuda_ops._K.skinny_gemm_split(k, n, default_tile, num_sms)
+        default_tile = cuda_kernels.skinny_gemm_tile_n(n, num_sms)
+        default_split = cuda_kernels.skinny_gemm_split(k, n, default_tile, num_sms)
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             variants = {"cublas": lambda w: torch.mm(x, w),

@@ -1,4 +1,4 @@
-"""Bandwidth of the recurrent-state kernels (hipkernels/ssm_state.hip) against the device's copy
+"""Bandwidth of the recurrent-state kernels (hipkernels/ssm/ssm_state.hip) against the device's copy
 bandwidth measured in the same run, side by side with the same computation in PyTorch eager.
 
 Shapes: Mamba2-2.7B-like (80 heads x 64 head dim x 128 state, 1 group; conv dim 5120, W = 4), bf16
@@ -23,7 +23,6 @@ bytes reaches at that size.
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import sys
@@ -31,7 +30,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from pyengine.ops import ssm_cuda
+from pyengine.ops import cuda as cuda_ops
 from gpu_timing import copy_bandwidth_gbps, time_ms, time_ms_graph, run_header  # noqa: E402  (benchmarks/ is on sys.path)
 
 H, P, N, G = 80, 64, 128, 1
@@ -83,7 +82,7 @@ def bench(batch: int, k: int, copy_gbps: float) -> dict:
     B, C = (torch.randn(ntok, G, N, device="cuda", dtype=bf) for _ in range(2))
     A, D, bias = -torch.rand(H, device="cuda"), torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
     ssu_bytes = batch * (1 + T) * H * P * N * 4 + ntok * (2 * H * P + H + 2 * G * N) * 2 + 3 * H * 4
-    ssu_call = lambda: ssm_cuda.selective_state_update(state, x, dt, A, B, C, D, z, bias, qsl, idx, acc)  # noqa: E731
+    ssu_call = lambda: cuda_ops.selective_state_update(state, x, dt, A, B, C, D, z, bias, qsl, idx, acc)  # noqa: E731
     k_ms, k_call_ms = time_ms_graph(ssu_call), time_ms(ssu_call)
     e_ms = time_ms(lambda: eager_ssu(state, x, dt, A, B, C, D, bias, idx, acc, T), reps=5)
     conv_state = torch.randn(slots, W - 1 + k, CONV_DIM, device="cuda", dtype=bf)
@@ -91,7 +90,7 @@ def bench(batch: int, k: int, copy_gbps: float) -> dict:
     w, b = torch.randn(CONV_DIM, W, device="cuda", dtype=bf), torch.randn(CONV_DIM, device="cuda", dtype=bf)
     # state: W - 1 rows read, W - 2 + T rows written; x read and y written; weights and bias read
     conv_bytes = batch * CONV_DIM * ((W - 1) + (W - 2 + T)) * 2 + ntok * CONV_DIM * 2 * 2 + CONV_DIM * (W + 1) * 2
-    conv_call = lambda: ssm_cuda.causal_conv1d_update(xc, conv_state, w, b, qsl, idx, acc)  # noqa: E731
+    conv_call = lambda: cuda_ops.causal_conv1d_update(xc, conv_state, w, b, qsl, idx, acc)  # noqa: E731
     kc_ms, kc_call_ms = time_ms_graph(conv_call), time_ms(conv_call)
     kc_nopdl_ms = time_ms_graph(lambda: conv_nopdl(xc, conv_state, w, b, qsl, idx, acc))
     ec_ms = time_ms(lambda: eager_conv(xc, conv_state, w, b, idx, acc, T), reps=5)
@@ -122,9 +121,8 @@ def bench(batch: int, k: int, copy_gbps: float) -> dict:
 
 
 def conv_nopdl(x, conv_state, w, b, qsl, idx, acc) -> torch.Tensor:
-    """ssm_cuda.causal_conv1d_update with an ordinary launch instead of PDL (the same wrapper)."""
-    kernel = functools.partial(ssm_cuda._K.causal_conv1d_update, pdl=False)
-    return ssm_cuda._conv(kernel, x, conv_state, w, b, qsl, idx, acc, None, "silu")
+    """causal_conv1d_update with an ordinary launch instead of PDL (the same wrapper)."""
+    return cuda_ops.causal_conv1d_update(x, conv_state, w, b, qsl, idx, acc, pdl=False)
 
 
 def cold_copies(nbytes: int) -> int:
@@ -169,7 +167,7 @@ def conv_cold_ms(batch: int, k: int, acc: torch.Tensor, qsl: torch.Tensor, w: to
         c = next(turn) % copies
         if not pdl:
             return conv_nopdl(xs[c], state, w, b, qsl, idxs[c], acc)
-        return ssm_cuda.causal_conv1d_update(xs[c], state, w, b, qsl, idxs[c], acc)
+        return cuda_ops.causal_conv1d_update(xs[c], state, w, b, qsl, idxs[c], acc)
 
     return time_ms_graph(call, inner=copies)
 
@@ -177,7 +175,7 @@ def conv_cold_ms(batch: int, k: int, acc: torch.Tensor, qsl: torch.Tensor, w: to
 def bench_prefill_scan(rows: int, length: int) -> dict:
     """Prefill scan (final state only) of `rows` prompts of `length` tokens: the GPU kernel against
     the chunked PyTorch reference (chunk 256) on the GPU, same inputs."""
-    from pyengine.ops import ssm_reference
+    from pyengine.ops import reference
 
     bf, ntok = torch.bfloat16, rows * length
     qsl = torch.arange(0, ntok + 1, length, dtype=torch.int32, device="cuda")
@@ -189,9 +187,9 @@ def bench_prefill_scan(rows: int, length: int) -> dict:
     dt = torch.randn(ntok, H, device="cuda", dtype=bf)
     B, C = (torch.randn(ntok, G, N, device="cuda", dtype=bf) for _ in range(2))
     A, D, bias = -torch.rand(H, device="cuda") - 0.5, torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
-    kernel_ms = time_ms(lambda: ssm_cuda.ssd_chunk_scan(x, dt, A, B, C, D, None, bias, qsl, state, idx, acc, init, 256),
+    kernel_ms = time_ms(lambda: cuda_ops.ssd_chunk_scan(x, dt, A, B, C, D, None, bias, qsl, state, idx, acc, init, 256),
                         reps=5)
-    ref_ms = time_ms(lambda: ssm_reference.ssd_chunk_scan(x, dt, A, B, C, D, None, bias, qsl, state, idx, acc, init,
+    ref_ms = time_ms(lambda: reference.ssd_chunk_scan(x, dt, A, B, C, D, None, bias, qsl, state, idx, acc, init,
                                                           256), reps=3, warmup=1)
     return {"rows": rows, "length": length, "kernel_ms": kernel_ms, "reference_chunked_ms": ref_ms,
             "kernel_tokens_per_s": ntok / kernel_ms * 1e3}

@@ -2,21 +2,21 @@
 weights) on the GPU: one forward of the whole model over b rows of q = 1 + k tokens each at a given
 context, plus the logits of every token (a verify step samples them all), timed as a CUDA graph.
 Speculation pays only if a verify step costs much less than the (1 + accepted) decode steps it
-replaces. Both GQA attention kernels run in the same process (PYENGINE_GQA_FMA=1 selects the FMA
-kernel, which the launcher reads when the graph is captured).
+replaces. Both GQA attention kernels run in the same process (KernelConfig.gqa_fma selects the FMA
+kernel; the graph captures the kernel chosen while it is captured).
 
     python benchmarks/bench_verify.py [--batches 1 16 64] [--context 4096] [--q-lens 1 2 3 5 9]
 """
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
 from bench_decode import LLAMA8B_HF, random_llama  # noqa: E402  (benchmarks/ is on sys.path)
 from gpu_timing import copy_bandwidth_gbps, run_header, time_ms_graph, write_result
 from pyengine.engine.attention_metadata import AttentionMetadata
+from pyengine.ops.kernel_config import use_kernel_config
 
 BLOCK = 16
 
@@ -59,7 +59,6 @@ def main() -> None:
     results = []
     for batch in args.batches:
         for kernel in ("mma", "fma"):
-            os.environ["PYENGINE_GQA_FMA"] = "1" if kernel == "fma" else "0"
             decode_ms = None
             for q_len in sorted(args.q_lens):
                 ids, pos, meta = step_inputs(batch, args.context, q_len, blocks_per_row, cfg.vocab_size)
@@ -68,7 +67,8 @@ def main() -> None:
                 def step():
                     return model.compute_logits(model(ids, pos, meta, kv))
 
-                ms = time_ms_graph(step, inner=3, reps=7)
+                with use_kernel_config(gqa_fma=kernel == "fma"):
+                    ms = time_ms_graph(step, inner=3, reps=7)
                 decode_ms = ms if q_len == 1 else decode_ms
                 row = dict(batch=batch, context=args.context, q_len=q_len, attention_kernel=kernel, step_ms=ms,
                            relative_to_decode=ms / decode_ms)

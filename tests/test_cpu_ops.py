@@ -12,7 +12,8 @@ import torch
 
 from pyengine import ops
 from pyengine.ops import cpu as cpu_ops
-from pyengine.ops import layer_reference, reference
+from pyengine.ops import reference
+from pyengine.ops.kernel_config import use_kernel_config
 from tests.utils_paged import make_meta
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -103,6 +104,18 @@ def test_ops_dispatch_to_cpu_kernels_and_fall_back() -> None:
                        reference.paged_attention(q, k_cache, v_cache, meta, 0.125))
 
 
+def test_cpu_kernels_follow_the_kernel_config() -> None:
+    """KernelConfig.cpu_kernels is read at each call: off, the same process runs the reference."""
+    q, k_cache, v_cache, meta, _ = _paged_case(3, 4, 2, 64, 16, [(30, 1), (50, 1)], torch.float32)
+    cpu_out = cpu_ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    ref_out = reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    assert not torch.equal(cpu_out, ref_out)  # the two paths differ in the last bits
+    with use_kernel_config(cpu_kernels=False):
+        assert not ops.cpu_kernels_enabled()
+        assert torch.equal(ops.paged_attention(q, k_cache, v_cache, meta, 0.125), ref_out)
+    assert torch.equal(ops.paged_attention(q, k_cache, v_cache, meta, 0.125), cpu_out)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_rope", [True, False])
 def test_rope_and_cache_matches_reference(dtype: torch.dtype, with_rope: bool) -> None:
@@ -113,7 +126,7 @@ def test_rope_and_cache_matches_reference(dtype: torch.dtype, with_rope: bool) -
     sin = torch.randn(t, d, generator=gen).to(dtype) if with_rope else None
     slots = torch.tensor([3, -1, 0, 17, 9, -1, 22])
     results = []
-    for impl in (cpu_ops.rope_and_cache, layer_reference.rope_and_cache):
+    for impl in (cpu_ops.rope_and_cache, reference.rope_and_cache):
         x = qkv.clone()
         qk = x[:, : (hq + hkv) * d].view(t, hq + hkv, d)
         v = x[:, (hq + hkv) * d:].view(t, hkv, d)
@@ -135,13 +148,13 @@ def test_norms_and_activation_match_reference(dtype: torch.dtype) -> None:
     res = torch.randn(5, 200, generator=gen).to(dtype)
     w = torch.randn(200, generator=gen).to(dtype)
     torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5).float(),
-                               layer_reference.rms_norm(x, w, 1e-5).float(), **_tol(dtype))
+                               reference.rms_norm(x, w, 1e-5).float(), **_tol(dtype))
     a, ra = cpu_ops.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5)
-    b, rb = layer_reference.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    b, rb = reference.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5)
     assert torch.equal(ra, rb)  # the residual sum is rounded once on both sides
     torch.testing.assert_close(a.float(), b.float(), **_tol(dtype))
     g = torch.randn(4, 2 * 333, generator=gen).to(dtype) * 6
-    torch.testing.assert_close(cpu_ops.silu_and_mul(g).float(), layer_reference.silu_and_mul(g).float(),
+    torch.testing.assert_close(cpu_ops.silu_and_mul(g).float(), reference.silu_and_mul(g).float(),
                                **_tol(dtype))
 
 
@@ -259,7 +272,7 @@ def test_packed_linear_from_two_python_threads() -> None:
     layers = [cpu_ops.PackedLinear(torch.randn(64, 64, generator=gen)) for _ in range(2)]
     inputs = [torch.randn(4, 64, generator=gen) for _ in range(2)]
     expected = [layer(x) for layer, x in zip(layers, inputs)]
-    cpu_ops._K.set_num_threads(2)
+    cpu_ops.kernels.set_num_threads(2)
     mismatches: list[int] = []
 
     def work(i: int) -> None:

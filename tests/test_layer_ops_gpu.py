@@ -1,5 +1,5 @@
-"""Per-token layer kernels (hipkernels/layer_ops.hip via pyengine.ops.cuda) against the PyTorch
-references of pyengine/ops/layer_reference.py.
+"""Per-token layer kernels (hipkernels/layer_ops/ via pyengine.ops.cuda) against the PyTorch
+references of pyengine/ops/reference/layer.py.
 
 Tolerances, and why they are this tight. Kernel and reference both compute in fp32 and round once
 on store. RoPE (three separately rounded fp32 operations in both), the residual add and the KV
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pyengine import ops
-from pyengine.ops import layer_reference as ref
+from pyengine.ops import reference as ref
 
 try:
     from pyengine.ops import cuda as cuda_ops
@@ -66,6 +66,14 @@ def assert_within_one_ulp(out: torch.Tensor, expected: torch.Tensor, max_off_fra
     assert off.float().mean().item() <= max_off_fraction, f"{off.sum().item()} of {out.numel()} elements off by 1 ulp"
 
 
+def assert_norm_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32: close (the squares are summed in another order); half types: within one ulp."""
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    else:
+        assert_within_one_ulp(out, expected)
+
+
 def test_dispatch_uses_the_kernels():
     for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rope_and_cache"):
         assert ops._impl(torch.device(DEV), name) is getattr(cuda_ops, name)
@@ -85,12 +93,7 @@ def test_rms_norm_matches_reference(dtype, hidden):
     for t in (1, 7, 33):
         x = rand(t, hidden, dtype=dtype, gen=gen, scale=3.0)
         w = rand(hidden, dtype=dtype, gen=gen)
-        out = cuda_ops.rms_norm(x, w, EPS)
-        expected = ref.rms_norm(x, w, EPS)
-        if dtype == torch.float32:
-            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
-        else:
-            assert_within_one_ulp(out, expected)
+        assert_norm_close(cuda_ops.rms_norm(x, w, EPS), ref.rms_norm(x, w, EPS))
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES)
@@ -115,10 +118,7 @@ def test_fused_add_rms_norm_matches_reference(dtype, hidden):
     x_out, res_out = cuda_ops.fused_add_rms_norm(x, res, w, EPS)
     assert x_out.data_ptr() == x.data_ptr() and res_out.data_ptr() == res.data_ptr()  # in place
     assert_bits_equal(res_out, res_ref)  # one add, one rounding: exact
-    if dtype == torch.float32:
-        torch.testing.assert_close(x_out, x_ref, rtol=1e-5, atol=1e-6)
-    else:
-        assert_within_one_ulp(x_out, x_ref)
+    assert_norm_close(x_out, x_ref)
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES)

@@ -1,4 +1,5 @@
-"""Reference paged attention / reshape_and_cache against a naive per-row dense float64 oracle."""
+"""Reference paged attention and KV write (through the ops facade) against a naive per-row dense
+float64 oracle, and the facade's validation."""
 from __future__ import annotations
 
 import random
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from pyengine import ops
+from pyengine.ops import reference
 from tests.utils_paged import make_meta
 
 
@@ -49,14 +51,14 @@ def _run_case(seed, hq, hkv, d, block_size, rows_spec, dtype=torch.float64):
         # The already-cached prefix is written through a previous "step".
         if cached:
             meta_prev, _ = make_meta([(table, 0, cached)], block_size)
-            ops.reshape_and_cache(k[:cached], v[:cached], k_cache, v_cache, meta_prev.slot_mapping)
+            reference.reshape_and_cache(k[:cached], v[:cached], k_cache, v_cache, meta_prev.slot_mapping)
         new_k.append(k[cached:])
         new_v.append(v[cached:])
         rows.append((table, cached, q_len))
         k_rows.append(k)
         v_rows.append(v)
     meta, _ = make_meta(rows, block_size)
-    ops.reshape_and_cache(torch.cat(new_k), torch.cat(new_v), k_cache, v_cache, meta.slot_mapping)
+    reference.reshape_and_cache(torch.cat(new_k), torch.cat(new_v), k_cache, v_cache, meta.slot_mapping)
     t = meta.num_tokens
     q = torch.randn(t, hq, d, generator=gen, dtype=dtype)
     scale = d**-0.5
@@ -110,7 +112,7 @@ def test_reshape_and_cache_skips_negative_slots():
     key = torch.arange(1, 4 * 3 + 1, dtype=torch.float32).view(4, 1, 3)
     value = -key
     slots = torch.tensor([5, -1, 0, 2], dtype=torch.int64)
-    ops.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    reference.reshape_and_cache(key, value, k_cache, v_cache, slots)
     flat_k, flat_v = k_cache.view(8, 1, 3), v_cache.view(8, 1, 3)
     torch.testing.assert_close(flat_k[5], key[0])
     torch.testing.assert_close(flat_k[0], key[2])
@@ -124,7 +126,8 @@ def test_reshape_and_cache_skips_negative_slots():
 def test_validation_errors():
     k_cache = torch.zeros(4, 2, 1, 3)
     with pytest.raises(ValueError, match="int64"):
-        ops.reshape_and_cache(torch.zeros(2, 1, 3), torch.zeros(2, 1, 3), k_cache, k_cache.clone(), torch.zeros(2, dtype=torch.int32))
+        ops.rope_and_cache(torch.zeros(2, 2, 3), torch.zeros(2, 1, 3), None, None, k_cache, k_cache.clone(),
+                           torch.zeros(2, dtype=torch.int32))
     meta, _ = make_meta([([0], 0, 2)], 2)
     with pytest.raises(ValueError, match="multiple"):
         ops.paged_attention(torch.zeros(2, 3, 3), torch.zeros(4, 2, 2, 3), torch.zeros(4, 2, 2, 3), meta, 1.0)
@@ -142,9 +145,9 @@ def test_fresh_equal_prompts_causal_path(hq, hkv, rows):
 def test_decode_rows_mixed_with_verify_rows_both_layouts(budget, monkeypatch):
     # Decode rows with a few verify rows (1 + k queries): one decode batch with a row per query
     # (budget allows) or single-query and multi-query sub-batches (budget 0) give the same result.
-    from pyengine.ops import reference
+    from pyengine.ops.reference import attention
 
-    monkeypatch.setattr(reference, "_UNROLL_BUDGET", budget)
+    monkeypatch.setattr(attention, "_UNROLL_BUDGET", budget)
     rows = [(30, 1), (12, 5), (0, 1), (47, 1), (3, 3), (16, 1), (5, 0)]
     _run_case(11, 9, 3, 16, 4, rows)
     _run_case(12, 8, 2, 16, 16, rows)

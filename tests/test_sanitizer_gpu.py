@@ -27,28 +27,35 @@ pytestmark = [
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROWS = "[(1500, 2), (3000, 1), (0, 0), (5, 7), (600, 16), (70, 17), (130, 1)]"
+# Each program takes the kernel variant as its argument (sys.argv[1]) and runs under that KernelConfig.
 PROGRAMS = {
     "mla": f"""
+import sys
 import torch
+from pyengine.ops.kernel_config import use_kernel_config
 from test_kernels_gpu import mla_case
-mla_case({ROWS}, 64, 128, torch.bfloat16)
-mla_case({ROWS}, 16, 20, torch.float16, seed=1)
+with use_kernel_config(mla_small_tile=sys.argv[1] == "small"):
+    mla_case({ROWS}, 64, 128, torch.bfloat16)
+    mla_case({ROWS}, 16, 20, torch.float16, seed=1)
 torch.cuda.synchronize()
 """,
     "gqa": f"""
+import sys
 import torch
+from pyengine.ops.kernel_config import use_kernel_config
 from test_kernels_gpu import gqa_case
-gqa_case({ROWS}, 16, 8, 4, torch.bfloat16)
-gqa_case({ROWS}, 1, 2, 8, torch.float16, head_dim=64)
+with use_kernel_config(gqa_fma=sys.argv[1] == "fma"):
+    gqa_case({ROWS}, 16, 8, 4, torch.bfloat16)
+    gqa_case({ROWS}, 1, 2, 8, torch.float16, head_dim=64)
 torch.cuda.synchronize()
 """,
 }
 
 
-def run_under(tool: str, program: str, env: dict[str, str] | None = None) -> str:
+def run_under(tool: str, program: str, variant: str) -> str:
     proc = subprocess.run(
-        [SANITIZER, "--tool", tool, "--print-limit", "5", sys.executable, "-c", program],
-        capture_output=True, text=True, timeout=600, cwd=TESTS, env={**os.environ, **(env or {})},
+        [SANITIZER, "--tool", tool, "--print-limit", "5", sys.executable, "-c", program, variant],
+        capture_output=True, text=True, timeout=600, cwd=TESTS,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
@@ -58,8 +65,8 @@ def run_under(tool: str, program: str, env: dict[str, str] | None = None) -> str
 @pytest.mark.parametrize("kernel", ["mla", "gqa", "gqa_fma"])
 def test_memcheck_clean(kernel):
     """gqa: the tensor-core kernel NVIDIA runs; gqa_fma: the FMA kernel (AMD's), forced."""
-    env = {"PYENGINE_GQA_FMA": "1" if kernel == "gqa_fma" else "0"}
-    out = run_under("memcheck", PROGRAMS[kernel.split("_")[0]], env)
+    family, _, variant = kernel.partition("_")
+    out = run_under("memcheck", PROGRAMS[family], variant or "default")
     assert "ERROR SUMMARY: 0 errors" in out, out[-3000:]
 
 
@@ -67,7 +74,7 @@ def test_memcheck_clean(kernel):
 def test_gqa_mma_shared_memory_clean(tool):
     """The tensor-core GQA kernel runs one cp.async pipeline per warp with warp-level syncs only, then
     reuses all warps' stages as the block's merge buffer: a missing barrier shows as a hazard here."""
-    out = run_under(tool, PROGRAMS["gqa"], {"PYENGINE_GQA_FMA": "0"})
+    out = run_under(tool, PROGRAMS["gqa"], "mma")
     clean = "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
     assert clean in out, out[-3000:]
 
@@ -76,6 +83,5 @@ def test_gqa_mma_shared_memory_clean(tool):
 def test_mla_synccheck_clean(tile):
     """The fast tile's warpgroups hand tiles over through named barriers after per-lane branches:
     with the warp-aligned bar.sync this reported 128 divergent-barrier errors."""
-    env = {"PYENGINE_MLA_SMALL_TILE": "1" if tile == "small" else "0"}
-    out = run_under("synccheck", PROGRAMS["mla"], env)
+    out = run_under("synccheck", PROGRAMS["mla"], tile)
     assert "ERROR SUMMARY: 0 errors" in out, out[-3000:]

@@ -1,4 +1,4 @@
-"""The skinny decode GEMM (hipkernels/skinny_gemm.hip via pyengine.ops.cuda.skinny_gemm) against a
+"""The skinny decode GEMM (hipkernels/gemm/skinny_gemm.hip via pyengine.ops.cuda.skinny_gemm) against a
 float64 reference, and its batch invariance.
 
 Accuracy. The kernel sums in fp32 (another order than the reference) and rounds once to the output
@@ -15,10 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pyengine.ops.kernel_config import use_kernel_config
+
 try:
     from pyengine.ops import cuda as cuda_ops
+    from pyengine.ops.cuda.gemm import SKINNY_MAX_M
 except ImportError:  # no GPU kernels in this build
     cuda_ops = None
+    SKINNY_MAX_M = 1
 
 pytestmark = [
     pytest.mark.gpu,
@@ -151,14 +155,18 @@ def test_empty_and_unsupported() -> None:
 
 
 def test_llama_linear_dispatch() -> None:
-    """llama.linear takes the skinny GEMM up to SKINNY_MAX_M rows and cuBLAS above."""
+    """llama.linear takes the skinny GEMM up to SKINNY_MAX_M rows and cuBLAS above, and never with
+    KernelConfig.skinny_gemm off."""
     from pyengine.models.llama import linear
 
-    x, w, b = operands(4096, 6144, cuda_ops.SKINNY_MAX_M + 1, torch.bfloat16, seed=17, bias=True)
-    small = x[: cuda_ops.SKINNY_MAX_M]
-    if cuda_ops.SKINNY_GEMM:
+    x, w, b = operands(4096, 6144, SKINNY_MAX_M + 1, torch.bfloat16, seed=17, bias=True)
+    small = x[:SKINNY_MAX_M]
+    with use_kernel_config(skinny_gemm=True):
         assert torch.equal(bits(linear(small, w, b)), bits(cuda_ops.skinny_gemm(small, w, b)))
-    assert torch.equal(bits(linear(x, w, b)), bits(torch.addmm(b, x, w)))
+        assert torch.equal(bits(linear(x, w, b)), bits(torch.addmm(b, x, w)))
+    with use_kernel_config(skinny_gemm=False):
+        assert cuda_ops.skinny_linear(small, w, b) is None
+        assert torch.equal(bits(linear(small, w, b)), bits(torch.addmm(b, small, w)))
 
 
 def test_prefetch_changes_no_result() -> None:

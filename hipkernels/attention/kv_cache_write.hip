@@ -1,4 +1,4 @@
-// Paged KV-cache writes: reshape_and_cache (K and V caches) and its MLA latent variant.
+// Paged KV-cache write of the MLA latent cache (GQA K/V are written by rope_and_cache, layer_ops/).
 // Semantics in kv_cache_write.h. One block per token; threads copy the token's row in units of
 // 16 bytes when every row start is 16-byte aligned, otherwise in units of the element size.
 #include "common/hip_compat.h"
@@ -7,30 +7,6 @@
 namespace {
 
 constexpr int kThreads = 128;
-
-template <typename U>
-__global__ void __launch_bounds__(kThreads) reshape_and_cache_kernel(ReshapeAndCacheParams p) {
-  const int64_t t = blockIdx.x;
-  const int64_t slot = p.slot_mapping[t];
-  if (slot < 0) return;
-  const int esz = p.elem_size;
-  const int units_per_head = p.head_size * esz / (int)sizeof(U);
-  const int units = p.num_heads * units_per_head;
-  const char* key = static_cast<const char*>(p.key);
-  const char* value = static_cast<const char*>(p.value);
-  U* kc = reinterpret_cast<U*>(static_cast<char*>(p.k_cache) + slot * p.num_heads * p.head_size * esz);
-  U* vc = reinterpret_cast<U*>(static_cast<char*>(p.v_cache) + slot * p.num_heads * p.head_size * esz);
-  for (int i = threadIdx.x; i < units; i += kThreads) {
-    const int h = i / units_per_head;
-    const int j = i - h * units_per_head;
-    const U* ks = reinterpret_cast<const U*>(key + (t * p.key_stride_token + h * p.key_stride_head) * esz);
-    const U* vs = reinterpret_cast<const U*>(value + (t * p.value_stride_token + h * p.value_stride_head) * esz);
-    const U kv = ks[j];
-    const U vv = vs[j];
-    kc[i] = kv;
-    vc[i] = vv;
-  }
-}
 
 template <typename U>
 __global__ void __launch_bounds__(kThreads) reshape_and_cache_mla_kernel(ReshapeAndCacheMlaParams p) {
@@ -54,26 +30,6 @@ bool aligned(const void* ptr, int64_t bytes_multiple_of, int unit) {
 }
 
 }  // namespace
-
-int launch_reshape_and_cache(const ReshapeAndCacheParams& p, void* stream) {
-  if (p.num_tokens == 0) return 0;
-  const peStream_t s = static_cast<peStream_t>(stream);
-  const int esz = p.elem_size;
-  bool v16 = true;
-  for (int64_t b : {(int64_t)p.head_size * esz, p.key_stride_token * esz, p.key_stride_head * esz,
-                    p.value_stride_token * esz, p.value_stride_head * esz})
-    v16 = v16 && b % 16 == 0;
-  v16 = v16 && aligned(p.key, 0, 16) && aligned(p.value, 0, 16) && aligned(p.k_cache, 0, 16) &&
-        aligned(p.v_cache, 0, 16);
-  const dim3 grid((unsigned)p.num_tokens);
-  if (v16)
-    reshape_and_cache_kernel<uint4><<<grid, kThreads, 0, s>>>(p);
-  else if (esz == 4)
-    reshape_and_cache_kernel<uint32_t><<<grid, kThreads, 0, s>>>(p);
-  else
-    reshape_and_cache_kernel<uint16_t><<<grid, kThreads, 0, s>>>(p);
-  return static_cast<int>(peGetLastError());
-}
 
 int launch_reshape_and_cache_mla(const ReshapeAndCacheMlaParams& p, void* stream) {
   if (p.num_tokens == 0) return 0;

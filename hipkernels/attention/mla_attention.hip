@@ -3,7 +3,7 @@
 //     warpgroups take different roles (S + softmax + half of P V / key copies + the other half of
 //     P V), see its comment below;
 //   mla_attention_kernel (SmallTile: 57.5 KB, FMA products; always under hipcc, on NVIDIA with
-//     PYENGINE_MLA_SMALL_TILE=1): a generic body whose groups are symmetric, described here.
+//     p.mla_small_tile): a generic body whose groups are symmetric, described here.
 //
 // Why a kernel of its own: per cached token MLA does ~128 x (576 + 512) x 2 flops for 1152 bytes of
 // KV (~240 flop/byte), so the work must run on tensor cores and each KV tile must be loaded once for
@@ -26,8 +26,6 @@
 #include "common/wgmma_tile.h"
 
 #include <math.h>
-#include <stdlib.h>
-#include <string.h>
 
 namespace {
 
@@ -534,13 +532,12 @@ int launch_kernel(void (*kernel)(PagedAttentionParams), const PagedAttentionPara
 }
 
 // The small tile: always under hipcc (the fast one is not even compiled there: its 226 KB never fit
-// a gfx90a block); on NVIDIA when PYENGINE_MLA_SMALL_TILE is set to anything but "" / "0" (read at
-// every launch, so tests can run both paths in one process) or when the device cannot give a block
-// the fast tile's shared memory (builds for targets other than sm_90a).
+// a gfx90a block); on NVIDIA when p.mla_small_tile asks for it (tests run both paths in one process)
+// or when the device cannot give a block the fast tile's shared memory (builds for targets other
+// than sm_90a).
 #if !defined(PE_HIP)
-bool use_small_tile() {
-  const char* env = getenv("PYENGINE_MLA_SMALL_TILE");
-  if (env != nullptr && env[0] != '\0' && strcmp(env, "0") != 0) return true;
+bool use_small_tile(const PagedAttentionParams& p) {
+  if (p.mla_small_tile) return true;
   int dev = 0, optin = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
@@ -552,7 +549,7 @@ bool use_small_tile() {
 template <typename T>
 int launch_tile(const PagedAttentionParams& p, peStream_t s) {
 #if !defined(PE_HIP)
-  if (!use_small_tile()) return launch_kernel<FastTile>(&mla_attention_ws_kernel<T>, p, s);
+  if (!use_small_tile(p)) return launch_kernel<FastTile>(&mla_attention_ws_kernel<T>, p, s);
 #endif
   return launch_kernel<SmallTile>(&mla_attention_kernel<T, SmallTile>, p, s);
 }

@@ -3,7 +3,7 @@
 // paged_attention_mma.hip (tensor cores: NVIDIA), the split-KV combine in paged_attention.hip, the MLA
 // kernels in mla_attention.hip, launched through mla_attention.h with the same parameter struct).
 //
-// Semantics (the PyTorch references in pyengine/ops/reference.py and mla_reference.py are the spec):
+// Semantics (the PyTorch references in pyengine/ops/reference/attention.py and mla.py are the spec):
 // row r owns query tokens [query_start_loc[r], query_start_loc[r+1]) (q_len of them), the last q_len
 // positions of a context of context_lens[r] keys. Query i of the row attends to keys
 // [0, context_lens[r] - (q_len - 1 - i)), key j of the row living at cache slot
@@ -61,13 +61,17 @@ struct PagedAttentionParams {
   // projection, itself launched so) may start streaming its weights once the key loops are done.
   bool pdl = false;
   int num_sms = 0;  // multiprocessors of the device (GQA: sizes the pairs per block); 0: unknown
+  // Kernel choices (pyengine.ops.kernel_config.KernelConfig), no effect on the semantics:
+  bool gqa_fma = false;         // NVIDIA: the FMA GQA kernel instead of the tensor-core one
+  int gqa_pairs_per_block = 0;  // FMA GQA kernel: query-head pairs per block (1, 2, 4, 8); 0: chosen per launch
+  bool mla_small_tile = false;  // NVIDIA: the small MLA tile (the one hipcc builds) instead of the fast one
 };
 
 // GQA. Returns 0 on success, -1 for an unsupported configuration, else the runtime's error code.
 int launch_paged_attention(const PagedAttentionParams& p, void* stream);
 
 // GQA on NVIDIA tensor cores (paged_attention_mma.hip; not built by hipcc), without the combine:
-// launch_paged_attention calls it unless PYENGINE_GQA_FMA forces the FMA kernel.
+// launch_paged_attention calls it unless p.gqa_fma asks for the FMA kernel.
 int launch_paged_attention_mma(const PagedAttentionParams& p, void* stream);
 
 // Merges the workspace partials of the split rows into out/lse (a no-op when max_splits == 1).

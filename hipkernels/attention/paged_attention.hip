@@ -1,7 +1,7 @@
 // Paged GQA attention on the CUDA cores (decode, verify, prefill chunks and mixed batches in one
 // launch) plus the split-KV combine that the MLA and tensor-core GQA kernels share. Semantics and the
 // split rule: paged_attention.h. This FMA kernel is what AMD runs; NVIDIA runs the tensor-core kernel
-// of paged_attention_mma.hip (same semantics, split rule and workspace) unless PYENGINE_GQA_FMA is set.
+// of paged_attention_mma.hip (same semantics, split rule and workspace) unless p.gqa_fma asks for it.
 //
 // Work decomposition: one block of kThreads threads per (row, kv head, key split, tile of MT
 // query-head pairs). The pairs of a row are m = i * G + g (query token i, head g of the KV group),
@@ -17,8 +17,6 @@
 #include "attention/attention_common.h"
 
 #include <math.h>
-#include <stdlib.h>
-#include <string.h>
 
 namespace {
 
@@ -408,17 +406,14 @@ void launch_combine(const PagedAttentionParams& p, peStream_t s) {
 // head) is latency-bound, so fewer pairs per block give more blocks and a shorter chain per key
 // tile, for K/V re-read from L2; H100, 8B batch 1: step 5.744 ms with 1 pair vs 5.821-5.831 with 4.
 // No bit changes (see launch_gqa), except for head dim 256, which keeps the model's choice.
-// PYENGINE_GQA_PAIRS (1, 2, 4 or 8) forces it, read at every launch (tests).
+// p.gqa_pairs_per_block (1, 2, 4 or 8) forces it (tests).
 int pairs_per_block(const PagedAttentionParams& p) {
   const int G = p.num_q_heads / p.num_kv_heads;
   int mt = 1;
   while (mt < G && mt < 8) mt *= 2;
   if (p.head_dim_qk == 256) return mt;
-  const char* env = getenv("PYENGINE_GQA_PAIRS");
-  if (env != nullptr && env[0] != '\0') {
-    const int forced = atoi(env);
-    return forced == 1 || forced == 2 || forced == 4 || forced == 8 ? forced : mt;
-  }
+  const int forced = p.gqa_pairs_per_block;
+  if (forced != 0) return forced == 1 || forced == 2 || forced == 4 || forced == 8 ? forced : mt;
   auto blocks = [&](int m) {
     return (int64_t)p.num_rows * p.num_kv_heads * p.max_splits * ((p.max_query_len * G + m - 1) / m);
   };
@@ -426,21 +421,13 @@ int pairs_per_block(const PagedAttentionParams& p) {
   return mt;
 }
 
-#if !defined(PE_HIP)
-// NVIDIA runs the tensor-core kernel (paged_attention_mma.hip); the FMA kernel above is what hipcc
-// builds for AMD. PYENGINE_GQA_FMA set to anything but "" / "0" forces the FMA kernel on NVIDIA too,
-// read at every launch, so that the tests run both kernels in one process.
-bool use_fma_kernel() {
-  const char* env = getenv("PYENGINE_GQA_FMA");
-  return env != nullptr && env[0] != '\0' && strcmp(env, "0") != 0;
-}
-#endif
-
 template <typename T>
 int launch_typed(const PagedAttentionParams& p, peStream_t s) {
   if (p.head_dim_qk != p.head_dim_v) return -1;
 #if !defined(PE_HIP)
-  if (!use_fma_kernel()) {
+  // NVIDIA runs the tensor-core kernel (paged_attention_mma.hip); the FMA kernel below is what hipcc
+  // builds for AMD, and p.gqa_fma runs it on NVIDIA too (the tests compare both in one process).
+  if (!p.gqa_fma) {
     const int rc = launch_paged_attention_mma(p, s);
     if (rc != 0) return rc;
     if (p.max_splits > 1) launch_combine<T>(p, s);

@@ -1,147 +1,146 @@
-"""Paged KV-cache ops: validate once here, then dispatch by device.
+"""The ops of the models: each validated once here, then run by the backend of the tensors' device.
 
-CPU tensors run pyengine.ops.cpu (C++ loops of the extension, fp32/bf16) where it has the op,
-else the PyTorch reference (pyengine.ops.reference, pyengine.ops.layer_reference). CUDA tensors
-run pyengine.ops.cuda (same signatures) where it has the op, else the reference, so a partially
-built stack still produces correct results. PYENGINE_CPU_KERNELS=0 keeps the CPU on the reference.
+Backends, one module per kernel family in each (attention, mla, layer, gemm, ssm):
+  pyengine.ops.cuda       the kernels of hipkernels/ (CUDA tensors, when the extension has them)
+  pyengine.ops.cpu        the C++ loops of csrc/cpu/ (CPU tensors, while KernelConfig.cpu_kernels)
+  pyengine.ops.reference  PyTorch: the executable spec, and whatever no backend takes
+A backend only prepares layouts and pointers; where it lacks an op, or a dtype, the reference runs,
+so a partially built stack still produces correct results. Kernel choices (KernelConfig) are read
+at each call: see pyengine.ops.kernel_config.
 """
 from __future__ import annotations
 
-import os
 from types import ModuleType
 from typing import Any
 
 import torch
 
 from pyengine.engine.attention_metadata import AttentionMetadata
-from pyengine.ops import layer_reference, reference
+from pyengine.ops import reference
+from pyengine.ops.kernel_config import get_kernel_config
+from pyengine.ops.reference import PAD
+from pyengine.ops.reference.mla import KV_LORA_RANK, ROPE_DIM
 
-__all__ = ["reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
-           "rope_and_cache", "skinny_linear"]
+__all__ = ["paged_attention", "paged_attention_mla", "reshape_and_cache_mla", "rms_norm", "fused_add_rms_norm",
+           "silu_and_mul", "rope_and_cache", "skinny_linear", "causal_conv1d_update", "causal_conv1d_fn",
+           "selective_state_update", "ssd_chunk_scan", "copy_state", "normalize_state", "PAD", "cpu_kernels_enabled"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_cuda_impl: ModuleType | None = None
-_cuda_checked = False
-_cpu_impl: ModuleType | None = None
-_cpu_checked = False
+_backends: dict[str, ModuleType | None] = {}
+
+
+def _load(device_type: str) -> ModuleType | None:
+    """The backend package for a device type, imported once (None: not built)."""
+    if device_type not in _backends:
+        try:
+            if device_type == "cuda":
+                from pyengine.ops import cuda as backend
+            else:
+                from pyengine.ops import cpu as backend
+        except ImportError:
+            backend = None
+        _backends[device_type] = backend
+    return _backends[device_type]
 
 
 def _backend(device: torch.device) -> ModuleType:
-    # ---- CUDA dispatch point: pyengine.ops.cuda provides reshape_and_cache / paged_attention ----
-    global _cuda_impl, _cuda_checked
-    if device.type == "cuda":
-        if not _cuda_checked:
-            _cuda_checked = True
-            try:
-                from pyengine.ops import cuda as cuda_ops  # written by the GPU engineer
-
-                _cuda_impl = cuda_ops
-            except ImportError:
-                _cuda_impl = None
-        if _cuda_impl is not None:
-            return _cuda_impl
-    elif device.type == "cpu":
-        global _cpu_impl, _cpu_checked
-        if not _cpu_checked:
-            _cpu_checked = True
-            if cpu_kernels_enabled():
-                try:
-                    from pyengine.ops import cpu as cpu_ops
-
-                    _cpu_impl = cpu_ops
-                except ImportError:
-                    _cpu_impl = None
-        if _cpu_impl is not None:
-            return _cpu_impl
+    if device.type == "cuda" or (device.type == "cpu" and cpu_kernels_enabled()):
+        return _load(device.type) or reference
     return reference
 
 
 def cpu_kernels_enabled() -> bool:
-    """False when PYENGINE_CPU_KERNELS=0: CPU models then run the PyTorch references and oneDNN."""
-    return os.environ.get("PYENGINE_CPU_KERNELS", "1") != "0"
+    """KernelConfig.cpu_kernels: False keeps CPU models on the PyTorch references and oneDNN."""
+    return get_kernel_config().cpu_kernels
 
 
 def _impl(device: torch.device, name: str) -> Any:
     """The backend's op `name`, or the reference's where the backend lacks it."""
-    fn = getattr(_backend(device), name, None)
-    if fn is None:
-        fn = getattr(reference, name, None) or getattr(layer_reference, name)
-    return fn
+    return getattr(_backend(device), name, None) or getattr(reference, name)
 
 
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x @ w (+ bias) by the backend's few-row GEMM (CUDA: hipkernels/skinny_gemm.hip) where it
-    takes the call, else None: the caller runs its own GEMM."""
-    fn = getattr(_backend(x.device), "skinny_linear", None)
-    return None if fn is None else fn(x, w, bias)
+def _check_same_device(*tensors: torch.Tensor | None) -> None:
+    present = [t for t in tensors if t is not None]
+    device = present[0].device
+    for t in present[1:]:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device, got {device} and {t.device}")
 
 
-def _check_cache(name: str, cache: torch.Tensor) -> None:
-    if cache.dim() != 4:
-        raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(cache.shape)}")
+def _check_cache(name: str, cache: torch.Tensor, dims: int = 4) -> None:
+    if cache.dim() != dims:
+        layout = "[num_blocks, block_size, num_kv_heads, head_dim]" if dims == 4 else "[num_blocks, block_size, width]"
+        raise ValueError(f"{name} must be {layout}, got {tuple(cache.shape)}")
     if cache.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{name} dtype {cache.dtype} is not a float type")
     if not cache.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
 
 
-def _check_same_device(*tensors: torch.Tensor) -> None:
-    device = tensors[0].device
-    for t in tensors[1:]:
-        if t.device != device:
-            raise ValueError(f"all tensors must be on one device, got {device} and {t.device}")
-
-
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write key/value [T, Hkv, D] into the paged caches at slot_mapping [T] (int64, -1 = skip)."""
+def _check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     _check_cache("k_cache", k_cache)
     _check_cache("v_cache", v_cache)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    expected = (slot_mapping.shape[0] if slot_mapping.dim() == 1 else -1, k_cache.shape[2], k_cache.shape[3])
-    if key.dim() != 3 or tuple(key.shape) != expected or key.shape != value.shape:
-        raise ValueError(f"key/value must be [T, Hkv, D] = {expected}, got {tuple(key.shape)} / {tuple(value.shape)}")
-    if slot_mapping.dtype != torch.int64:
-        raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
-    _check_same_device(key, value, k_cache, v_cache, slot_mapping)
-    _impl(key.device, "reshape_and_cache")(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Causal varlen attention of q [T, Hq, D] over the paged cache; see AttentionMetadata."""
-    _check_cache("k_cache", k_cache)
-    _check_cache("v_cache", v_cache)
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")
+def _check_slots(slot_mapping: torch.Tensor, num_tokens: int) -> None:
+    if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (num_tokens,):
+        raise ValueError(f"slot_mapping must be int64 [T] = [{num_tokens}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+
+
+def _check_attention(q: torch.Tensor, meta: AttentionMetadata, block_size: int, head_dim: int) -> None:
+    if q.dim() != 3 or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [T, Hq, D] with D = {head_dim} (the cache's), got {tuple(q.shape)}")
     if q.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"q dtype {q.dtype} is not a float type")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    if q.shape[2] != k_cache.shape[3]:
-        raise ValueError(f"head_dim mismatch: q has {q.shape[2]}, cache has {k_cache.shape[3]}")
-    if q.shape[1] % k_cache.shape[2] != 0:
-        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
-    if k_cache.shape[1] != meta.block_size:
-        raise ValueError(f"cache block_size {k_cache.shape[1]} != meta.block_size {meta.block_size}")
+    if block_size != meta.block_size:
+        raise ValueError(f"cache block_size {block_size} != meta.block_size {meta.block_size}")
     if q.shape[0] != meta.num_tokens:
         raise ValueError(f"q has {q.shape[0]} tokens but meta.slot_mapping has {meta.num_tokens}")
-    if meta.query_start_loc.shape[0] != meta.num_rows + 1 or meta.block_tables.shape[0] != meta.num_rows:
+    if (meta.query_start_loc.shape[0] != meta.num_rows + 1 or meta.block_tables.dim() != 2
+            or meta.block_tables.shape[0] != meta.num_rows):
         raise ValueError("meta.query_start_loc must be [R+1] and meta.block_tables [R, max_blocks]")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Causal varlen GQA attention of q [T, Hq, D] over the paged caches [blocks, block_size, Hkv, D]
+    -> out [T, Hq, D] (and lse [T, Hq] float32, natural log, +inf for no keys, when return_lse).
+    Semantics: AttentionMetadata and pyengine/ops/reference/attention.py."""
+    _check_kv_caches(k_cache, v_cache)
+    _check_attention(q, meta, k_cache.shape[1], k_cache.shape[3])
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
     _check_same_device(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc)
     return _impl(q.device, "paged_attention")(q, k_cache, v_cache, meta, scale, return_lse=return_lse)
+
+
+def paged_attention_mla(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                        return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """MLA (absorbed) attention of q [T, Hq, 576] over the latent cache [blocks, block_size, 576]
+    (V = the first 512 values of each row) -> out [T, Hq, 512] (and lse [T, Hq] when return_lse).
+    Semantics: pyengine/ops/reference/mla.py."""
+    _check_cache("kv_cache", kv_cache, dims=3)
+    if kv_cache.shape[2] != KV_LORA_RANK + ROPE_DIM:
+        raise ValueError(f"kv_cache must be [blocks, block_size, {KV_LORA_RANK + ROPE_DIM}], got {tuple(kv_cache.shape)}")
+    _check_attention(q, meta, kv_cache.shape[1], kv_cache.shape[2])
+    _check_same_device(q, kv_cache, meta.block_tables, meta.context_lens, meta.query_start_loc)
+    return _impl(q.device, "paged_attention_mla")(q, kv_cache, meta, scale, return_lse=return_lse)
+
+
+def reshape_and_cache_mla(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> None:
+    """Write [c_kv [T, 512] | k_pe [T, 64]] of token t into kv_cache [blocks, block_size, 576] at
+    slot_mapping[t] (int64); slots < 0 are skipped."""
+    if c_kv.dim() != 2 or k_pe.dim() != 2 or c_kv.shape[0] != k_pe.shape[0]:
+        raise ValueError(f"c_kv must be [T, 512] and k_pe [T, 64], got {tuple(c_kv.shape)} / {tuple(k_pe.shape)}")
+    _check_cache("kv_cache", kv_cache, dims=3)
+    if kv_cache.shape[2] != c_kv.shape[1] + k_pe.shape[1]:
+        raise ValueError(f"kv_cache must be [blocks, block_size, {c_kv.shape[1] + k_pe.shape[1]}], got {tuple(kv_cache.shape)}")
+    _check_slots(slot_mapping, c_kv.shape[0])
+    _check_same_device(c_kv, k_pe, kv_cache, slot_mapping)
+    _impl(c_kv.device, "reshape_and_cache_mla")(c_kv, k_pe, kv_cache, slot_mapping)
 
 
 def _check_rows(name: str, x: torch.Tensor, width: int | None = None) -> None:
@@ -154,7 +153,7 @@ def _check_rows(name: str, x: torch.Tensor, width: int | None = None) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, H] -> x * rsqrt(mean(x^2) + eps) * weight, fp32 math (see layer_reference)."""
+    """x [T, H] -> x * rsqrt(mean(x^2) + eps) * weight, fp32 math (see reference/layer.py)."""
     _check_rows("x", x, weight.shape[0])
     _check_same_device(x, weight)
     return _impl(x.device, "rms_norm")(x, weight, eps)
@@ -181,19 +180,103 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Rotate q and k in place (qk [T, Hq + Hkv, D], rows may be strided; cos/sin [T, D], None = no
-    rotation) and write k = qk[:, Hq:] and v [T, Hkv, D] to the paged cache by slot_mapping."""
-    _check_cache("k_cache", k_cache)
-    _check_cache("v_cache", v_cache)
+    rotation) and write k = qk[:, Hq:] and v [T, Hkv, D] to the paged caches at slot_mapping [T]
+    (int64, -1: no write). The models' only KV-cache write."""
+    _check_kv_caches(k_cache, v_cache)
     t, hkv, d = v.shape[0], k_cache.shape[2], k_cache.shape[3]
     if qk.dim() != 3 or qk.shape[0] != t or qk.shape[2] != d or qk.shape[1] <= hkv or qk.stride(-1) != 1:
         raise ValueError(f"qk must be [T, Hq + Hkv, D] with D = {d} contiguous, got {tuple(qk.shape)}")
     if tuple(v.shape) != (t, hkv, d) or v.stride(-1) != 1:
-        raise ValueError(f"v must be [T, Hkv, D] = {(t, hkv, d)}, got {tuple(v.shape)}")
+        raise ValueError(f"v must be [T, Hkv, D] = {(t, hkv, d)} with a contiguous last dim, got {tuple(v.shape)}")
     if (cos is None) != (sin is None) or (cos is not None and (tuple(cos.shape) != (t, d) or cos.shape != sin.shape)):
         raise ValueError(f"cos and sin must both be [T, D] = {(t, d)} or both None")
-    if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (t,):
-        raise ValueError(f"slot_mapping must be int64 [T] = [{t}]")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    _check_same_device(qk, v, k_cache, v_cache, slot_mapping)
+    _check_slots(slot_mapping, t)
+    _check_same_device(qk, v, cos, sin, k_cache, v_cache, slot_mapping)
     _impl(qk.device, "rope_and_cache")(qk, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x @ w (+ bias) by the backend's few-row GEMM (CUDA: hipkernels/gemm/skinny_gemm.hip) where it
+    takes the call, else None: the caller runs its own GEMM."""
+    fn = getattr(_backend(x.device), "skinny_linear", None)
+    return None if fn is None else fn(x, w, bias)
+
+
+# ---- recurrent-state ops of Mamba2 layers (semantics: pyengine/ops/reference/ssm.py) --------------
+
+
+def _check_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, activation: str | None) -> None:
+    if conv_state.dim() != 3 or x.dim() != 2 or x.shape[1] != conv_state.shape[2] or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"x [ntok, dim] / conv_state [slots, rows, dim] / weight [dim, W] mismatch: "
+                         f"{tuple(x.shape)} {tuple(conv_state.shape)} {tuple(weight.shape)}")
+    if activation not in ("silu", "swish", None, "identity"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    _check_same_device(x, conv_state, weight)
+
+
+def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         query_start_loc: torch.Tensor, state_idx: torch.Tensor, num_accepted: torch.Tensor,
+                         activation: str | None = "silu") -> torch.Tensor:
+    """Decode / verify rows, 1..1+k tokens each (see reference.causal_conv1d_update)."""
+    _check_conv(x, conv_state, weight, activation)
+    return _impl(x.device, "causal_conv1d_update")(x, conv_state, weight, bias, query_start_loc, state_idx,
+                                                   num_accepted, activation)
+
+
+def causal_conv1d_fn(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     query_start_loc: torch.Tensor, state_idx: torch.Tensor, num_accepted: torch.Tensor,
+                     has_initial_state: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+    """Prefill rows of any length (see reference.causal_conv1d_fn)."""
+    _check_conv(x, conv_state, weight, activation)
+    return _impl(x.device, "causal_conv1d_fn")(x, conv_state, weight, bias, query_start_loc, state_idx, num_accepted,
+                                               has_initial_state, activation)
+
+
+def _check_scan(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                z: torch.Tensor | None) -> None:
+    if state.dim() != 4 or x.dim() != 3 or dt.dim() != 2 or B.dim() != 3 or (z is not None and z.shape != x.shape):
+        raise ValueError(f"state must be [slots, H, P, N], x and z [ntok, H, P], dt [ntok, H], B and C [ntok, G, N], "
+                         f"got {tuple(state.shape)} {tuple(x.shape)} {tuple(dt.shape)} {tuple(B.shape)}")
+    _, H, P, N = state.shape
+    G = B.shape[1]
+    if H % G or tuple(x.shape[1:]) != (H, P) or tuple(B.shape[1:]) != (G, N) or B.shape != C.shape \
+            or tuple(dt.shape[1:]) != (H,):
+        raise ValueError(f"shape mismatch: state {tuple(state.shape)} x {tuple(x.shape)} dt {tuple(dt.shape)} "
+                         f"B {tuple(B.shape)} C {tuple(C.shape)}")
+    _check_same_device(state, x, dt, B, C, z)
+
+
+def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                           C: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None,
+                           dt_bias: torch.Tensor | None, query_start_loc: torch.Tensor, state_idx: torch.Tensor,
+                           num_accepted: torch.Tensor, dt_softplus: bool = True,
+                           dt_limit: tuple[float, float] | None = None) -> torch.Tensor:
+    """Mamba2 multi-token state update (see reference.selective_state_update)."""
+    _check_scan(state, x, dt, B, C, z)
+    return _impl(x.device, "selective_state_update")(state, x, dt, A, B, C, D, z, dt_bias, query_start_loc, state_idx,
+                                                     num_accepted, dt_softplus, dt_limit)
+
+
+def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   D: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                   query_start_loc: torch.Tensor, state: torch.Tensor, state_idx: torch.Tensor,
+                   num_accepted: torch.Tensor, has_initial_state: torch.Tensor, chunk_size: int = 64,
+                   dt_softplus: bool = True, dt_limit: tuple[float, float] | None = None) -> torch.Tensor:
+    """Prefill rows (varlen) of the same recurrence (see reference.ssd_chunk_scan)."""
+    _check_scan(state, x, dt, B, C, z)
+    if has_initial_state is not None and has_initial_state.shape[0] != state_idx.shape[0]:
+        raise ValueError(f"has_initial_state has {has_initial_state.shape[0]} rows, state_idx {state_idx.shape[0]}")
+    return _impl(x.device, "ssd_chunk_scan")(x, dt, A, B, C, D, z, dt_bias, query_start_loc, state, state_idx,
+                                             num_accepted, has_initial_state, chunk_size, dt_softplus, dt_limit)
+
+
+def copy_state(state: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """state[dst[i]] = state[src[i]] for every pair with neither slot PAD (any pool: SSM or conv)."""
+    _impl(state.device, "copy_state")(state, src, dst)
+
+
+def normalize_state(conv_state: torch.Tensor, ssm_state: torch.Tensor, state_idx: torch.Tensor,
+                    num_accepted: torch.Tensor, width: int) -> None:
+    """Move each row's valid state to offset 0 (afterwards num_accepted = 1 is right for every row)."""
+    _check_same_device(conv_state, ssm_state)
+    _impl(conv_state.device, "normalize_state")(conv_state, ssm_state, state_idx, num_accepted, width)

@@ -18,9 +18,8 @@ KV_LORA_RANK = 512
 ROPE_DIM = 64
 
 
-def reshape_and_cache_mla(
-    c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
+def reshape_and_cache_mla(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> None:
     """Write [c_kv [T, 512] | k_pe [T, 64]] of token t into slot slot_mapping[t]; slots < 0 skipped."""
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     valid = slot_mapping >= 0
@@ -28,13 +27,8 @@ def reshape_and_cache_mla(
     flat.index_copy_(0, slot_mapping[valid], rows[valid])
 
 
-def paged_attention_mla(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def paged_attention_mla(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                        return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, 576] over kv_cache [blocks, block_size, 576] -> out [T, Hq, 512] (+ lse [T, Hq])."""
     num_tokens, num_heads, _ = q.shape
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32

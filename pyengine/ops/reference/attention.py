@@ -1,4 +1,5 @@
-"""Pure-PyTorch paged KV-cache ops: the executable spec of the GPU kernels and the CPU fast path.
+"""Pure-PyTorch paged GQA attention and KV-cache write: the executable spec of the GPU kernels and
+the CPU fast path (validation lives in the pyengine.ops facade).
 
 Layouts (vLLM vocabulary):
   k_cache / v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -21,14 +22,10 @@ from pyengine.engine.attention_metadata import AttentionMetadata
 _CACHE_KEY = "reference_paged_attention"
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write key/value [T, Hkv, D] of token t into slot slot_mapping[t]; slots < 0 are skipped."""
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, Hkv, D] of token t into slot slot_mapping[t]; slots < 0 are skipped.
+    The KV write of rope_and_cache (layer.py), which is the op the models call."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
@@ -226,14 +223,8 @@ def _split_by_query_length(meta: AttentionMetadata) -> list[tuple[torch.Tensor |
     return parts
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Varlen causal GQA attention of q [T, Hq, D] over the paged cache -> out [T, Hq, D]
     (and lse [T, Hq] float32, natural log, when return_lse)."""
     num_tokens, num_heads, head_dim = q.shape

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pyengine.ops import reference
+from pyengine.ops.reference.attention import reshape_and_cache
 
 
 def _rms(xf: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,4 +48,4 @@ def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, 
         xf = qk.float()
         rotated = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)
         qk.copy_(xf * cos.float()[:, None, :] + rotated * sin.float()[:, None, :])
-    reference.reshape_and_cache(qk[:, qk.shape[1] - num_kv_heads:], v, k_cache, v_cache, slot_mapping)
+    reshape_and_cache(qk[:, qk.shape[1] - num_kv_heads:], v, k_cache, v_cache, slot_mapping)

@@ -1,0 +1,56 @@
+"""The CPU decode GEMM (csrc/cpu/cpu_gemm.h): an [in, out] weight packed once into the C++ layout."""
+from __future__ import annotations
+
+import torch
+
+from pyengine.ops.cpu.extension import DTYPE_CODE, kernels, raise_error
+
+
+class PackedLinear:
+    """An fp32 or bf16 [in, out] weight in the layout of the C++ decode GEMM (csrc/cpu/cpu_gemm.h):
+    called as y = layer(x, bias), one row's result independent of the other rows. Threads:
+    torch's count when packed; the pool runs them only inside ModelRunner.step_threads.
+
+    compact: an fp32 weight whose values are block-quantised ones (a GGUF Q4_0/Q4_1/Q8_0 tensor
+    dequantised on load) is stored as its 4- or 8-bit codes plus per-block scale and offset and
+    rebuilt exactly in the kernel (csrc/cpu/cpu_gemm_affine.h): same results bit for bit, 5x fewer
+    bytes streamed per step. `bits_per_weight` says which: 32 (dense), 4 or 8."""
+
+    def __init__(self, weight: torch.Tensor, compact: bool = True) -> None:
+        raise_error(self._unsupported(weight))
+        w = weight.detach().contiguous()
+        self.dtype = w.dtype
+        self.in_features, self.out_features = w.shape
+        self.packed = kernels.PackedWeight(w.data_ptr(), self.in_features, self.out_features, DTYPE_CODE[w.dtype],
+                                           compact)
+        kernels.set_num_threads(torch.get_num_threads())
+
+    @property
+    def bits_per_weight(self) -> int:
+        return self.packed.format or torch.finfo(self.dtype).bits
+
+    @property
+    def packed_bytes(self) -> int:
+        return int(self.packed.packed_bytes)
+
+    @staticmethod
+    def _unsupported(weight: torch.Tensor) -> str:
+        """Why this weight cannot be packed here (empty: it can); shape and CPU rules are C++'s."""
+        if weight.dtype not in DTYPE_CODE or weight.dim() != 2 or weight.device.type != "cpu":
+            return f"PackedLinear takes a 2-D fp32/bf16 CPU weight, got {weight.dtype} {tuple(weight.shape)} on {weight.device}"
+        return kernels.check_packed_weight(weight.shape[0], weight.shape[1], DTYPE_CODE[weight.dtype])
+
+    @staticmethod
+    def supported(weight: torch.Tensor) -> bool:
+        return not PackedLinear._unsupported(weight)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"PackedLinear needs {self.dtype} [M, {self.in_features}], got {x.dtype} {tuple(x.shape)}")
+        if x.stride(1) != 1 or (self.dtype == torch.bfloat16 and x.stride(0) % 2):
+            x = x.contiguous()
+        if bias is not None:
+            bias = bias.to(self.dtype).contiguous()
+        y = torch.empty(x.shape[0], self.out_features, dtype=self.dtype)
+        self.packed.matmul(x.data_ptr(), x.stride(0), x.shape[0], 0 if bias is None else bias.data_ptr(), y.data_ptr())
+        return y

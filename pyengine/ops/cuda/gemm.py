@@ -1,0 +1,61 @@
+"""CUDA skinny GEMM for decode (hipkernels/gemm/skinny_gemm.hip): y = x @ w (+ bias) for few rows,
+w in llama.py's [in, out] layout. Why a GEMM of its own and where it wins: docs/kernels/layer_ops.md."""
+from __future__ import annotations
+
+import torch
+
+from pyengine.ops.cuda.launch import aligned_rows, kernels, num_sms, params, stream
+from pyengine.ops.kernel_config import get_kernel_config
+
+# Rows up to which skinny_linear takes a projection (above it cuBLAS is faster on the H100).
+SKINNY_MAX_M = 1
+_SKINNY_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
+
+
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, split: int = 0,
+                tile_n: int = 0, pdl: bool | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ w [K, N] (+ bias [N]) -> [M, N] in x's dtype (fp16/bf16, fp32 accumulation, one
+    rounding). w is llama.py's [in, out] weight, contiguous. Each output's summation order depends on
+    (K, N, split, tile_n) only: a row's result is the same alone and in any batch. split (1, 2, 4, 8)
+    and tile_n (64, 128): 0 takes the default for the shape; benchmarks sweep them. pdl: None takes
+    the KernelConfig's. prefetch: a contiguous tensor (the weight a later GEMM reads) pulled into L2
+    once this one's work is done."""
+    if x.device.type != "cuda" or w.device != x.device:
+        raise ValueError(f"skinny_gemm needs x and w on one CUDA device, got {x.device} / {w.device}")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"x must be [M, K] and w [K, N], got {tuple(x.shape)} / {tuple(w.shape)}")
+    m, k, n = x.shape[0], x.shape[1], w.shape[1]
+    if x.dtype not in _SKINNY_DTYPES or w.dtype != x.dtype:
+        raise ValueError(f"skinny_gemm takes fp16/bf16 x and w of one dtype, got {x.dtype} / {w.dtype}")
+    if not w.is_contiguous() or w.data_ptr() % 16 or k % 8 or n % 8:
+        raise ValueError(f"w must be contiguous and 16-byte aligned with K, N multiples of 8, got {tuple(w.shape)}")
+    bias_ptr = 0
+    if bias is not None:
+        if bias.device != x.device or tuple(bias.shape) != (n,) or bias.dtype != x.dtype:
+            raise ValueError(f"bias must be [{n}] {x.dtype} on {x.device}, got {tuple(bias.shape)} {bias.dtype}")
+        bias = bias.contiguous()
+        bias_ptr = bias.data_ptr()
+    pf_ptr = pf_bytes = 0
+    if prefetch is not None and prefetch.device == x.device and prefetch.is_contiguous() and prefetch.data_ptr() % 16 == 0:
+        pf_ptr, pf_bytes = prefetch.data_ptr(), prefetch.numel() * prefetch.element_size() // 16 * 16
+    x = aligned_rows(x)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    p = params(kernels.SkinnyGemmParams, x=x.data_ptr(), w=w.data_ptr(), bias=bias_ptr, y=y.data_ptr(), m=m, n=n,
+               k=k, x_stride=x.stride(0), y_stride=y.stride(0), dtype=_SKINNY_DTYPES[x.dtype],
+               num_sms=num_sms(x.device), split=split, tile_n=tile_n,
+               pdl=get_kernel_config().pdl if pdl is None else pdl, prefetch=pf_ptr, prefetch_bytes=pf_bytes)
+    with torch.cuda.device(x.device):
+        kernels.skinny_gemm(p, stream(x.device))
+    return y
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x @ w (+ bias) through skinny_gemm where it is the faster choice (KernelConfig.skinny_gemm, few
+    rows, fp16/bf16, the layout and alignment it takes), else None: the caller then runs cuBLAS.
+    No L2 prefetch (measured no faster: docs/kernels/layer_ops.md)."""
+    if (not get_kernel_config().skinny_gemm or x.dim() != 2 or x.shape[0] > SKINNY_MAX_M
+            or x.dtype not in _SKINNY_DTYPES or w.dtype != x.dtype or w.dim() != 2 or not w.is_contiguous()
+            or w.data_ptr() % 16 or x.shape[1] != w.shape[0] or x.shape[1] % 8 or w.shape[1] % 8
+            or x.device != w.device or (bias is not None and bias.dtype != x.dtype)):
+        return None
+    return skinny_gemm(x, w, bias)

@@ -1,0 +1,59 @@
+"""What every CUDA backend module needs to launch a kernel of hipkernels/ (pyengine._C.kernels):
+the extension, dtype codes, the current stream, the device's multiprocessor count, and `params`,
+which fills a kernel's params struct (pointers as integers: the extension never sees torch)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:
+    from pyengine import _C
+
+    kernels: Any = _C.kernels if getattr(_C, "has_kernels", False) else None
+except ImportError:  # extension not built
+    kernels = None
+
+if kernels is None:
+    raise ImportError("pyengine._C was built without GPU kernels (PYENGINE_KERNELS=OFF or no nvcc)")
+
+DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # PeDType
+_NUM_SMS: dict[int, int] = {}
+
+
+def stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n = _NUM_SMS.get(index)
+    if n is None:
+        n = _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
+
+
+def ptr(t: torch.Tensor | None) -> int:
+    """A tensor's device address, 0 for None (an absent optional input)."""
+    return 0 if t is None else t.data_ptr()
+
+
+def params(cls: Any, **fields: Any) -> Any:
+    """cls() (a params struct of the extension, its C++ defaults) with `fields` set."""
+    p = cls()
+    for name, value in fields.items():
+        setattr(p, name, value)
+    return p
+
+
+def aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """x with a contiguous last dim, 16-byte aligned base and row strides (copies only if needed)."""
+    vec = 16 // x.element_size()
+    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s % vec == 0 for s in x.stride()[:-1]):
+        return x
+    return x.contiguous()
+
+
+def slots(slot_mapping: torch.Tensor) -> torch.Tensor:
+    """slot_mapping (int64 [T], validated by the facade) as the kernels read it."""
+    return slot_mapping.contiguous()
