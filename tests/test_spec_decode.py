@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import random
+from typing import Callable
 
 import pytest
 import torch
@@ -57,38 +58,50 @@ def test_ngram_greedy_equals_plain(tiny: str, batch: int, block_size: int, k: in
         assert rec.had_ragged_step(), "no step mixed rows with drafts and rows without"
 
 
-def test_per_request_draft_lengths_equal_plain(tiny: str) -> None:
-    """The adaptive policy gives each request its own length in the same step: requests whose
-    drafts are always right keep k, requests whose drafts are always wrong get none; the output is
-    unchanged. The step-time line is fixed (verify tokens cost compute), so the lengths depend on
-    acceptance alone, not on this machine's timing."""
+def run_with_fixed_policy(tiny: str, prompts: list[list[int]], plain: list[list[int]], k: int,
+                          wrong: Callable[[int], bool], per_token_s: float, params: SamplingParams,
+                          every_row_may_finish_last: bool = False) -> RecordingScheduler:
+    """Scripted drafts, all right except for the requests `wrong` picks (all wrong), under a
+    DraftLengthPolicy whose step-time line is fixed (10 ms + per_token_s per token), so the lengths
+    depend on acceptance alone, not on this machine's timing. The output must equal plain
+    decoding; returns the recorded steps."""
     from pyengine.spec_decode.draft_length import DraftLengthPolicy
 
-    k, prompts = 4, make_prompts(8, seed=7)
-    plain = run(tiny, prompts, max_tokens=40)[0]
     reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, plain))}
 
     def script(seq_id: int, tokens: list[int]) -> list[int]:
         prompt_len, ref = reference[seq_id]
         good = ref[len(tokens) - prompt_len:][:k]
-        return good if seq_id % 2 == 0 else [(t + 1) % VOCAB for t in good]
+        return [(t + 1) % VOCAB for t in good] if wrong(seq_id) else good
 
-    spec = {"method": "scripted", "num_speculative_tokens": k, "script": script}
-    llm = make_llm(tiny, spec, device="cpu", block_size=4)
+    llm = make_llm(tiny, {"method": "scripted", "num_speculative_tokens": k, "script": script},
+                   device="cpu", block_size=4)
     policy = DraftLengthPolicy(k)
-    for n in (8, 40, 8, 40):  # T(n) = 10 ms + 1 ms per token
-        policy.observe_step(n, 0.010 + 0.001 * n)
+    for n in (4 * k, 10 * k, 4 * k, 10 * k):
+        policy.observe_step(n, 0.010 + per_token_s * n)
     policy.steps = 4  # past the warm-up
     policy.observe_step = lambda num_tokens, seconds: None  # type: ignore[method-assign]
     llm.engine.draft_length = policy  # (scripted drafts are otherwise never shortened)
-    # Every row may finish last here (lengths by acceptance alone; the next test covers the rule
-    # that rows which cannot finish last get no drafts).
-    llm.engine._can_finish_last = lambda view: None  # type: ignore[method-assign]
+    if every_row_may_finish_last:
+        llm.engine._can_finish_last = lambda view: None  # type: ignore[method-assign]
     rec = RecordingScheduler(llm.engine.scheduler)
     llm.engine.scheduler = rec
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs == plain
+    return rec
+
+
+def test_per_request_draft_lengths_equal_plain(tiny: str) -> None:
+    """The adaptive policy gives each request its own length in the same step: requests whose
+    drafts are always right keep k, requests whose drafts are always wrong get none; the output is
+    unchanged. Every row may finish last here (lengths by acceptance alone; the next test covers
+    the rule that rows which cannot finish last get no drafts)."""
+    k, prompts = 4, make_prompts(8, seed=7)
+    plain = run(tiny, prompts, max_tokens=40)[0]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # verify tokens cost compute: 1 ms per token
+    rec = run_with_fixed_policy(tiny, prompts, plain, k, lambda sid: sid % 2 == 1, 0.001, params,
+                                every_row_may_finish_last=True)
     late = [s for s in rec.steps[6:] if s.num_decode_rows == len(s.num_drafts) == 8]
     assert len(late) >= 3, "too few steps with all 8 requests decoding"
     for s in late:  # rows are in admission order: even seq ids accept everything
@@ -100,31 +113,12 @@ def test_rows_that_cannot_finish_last_get_no_drafts(tiny: str) -> None:
     wrong, so it needs every step and finishes last; the others accept everything, run ahead, and
     from then on get no drafts (their early tokens could not shorten the run). With a stop token
     id, a request may end any time, so every row may finish last and keeps its drafts."""
-    from pyengine.spec_decode.draft_length import DraftLengthPolicy
-
     k, prompts = 4, make_prompts(4, seed=3)
     plain = run(tiny, prompts, max_tokens=32)[0]
-    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, plain))}
-
-    def script(seq_id: int, tokens: list[int]) -> list[int]:
-        prompt_len, ref = reference[seq_id]
-        good = ref[len(tokens) - prompt_len:][:k]
-        return [(t + 1) % VOCAB for t in good] if seq_id == 0 else good
-
     for stop_ids, ahead_rows_draft in ((None, False), ([VOCAB + 7], True)):
-        llm = make_llm(tiny, {"method": "scripted", "num_speculative_tokens": k, "script": script},
-                       device="cpu", block_size=4)
-        policy = DraftLengthPolicy(k)
-        for n in (4, 20, 4, 20):  # T(n) = 10 ms + 0.1 ms per token: drafts that are accepted pay
-            policy.observe_step(n, 0.010 + 0.0001 * n)
-        policy.steps = 4
-        policy.observe_step = lambda num_tokens, seconds: None  # type: ignore[method-assign]
-        llm.engine.draft_length = policy
-        rec = RecordingScheduler(llm.engine.scheduler)
-        llm.engine.scheduler = rec
         params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop_token_ids=stop_ids)
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert outs == plain
+        # 0.1 ms per token: drafts that are accepted pay
+        rec = run_with_fixed_policy(tiny, prompts, plain, k, lambda sid: sid == 0, 0.0001, params)
         # After the first few steps, and before the last (where the drafts left are capped by
         # max_tokens).
         late = [s for s in rec.steps if s.num_decode_rows == len(s.num_drafts) == 4][3:-1]
