@@ -1,8 +1,6 @@
 """The draft-length policy: how many drafts each decode request proposes this step."""
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 
 
