@@ -157,7 +157,7 @@ def test_empty_and_unsupported() -> None:
 def test_llama_linear_dispatch() -> None:
     """llama.linear takes the skinny GEMM up to SKINNY_MAX_M rows and cuBLAS above, and never with
     KernelConfig.skinny_gemm off."""
-    from pyengine.models.llama import linear
+    from pyengine.models.layers import linear
 
     x, w, b = operands(4096, 6144, SKINNY_MAX_M + 1, torch.bfloat16, seed=17, bias=True)
     small = x[:SKINNY_MAX_M]

@@ -1,4 +1,4 @@
-"""The recurrent-state references (pyengine/ops/ssm_reference.py) under speculative decoding:
+"""The recurrent-state references (pyengine/ops/reference/ssm.py) under speculative decoding:
 spec == sequential on random streams (each step T = 1 + k, k in {0, num_spec}, random acceptance),
 mixed batches of prefill, plain and verify rows, PAD rows and free slots left bit-identical, and a
 guard that reading slot 0 / offset 0 after an accepted run gives a different (wrong) result."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pyengine.ops import ssm_reference as ref
+from pyengine.ops.reference import ssm as ref
 
 PAD = ref.PAD
 K = 3  # num_spec

@@ -1,5 +1,5 @@
 // Skinny GEMM ("GEMV") for decode: y[M, N] = x[M, K] @ w[K, N] (+ bias[N]) for few rows M, with w
-// in the [in, out] row-major layout of pyengine/models/llama.py (torch.mm's right operand).
+// in the [in, out] row-major layout of pyengine/models/layers.py (torch.mm's right operand).
 // fp16 or bf16 storage (one dtype for x, w, bias and y), fp32 accumulation, one rounding on store.
 //
 // Reduction order. Every output element y[m, n] is summed in an order fixed by (K, N, the

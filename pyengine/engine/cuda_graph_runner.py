@@ -13,7 +13,7 @@ Graph safety:
   context_lens] then the int32 block tables of fixed width W = ceil(graph_max_context / block_size),
   so a bucket of b rows copies one prefix (through the first b table rows): host time before the
   replay is GPU idle time. The int32 conversions of the attention plan run inside the graph
-  (pyengine.ops.cuda._plan is called during capture on a fresh AttentionMetadata).
+  (pyengine.ops.cuda.attention.plan is called during capture on a fresh AttentionMetadata).
 - The launch shape of the attention kernel depends on max_query_len (= q, fixed per graph), the
   number of rows (the bucket) and max_splits; the graph is captured with max_context_len =
   W * block_size, an upper bound of every row's context, so max_splits is fixed. The kernel's

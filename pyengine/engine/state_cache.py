@@ -4,7 +4,7 @@ The scheduler owns the slots (SchedulerConfig.num_state_slots; each request hold
 admission charges KV blocks and slots together); this pool owns the tensors. Per Mamba layer:
     conv[layer] [num_slots, W - 1 + k, conv_dim]   model dtype; a window read at offset a - 1
     ssm[layer]  [num_slots, H, P, N]              fp32; slot idx[n, a - 1] holds the valid state
-Semantics of slots and offsets: pyengine/ops/ssm_reference.py.
+Semantics of slots and offsets: pyengine/ops/reference/ssm.py.
 
 Every decode row (with or without drafts) runs the one speculative path (T = 1 + drafts tokens,
 read at slot / offset a - 1); prefill rows start from zeros (num_computed == 0) or from the state

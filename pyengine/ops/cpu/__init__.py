@@ -6,7 +6,5 @@ from pyengine.ops.cpu.extension import kernels
 from pyengine.ops.cpu.gemm import PackedLinear
 from pyengine.ops.cpu.layer import fused_add_rms_norm, rms_norm, rope_and_cache, silu_and_mul
 
-_K = kernels  # pyengine/models/llama_cpu_stack.py still reads cpu_ops._K (LlamaStack); goes once it uses `kernels`
-
 __all__ = ["paged_attention", "step_tables", "kernels", "PackedLinear", "fused_add_rms_norm", "rms_norm",
            "rope_and_cache", "silu_and_mul"]
