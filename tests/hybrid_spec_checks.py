@@ -3,13 +3,61 @@ NemotronH run the same speculative paths through the state pool."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
 from pyengine import LLM, SamplingParams
+from pyengine.engine.state_cache import StateCache
 
 from tests.spec_harness import assert_lossless, run
 from tests.test_spec_decode import make_prompts, scripted
+from tests.tiny_models import write_tokenizer
+
+
+def make_hybrid_checkpoint(path: str, hf_class: type, hf_config: Any, seed: int, out_proj_names: tuple[str, ...],
+                           out_std: float, dt_bias_mean: float = 0.0, dt_bias_std: float = 0.5) -> torch.nn.Module:
+    """A tiny random HF model of hf_class (weights: init_hybrid_weights) saved to path with the
+    test tokenizer; returns the HF model, the oracle."""
+    torch.manual_seed(seed)
+    hf = hf_class(hf_config).eval()
+    init_hybrid_weights(hf, out_proj_names, out_std, dt_bias_mean, dt_bias_std)
+    hf.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
+    return hf
+
+
+def state_pool_llm(path: str) -> tuple[LLM, StateCache]:
+    """An ngram (k = 3) LLM over a hybrid model with 4 sequences: prefix caching is forced off and
+    the state pool holds 1 + k slots per sequence."""
+    llm = LLM(model=path, device="cpu", max_model_len=64, max_num_seqs=4, enable_prefix_caching=True,
+              speculative_config={"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 3})
+    assert llm.engine.cfg.enable_prefix_caching is False
+    assert llm.engine.cfg.num_state_slots == 4 * (1 + 3)
+    cache = llm.engine.runner.state_cache
+    assert isinstance(cache, StateCache) and cache.num_slots == 16
+    return llm, cache
+
+
+@torch.no_grad()
+def init_hybrid_weights(hf: torch.nn.Module, out_proj_names: tuple[str, ...], out_std: float,
+                        dt_bias_mean: float = 0.0, dt_bias_std: float = 0.5) -> None:
+    """Random weights for a tiny Mamba2-family model: decays in a realistic range, well separated
+    logits for greedy, and small mixer outputs (the parameters ending in out_proj_names), so greedy
+    decoding falls into near-bigram loops where prompt lookup finds matches while the state still
+    moves the logits."""
+    for name, p in hf.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 4.0)))
+        elif name.endswith("dt_bias"):
+            p.copy_(torch.randn_like(p) * dt_bias_std + dt_bias_mean)
+        elif "norm" in name or name.endswith(".D"):
+            p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        elif name.endswith(out_proj_names):
+            p.normal_(0.0, out_std)
+        else:
+            p.normal_(0.0, 0.2)
+
 
 def check_greedy_matches_hf_generate(path: str, hf: torch.nn.Module) -> None:
     """Greedy tokens (chunked prefill, block size 4) equal HF transformers' generate."""

@@ -7,12 +7,11 @@ import pytest
 import torch
 import transformers
 
-from pyengine import LLM
 from pyengine.loader import load_model
 from pyengine.models.bamba import rope_permutation
-from pyengine.engine.state_cache import StateCache
-from tests.hybrid_spec_checks import SCRIPTED_CASES, check_greedy_matches_hf_generate, check_ngram_ragged, check_scripted
-from tests.tiny_models import VOCAB, write_tokenizer
+from tests.hybrid_spec_checks import (SCRIPTED_CASES, check_greedy_matches_hf_generate, check_ngram_ragged, check_scripted,
+                                       make_hybrid_checkpoint, state_pool_llm)
+from tests.tiny_models import VOCAB
 from tests.utils_paged import PagedCache, make_meta
 
 # 4 layers: mamba, attention, mamba, attention (attention first and last is covered by the pattern test).
@@ -23,23 +22,8 @@ BAMBA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def make_bamba_checkpoint(path: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    hf = transformers.BambaForCausalLM(transformers.BambaConfig(**{**BAMBA, **overrides})).eval()
-    with torch.no_grad():  # as tests/test_mamba2.py: well separated logits, realistic decays
-        for name, p in hf.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 4.0)))
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.randn_like(p) * 0.5)
-            elif "norm" in name or name.endswith(".D"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
-                p.normal_(0.0, 0.02)  # small mixer outputs: near-bigram greedy loops (ngram hits)
-            else:
-                p.normal_(0.0, 0.2)
-    hf.save_pretrained(path, safe_serialization=True)
-    write_tokenizer(path)
-    return hf
+    return make_hybrid_checkpoint(path, transformers.BambaForCausalLM, transformers.BambaConfig(**{**BAMBA, **overrides}),
+                                  seed, ("out_proj.weight", "o_proj.weight", "down_proj.weight"), out_std=0.02)
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +82,7 @@ def test_greedy_tokens_match_hf_generate(tiny_bamba) -> None:
 
 
 def test_state_pool_only_for_mamba_layers(tiny_bamba) -> None:
-    path, _ = tiny_bamba
-    llm = LLM(model=path, device="cpu", max_model_len=64, max_num_seqs=4, enable_prefix_caching=True,
-              speculative_config={"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 3})
-    assert llm.engine.cfg.enable_prefix_caching is False
-    assert llm.engine.cfg.num_state_slots == 4 * (1 + 3)
-    cache = llm.engine.runner.state_cache
-    assert isinstance(cache, StateCache) and cache.num_slots == 16
+    llm, cache = state_pool_llm(tiny_bamba[0])
     assert cache.conv[1] is None and cache.ssm[3] is None  # attention layers
     assert cache.conv[0].shape == (16, 4 - 1 + 3, 128 + 2 * 2 * 16) and cache.ssm[2].shape == (16, 8, 16, 16)
     # The runner allocates KV for every layer (the Mamba layers' pairs are unused): see bamba.py.

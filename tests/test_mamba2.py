@@ -9,13 +9,12 @@ import pytest
 import torch
 import transformers
 
-from pyengine import LLM
 from pyengine.loader import load_model
-from pyengine.engine.state_cache import StateCache
-from tests.hybrid_spec_checks import SCRIPTED_CASES, check_greedy_matches_hf_generate, check_ngram_ragged, check_scripted, plain
+from tests.hybrid_spec_checks import (SCRIPTED_CASES, check_greedy_matches_hf_generate, check_ngram_ragged, check_scripted,
+                                       make_hybrid_checkpoint, plain, state_pool_llm)
 from tests.spec_harness import run
 from tests.test_spec_decode import make_prompts, scripted
-from tests.tiny_models import VOCAB, write_tokenizer
+from tests.tiny_models import VOCAB
 from tests.utils_paged import make_meta
 
 MAMBA2 = dict(vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=2, conv_kernel=4,
@@ -24,23 +23,8 @@ MAMBA2 = dict(vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16, state_
 
 
 def make_mamba2_checkpoint(path: str, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    hf = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**MAMBA2)).eval()
-    with torch.no_grad():  # well separated logits for greedy; decays in a realistic range
-        for name, p in hf.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 4.0)))
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.randn_like(p) * 0.5)
-            elif "norm" in name or name.endswith(".D"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("out_proj.weight"):  # small mixer output: near-bigram greedy loops, so
-                p.normal_(0.0, 0.01)  # prompt lookup finds matches; the state still moves the logits
-            else:
-                p.normal_(0.0, 0.2)
-    hf.save_pretrained(path, safe_serialization=True)
-    write_tokenizer(path)
-    return hf
+    return make_hybrid_checkpoint(path, transformers.Mamba2ForCausalLM, transformers.Mamba2Config(**MAMBA2), seed,
+                                  ("out_proj.weight",), out_std=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +51,7 @@ def test_greedy_tokens_match_hf_generate(tiny_mamba2) -> None:
 
 
 def test_hybrid_model_gets_a_state_pool_and_no_prefix_caching(tiny_mamba2) -> None:
-    path, _ = tiny_mamba2
-    llm = LLM(model=path, device="cpu", max_model_len=64, max_num_seqs=4, enable_prefix_caching=True,
-              speculative_config={"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 3})
-    assert llm.engine.cfg.enable_prefix_caching is False
-    assert llm.engine.cfg.num_state_slots == 4 * (1 + 3)
-    cache = llm.engine.runner.state_cache
-    assert isinstance(cache, StateCache) and cache.num_slots == 16
+    _, cache = state_pool_llm(tiny_mamba2[0])
     assert cache.conv[0].shape == (16, 4 - 1 + 3, 128 + 2 * 2 * 16) and cache.ssm[0].shape == (16, 8, 16, 16)
     assert cache.ssm[0].dtype == torch.float32
 

@@ -9,9 +9,9 @@ import transformers
 from pyengine import LLM, SamplingParams
 from tests.spec_harness import assert_lossless, run
 from tests.test_bamba import SEQS, forward_logits
-from tests.hybrid_spec_checks import plain, plain_from
+from tests.hybrid_spec_checks import make_hybrid_checkpoint, plain, plain_from
 from tests.test_spec_decode import make_prompts, scripted
-from tests.tiny_models import VOCAB, write_tokenizer
+from tests.tiny_models import VOCAB
 
 NEMOTRON_H = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, hybrid_override_pattern="M*-M-*",
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=16,
@@ -20,23 +20,10 @@ NEMOTRON_H = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, hybrid
 
 
 def make_nemotron_h_checkpoint(path: str, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    hf = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**NEMOTRON_H)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 4.0)))
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.randn_like(p) * 2.0 - 3.0)  # some softplus(dt) below time_step_min: clamp matters
-            elif "norm" in name or name.endswith(".D"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
-                p.normal_(0.0, 0.02)
-            else:
-                p.normal_(0.0, 0.2)
-    hf.save_pretrained(path, safe_serialization=True)
-    write_tokenizer(path)
-    return hf
+    # dt_bias around -3: some softplus(dt) fall below time_step_min, so the clamp matters
+    return make_hybrid_checkpoint(path, transformers.NemotronHForCausalLM, transformers.NemotronHConfig(**NEMOTRON_H),
+                                  seed, ("out_proj.weight", "o_proj.weight", "down_proj.weight"), out_std=0.02,
+                                  dt_bias_mean=-3.0, dt_bias_std=2.0)
 
 
 @pytest.fixture(scope="module")
