@@ -135,7 +135,8 @@ class LegacyEngine(LLMEngine):
     """The previous commit's proposal path, call for call, against today's core: decode rows found
     by asking num_computed per running request, tokens left computed per request in Python, one
     dict lookup per row for the policy's statistics row, and the rows the policy shortens proposed
-    again one by one from a copy of their tokens."""
+    again one by one from a copy of their tokens. Its requests are streamed: every step appends each
+    row's tokens and text in Python, as the previous commit path did for every request."""
 
     def _propose(self) -> None:
         sched, reqs = self.scheduler, self.requests
@@ -172,8 +173,7 @@ class LegacyEngine(LLMEngine):
 def engine_step(rows: int, legacy: bool, steps: int, k: int, model: str) -> dict[str, float]:
     """Python and core time of one ngram decode step with `rows` decode rows; the forward is a
     stub returning fixed logits (token 5 wins everywhere, so every draft is accepted). The
-    proposal part (decode rows, draft lengths, ngram lookup) is also timed on its own: the rest of
-    the step (sampling, detokenizing, the outputs) is per-row work either way."""
+    proposal part (decode rows, draft lengths, ngram lookup) is also timed on its own."""
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     max_len = 16 + (steps + 8) * (k + 1)
     llm = LLM(model=model, device="cpu", speculative_config=spec, max_num_seqs=rows, max_model_len=max_len,
@@ -186,7 +186,7 @@ def engine_step(rows: int, legacy: bool, steps: int, k: int, model: str) -> dict
     engine.runner.execute = lambda batch: logits[:len(batch.logits_indices)]
     params = SamplingParams(temperature=0, max_tokens=max_len - 16, ignore_eos=True)
     for i in range(rows):
-        engine.add_request([7 + i % 50] * 8 + [5] * 8, params)
+        engine.add_request([7 + i % 50] * 8 + [5] * 8, params, stream=legacy)
     timed = TimedScheduler(engine.scheduler)
     engine.scheduler = timed
     propose, spent = engine._propose, [0.0, 0.0]  # the proposal part: its whole time, its core time

@@ -194,3 +194,13 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         return full[len(prefix) :]
+
+    def flush(self) -> str:
+        """The text not returned yet, an incomplete character at the end included: the request is
+        over, so nothing completes it. The final text then equals the decode of all ids, however
+        they were fed."""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""

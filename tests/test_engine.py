@@ -270,3 +270,22 @@ def test_finished_requests_leave_the_engine(tiny_path: str, spec: dict | None) -
     assert len(engine.generators) == 0
     outs = llm.generate(prompts, params[0], use_tqdm=False)
     assert all(o.outputs[0].finish_reason == "length" for o in outs) and not engine.requests
+
+
+def test_streamed_requests_equal_requests_filled_at_finish(llm: LLM) -> None:
+    """A streamed request gets its tokens and text every step; the others get them once, from the
+    scheduler, when they finish: both give the same tokens and text (the full decode of the
+    tokens), and only streamed requests are touched by steps that do not finish them."""
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS + i, ignore_eos=True) for i in range(len(PROMPTS))]
+    encoded = [(None, p) for p in PROMPTS]
+    outs = {}
+    for stream in (False, True):
+        touched_unfinished = []
+        reqs = llm.run_requests(encoded, params, lambda t: touched_unfinished.extend(r for r in t if not r.finished),
+                                stream=stream)
+        outs[stream] = [(r.output_token_ids, r.text, r.finish_reason) for r in reqs]
+        assert bool(touched_unfinished) == stream
+    assert outs[False] == outs[True]
+    for (ids, text, reason), p in zip(outs[False], params):
+        assert len(ids) == p.max_tokens and reason == "length"
+        assert text == llm.tokenizer.decode(ids)

@@ -1,5 +1,6 @@
 """C++ owns request state: a speculative decode step calls into the scheduler a fixed number of
-times, whatever the number of rows (the decode view, one proposal call, schedule, update), for the
+times, whatever the number of rows (the decode view, the proposal calls, schedule, update, the finished
+outputs), for the
 ngram proposer and for a draft model."""
 from __future__ import annotations
 
@@ -66,4 +67,4 @@ def test_calls_per_step_do_not_grow_with_rows(checkpoints: tuple[str, str], meth
         llm = LLM(model=target, device="cpu", speculative_config=spec, block_size=4, max_model_len=128)
         counts[rows] = calls_per_decode_step(llm, rows)
     assert counts[1] == counts[32], counts
-    assert max(counts[32]) <= 6, counts
+    assert max(counts[32]) <= 7, counts  # draft model: view, tails, tables, drafts, schedule, update, finished

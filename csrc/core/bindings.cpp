@@ -170,6 +170,12 @@ PYBIND11_MODULE(_C, m) {
              return py::make_tuple(py::array_t<int32_t>(r.num_committed.size(), r.num_committed.data()),
                                    py::array_t<int8_t>(r.finish_reason.size(), r.finish_reason.data()));
            }, py::arg("token_ids"), py::arg("counts"))
+      .def("finished_outputs", [](const Scheduler& s) {
+             const FinishedOutputs& f = s.finished_outputs();
+             return py::make_tuple(py::array_t<int64_t>(f.seq_ids.size(), f.seq_ids.data()),
+                                   py::array_t<int64_t>(f.cu_num_tokens.size(), f.cu_num_tokens.data()),
+                                   py::array_t<int32_t>(f.token_ids.size(), f.token_ids.data()));
+           })
       .def("has_unfinished", &Scheduler::has_unfinished)
       .def_property_readonly("num_running", &Scheduler::num_running)
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)

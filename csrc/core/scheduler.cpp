@@ -302,6 +302,9 @@ UpdateResult Scheduler::update(const int32_t* tokens, int64_t num_tokens, const 
   PE_CHECK(total == num_tokens, "update() got ", num_tokens, " tokens, counts add up to ", total);
 
   UpdateResult res;
+  finished_outputs_.seq_ids.clear();
+  finished_outputs_.cu_num_tokens.assign(1, 0);
+  finished_outputs_.token_ids.clear();
   res.num_committed.resize(num_rows);
   res.finish_reason.resize(num_rows);
   step_in_flight_ = false;
@@ -327,6 +330,10 @@ UpdateResult Scheduler::update(const int32_t* tokens, int64_t num_tokens, const 
     res.finish_reason[i] = static_cast<int8_t>(seq.finish_reason);
     off += c;
     if (seq.status == SeqStatus::kFinished) {
+      finished_outputs_.seq_ids.push_back(seq.seq_id);
+      finished_outputs_.token_ids.insert(finished_outputs_.token_ids.end(),
+                                         seq.token_ids.begin() + seq.num_prompt_tokens, seq.token_ids.end());
+      finished_outputs_.cu_num_tokens.push_back(static_cast<int64_t>(finished_outputs_.token_ids.size()));
       seqs_.erase(seq.seq_id);  // finish() freed its blocks; nothing below reads it
       continue;
     }

@@ -35,6 +35,15 @@ struct UpdateResult {
   std::vector<int8_t> finish_reason;   // FinishReason per row; kNone = still running
 };
 
+// The output tokens of the requests the last update() finished, concatenated: request i's are
+// token_ids[cu_num_tokens[i], cu_num_tokens[i + 1]). The engine reads a request's output once,
+// here, instead of appending every step's tokens to a Python list per row.
+struct FinishedOutputs {
+  std::vector<int64_t> seq_ids;
+  std::vector<int64_t> cu_num_tokens{0};
+  std::vector<int32_t> token_ids;
+};
+
 struct SchedulerStats {
   int64_t num_steps = 0;
   int64_t num_preemptions = 0;
@@ -77,6 +86,7 @@ class Scheduler {
   // The batch is the caller's until it drops its last reference; the scheduler then reuses it.
   std::shared_ptr<ScheduledBatch> schedule();
   UpdateResult update(const int32_t* tokens, int64_t num_tokens, const int32_t* counts, int64_t num_rows);
+  const FinishedOutputs& finished_outputs() const { return finished_outputs_; }
 
   bool has_unfinished() const { return !running_.empty() || !waiting_.empty(); }
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
@@ -128,6 +138,7 @@ class Scheduler {
   std::vector<int32_t> free_slots_;
   std::vector<Row> in_flight_;      // rows of the last schedule(), until update()
   std::vector<Sequence*> filled_;   // update(): requests whose step filled a block to hash
+  FinishedOutputs finished_outputs_;  // of the last update()
   static constexpr size_t kBatchPoolSize = 3;
   std::vector<std::shared_ptr<ScheduledBatch>> batch_pool_;  // batches schedule() refills
   bool step_in_flight_ = false;

@@ -134,9 +134,10 @@ class LLM:
         return self.engine.stats()
 
     def run_requests(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-                     on_step: Callable[[list[Request]], None] | None = None) -> list[Request]:
-        """Add requests, step until they finish; on_step sees the requests each step touched."""
-        reqs = [self.engine.add_request(ids, p, prompt=text) for (text, ids), p in zip(encoded, params)]
+                     on_step: Callable[[list[Request]], None] | None = None, stream: bool = False) -> list[Request]:
+        """Add requests, step until they finish; on_step sees the requests each step touched (those
+        that finished, and with stream=True every request that received tokens, its text grown)."""
+        reqs = [self.engine.add_request(ids, p, prompt=text, stream=stream) for (text, ids), p in zip(encoded, params)]
         while self.engine.has_unfinished():
             touched = self.engine.step()
             if on_step is not None:

@@ -46,6 +46,11 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
+    # A streamed request (stream=True, or stop strings, which need the text) gets its tokens and
+    # text every step; the others once, when they finish (so a step's Python work does not grow
+    # with the number of rows): until then output_token_ids and text stay empty.
+    stream: bool = False
+    stopped_by_string: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -99,6 +104,7 @@ class LLMEngine:
         self.generators = RequestGenerators(cfg.seed)
         self.eos_token_ids = list(dict.fromkeys(tokenizer.eos_token_ids + model_config.eos_token_ids))
         self.requests: dict[int, Request] = {}  # unfinished requests; a finished one leaves once returned
+        self.streamed: set[int] = set()  # ids of the unfinished requests with stream=True
         self.next_id = 0
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_tokens": 0}
         self.prefill_time = self.decode_time = 0.0
@@ -110,11 +116,14 @@ class LLMEngine:
         self._tok_dev = self._tok_host = self._tok_ready = None  # greedy tokens: device, pinned host, event
 
     # ---- requests ---------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Request:
-        """Queue a request. A request that cannot run (too long) is returned finished with an error."""
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                    stream: bool = False) -> Request:
+        """Queue a request. A request that cannot run (too long) is returned finished with an error.
+        stream: its tokens and text grow every step (else they are filled when it finishes)."""
         rid = self.next_id
         self.next_id += 1
-        req = Request(rid, prompt, list(prompt_token_ids), params, self.tokenizer.incremental_detokenizer())
+        req = Request(rid, prompt, list(prompt_token_ids), params, self.tokenizer.incremental_detokenizer(),
+                      stream=stream or bool(params.stop))
         try:
             if any(not 0 <= t < self.model_config.vocab_size for t in req.prompt_token_ids):
                 raise ValueError(f"request {rid}: token ids must be in [0, {self.model_config.vocab_size})")
@@ -124,6 +133,8 @@ class LLMEngine:
             req.finish_reason, req.error = "error", str(e)
             return req
         self.requests[rid] = req
+        if req.stream:
+            self.streamed.add(rid)
         self.generators.get(rid, params.seed)
         self.counters["prompt_tokens"] += len(req.prompt_token_ids)
         return req
@@ -276,35 +287,56 @@ class LLMEngine:
 
     def _commit(self, batch, tokens: np.ndarray, counts: np.ndarray, num_committed: np.ndarray,
                 reasons: np.ndarray) -> list[Request]:
-        touched, off = [], 0
-        for r, sid in enumerate(batch.seq_ids.tolist()):
-            c = int(counts[r])
-            if c == 0:
-                continue
+        """Hand this step's tokens to the requests that need them now: every row of a streamed
+        request, and each request that finished (its whole output at once, from the scheduler).
+        Returns those requests; a finished one leaves self.requests."""
+        self.counters["generated_tokens"] += int(num_committed.sum())
+        touched: list[Request] = []
+        if self.streamed:
+            starts = np.cumsum(counts) - counts
+            streamed = np.fromiter(self.streamed, np.int64, len(self.streamed))
+            for r in np.nonzero(np.isin(batch.seq_ids, streamed) & (counts > 0))[0].tolist():
+                req = self.requests[int(batch.seq_ids[r])]
+                new = tokens[starts[r]:starts[r] + num_committed[r]].tolist()
+                req.output_token_ids.extend(new)
+                if reasons[r]:
+                    req.finish_reason = _C.FINISH_REASONS[reasons[r]]
+                self._append_text(req, req.detokenizer.add(new))
+                if req.finished:
+                    self._append_text(req, req.detokenizer.flush())
+                touched.append(req)
+        seq_ids, cu_num_tokens, output_ids = self.scheduler.finished_outputs()
+        if len(seq_ids):
+            rows = np.nonzero(reasons)[0]
+            reason_of = dict(zip(batch.seq_ids[rows].tolist(), reasons[rows].tolist()))
+        for i, sid in enumerate(seq_ids.tolist()):
             req = self.requests[sid]
-            new = tokens[off:off + int(num_committed[r])].tolist()
-            off += c
-            req.output_token_ids.extend(new)
-            self.counters["generated_tokens"] += len(new)
-            if reasons[r]:
-                req.finish_reason = _C.FINISH_REASONS[reasons[r]]
-            self._append_text(req, new)
-            touched.append(req)
+            if not req.stream:
+                req.output_token_ids = output_ids[cu_num_tokens[i]:cu_num_tokens[i + 1]].tolist()
+                req.text = req.detokenizer.add(req.output_token_ids) + req.detokenizer.flush()
+                req.finish_reason = _C.FINISH_REASONS[reason_of[sid]]
+                touched.append(req)
         finished = [req.request_id for req in touched if req.finished]
         for rid in finished:
             self.generators.release(rid)
+            self.streamed.discard(rid)
             del self.requests[rid]
         if finished and self.proposer is not None:
             self.proposer.forget(finished, finished=True)
         return touched
 
-    def _append_text(self, req: Request, new: list[int]) -> None:
+    def _append_text(self, req: Request, new_text: str) -> None:
+        """Extend a streamed request's text; a stop string ends the request and is not part of
+        the output text."""
+        if req.stopped_by_string or not new_text:
+            return
         before = len(req.text)
-        req.text += req.detokenizer.add(new)
+        req.text += new_text
         for stop in req.params.stop or []:
             idx = req.text.find(stop, max(0, before - len(stop) + 1))
-            if idx >= 0:  # a stop string ends the request; it is not part of the output text
+            if idx >= 0:
                 req.text = req.text[:idx]
+                req.stopped_by_string = True
                 if not req.finished:
                     req.finish_reason = "stop"
                     self.scheduler.abort_request(req.request_id)

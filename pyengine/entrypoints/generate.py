@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         elif bar is not None:
             bar.update(sum(r.finished for r in touched))
 
-    reqs = llm.run_requests(encoded, [params] * len(encoded), on_step)
+    reqs = llm.run_requests(encoded, [params] * len(encoded), on_step, stream=stream)
     if bar is not None:
         bar.close()
     errors = [r for r in reqs if r.error]
