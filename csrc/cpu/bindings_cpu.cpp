@@ -1,5 +1,5 @@
 // pybind11 bindings of the CPU layer ops (submodule pyengine._C.cpu). Tensors cross as raw data
-// pointers (integers) with their sizes and row strides; pyengine/ops/cpu.py checks them first.
+// pointers (integers) with their sizes and row strides; pyengine/ops validates them first.
 // The ops return an error message (empty on success) instead of throwing: see cpu_ops.h.
 #include <pybind11/pybind11.h>
 

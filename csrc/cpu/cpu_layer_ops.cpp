@@ -1,6 +1,6 @@
 // Per-token layer ops on the CPU: RMSNorm (with the residual add fused in), SwiGLU's activation,
 // and RoPE fused with the KV-cache write. One pass over each token's row instead of the five to
-// ten small torch ops (and their temporaries) each replaces; see layer_reference.py for semantics.
+// ten small torch ops (and their temporaries) each replaces; see pyengine/ops/reference/layer.py for semantics.
 #include <algorithm>
 #include <cmath>
 #include <vector>

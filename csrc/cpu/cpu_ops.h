@@ -1,13 +1,13 @@
 // CPU versions of the model's hot per-layer ops (paged attention, RoPE + KV write, norms,
 // SwiGLU's activation), for fp32 and bf16 tensors. Semantics are those of the PyTorch references
-// (pyengine/ops/reference.py, pyengine/ops/layer_reference.py): fp32 math, one rounding on store,
+// (pyengine/ops/reference/attention.py, pyengine/ops/reference/layer.py): fp32 math, one rounding on store,
 // each token computed the same way whatever else is in the batch.
 //
-// Python (pyengine/ops/cpu.py) validates shapes and passes raw data pointers: like the GPU
+// Python (pyengine/ops validates, pyengine/ops/cpu prepares) shapes and passes raw data pointers: like the GPU
 // kernels, this code never sees torch. Row strides are in elements.
 //
 // Misuse is reported by value: each entry point returns an error message (empty on success) that
-// pyengine/ops/cpu.py raises as ValueError; the pool's worker threads must never throw.
+// pyengine/ops/cpu raises as ValueError; the pool's worker threads must never throw.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // Per-token layer ops of the decoder (plain C++ interface; the kernels live in layer_ops.hip).
-// Semantics are those of pyengine/ops/layer_reference.py: fp32 math, one rounding to the storage
+// Semantics are those of pyengine/ops/reference/layer.py: fp32 math, one rounding to the storage
 // type on every store, and every token computed on its own (one token's result never depends on
 // the number or the content of the other tokens in the launch).
 //

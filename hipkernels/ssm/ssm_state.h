@@ -1,6 +1,6 @@
 // Recurrent-state kernels of Mamba2 layers under speculative decoding (plain C++ interface; the
 // kernels live in ssm_state.hip). The PyTorch reference with identical
-// semantics is pyengine/ops/ssm_reference.py; the wrappers are in pyengine/ops/ssm_cuda.py.
+// semantics is pyengine/ops/reference/ssm.py; the wrappers are in pyengine/ops/cuda/ssm.py.
 //
 // Slots: row n holds state_idx[n, 0..S-1] (S = 1 + k, PAD = -1); a = num_accepted[n] (>= 1) is the
 // number of tokens the row's previous step committed. Row n's tokens are

@@ -1,6 +1,6 @@
 // Recurrent-state kernels of Mamba2 layers: causal_conv1d_update (decode / verify),
 // causal_conv1d_fn (prefill, varlen) and selective_state_update (multi-token, slot per token).
-// Semantics in ssm_state.h (reference: pyengine/ops/ssm_reference.py). All arithmetic in fp32.
+// Semantics in ssm_state.h (reference: pyengine/ops/reference/ssm.py). All arithmetic in fp32.
 //
 // conv kernels: one thread per (row, channel) (the update: per row and 4 channels, see
 // conv1d_update_kernel); the window lives in registers, the state line is read (at offset a - 1)
@@ -22,7 +22,7 @@ namespace {
 constexpr int kConvThreads = 128;
 // conv update: threads per block, bytes of channels per access (4 bf16 channels per thread), tokens
 // per load chunk. Measured on the H100 at conv dim 5120, bf16, batch 1..256, k = 0 and 3 (graph
-// timing as bench_ssm.py, 2026-11-22, hipkernels/NOTES_ssm.md): 8-byte accesses beat 16-byte ones
+// timing as bench_ssm.py, 2026-11-22, docs/kernels/ssm.md): 8-byte accesses beat 16-byte ones
 // (batch 64, k = 3: 4.24 vs 4.75 us; batch 1, k = 3: 2.34 vs 2.75 us: the thread's arithmetic is
 // on the critical path of a one-wave grid, and 16 bytes double it per thread); 128-thread blocks
 // match or beat 64 from batch 64 on (k = 0, batch 64: 2.82 vs 3.04 us; batch 128: 4.17 vs 4.49)
@@ -156,7 +156,7 @@ struct ChanVec {
 // KW: compile-time width bound; EXACT: W == KW (Mamba2's W = 4), else taps below K - W are zero.
 // ONE: no row has more than TC tokens (state_rows - W + 2 <= TC, i.e. k <= 3), so there is no
 // chunk loop: fewer instructions and 64 registers instead of 71 (8 blocks per multiprocessor
-// instead of 7); H100, batch 128 / 256, k = 0: 3.64 -> 3.25 / 5.72 -> 5.17 us (hipkernels/NOTES_ssm.md).
+// instead of 7); H100, batch 128 / 256, k = 0: 3.64 -> 3.25 / 5.72 -> 5.17 us (docs/kernels/ssm.md).
 // A one-token kernel for k = 0 (40 registers, 30% fewer instructions) was faster still at batch 128
 // and 256 but slower at 64 (2.65 vs 2.47 us), not kept.
 // The window is right-aligned in registers (indices fixed at compile time): full[0 .. K - 2] is

@@ -18,7 +18,7 @@ class KernelConfig:
     skinny_gemm: bool = True  # CUDA: single-row projections on pyengine's skinny GEMM (False: cuBLAS)
     pdl: bool = True  # CUDA: programmatic dependent launch for the skinny GEMM and GQA attention
     gqa_fma: bool = False  # NVIDIA: the CUDA-core (FMA) GQA kernel instead of the tensor-core one
-    gqa_pairs_per_block: int = 0  # GQA: query-head pairs per block, 0 = chosen per launch (else 1, 2, 4, 8)
+    gqa_pairs_per_block: int = 0  # GQA FMA kernel: query-head pairs per block, 0 = chosen per launch (else 1, 2, 4, 8)
     mla_small_tile: bool = False  # NVIDIA: the small MLA tile (the one AMD builds) instead of the fast one
 
     def __post_init__(self) -> None:
