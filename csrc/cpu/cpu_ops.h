@@ -3,7 +3,7 @@
 // (pyengine/ops/reference/attention.py, pyengine/ops/reference/layer.py): fp32 math, one rounding on store,
 // each token computed the same way whatever else is in the batch.
 //
-// Python (pyengine/ops validates, pyengine/ops/cpu prepares) shapes and passes raw data pointers: like the GPU
+// Python validates shapes (pyengine/ops) and passes raw data pointers (pyengine/ops/cpu): like the GPU
 // kernels, this code never sees torch. Row strides are in elements.
 //
 // Misuse is reported by value: each entry point returns an error message (empty on success) that
