@@ -226,7 +226,7 @@ def engine_step_benchmark(args: argparse.Namespace) -> None:
                 print(rows, name, results[str(rows)][name], flush=True)
     out = {
         "benchmark": "ngram decode step, Python side vs C++ core (stub forward, CPU)",
-        "before": "LegacyEngine in this file: the previous proposal path call for call against today's core",
+        "before": "LegacyEngine in this file: the previous engine's per-row Python path (decode rows found by asking each request, the room clamp in Python, shortened rows re-proposed one by one, every request's tokens and text appended each step) against today's core",
         "num_spec_tokens": args.num_spec_tokens, "steps": args.steps, "rows": results,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
         "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(["python"] + sys.argv),
