@@ -5,7 +5,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pyengine.engine.llm_engine import EngineConfig, LLMEngine, Request
+from pyengine.engine.llm_engine import EngineConfig, LLMEngine
+from pyengine.engine.output_processor import Request
 from pyengine.loader import load_model
 from pyengine.engine.kv_budget import CPU_KV_CACHE_BYTES, default_num_kv_blocks
 from pyengine.engine.model_runner import ModelRunner

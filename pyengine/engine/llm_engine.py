@@ -29,6 +29,7 @@ import torch
 from pyengine import _C
 from pyengine.config import ModelConfig
 from pyengine.engine.model_runner import ModelRunner
+from pyengine.engine.output_processor import OutputProcessor, Request
 from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
 from pyengine.spec_decode.rejection_sampler import RejectionSampler, greedy_argmax
 from pyengine.engine.sampler import RequestGenerators
@@ -36,29 +37,7 @@ from pyengine.sampling_params import SamplingParams
 from pyengine.spec_decode.config import SpeculativeConfig
 from pyengine.spec_decode.draft_length import DraftLengthPolicy
 from pyengine.spec_decode.proposer import Proposer, build_proposer
-from pyengine.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-@dataclass
-class Request:
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    detokenizer: IncrementalDetokenizer
-    # A streamed request (stream=True, or stop strings, which need the text) gets its tokens and
-    # text every step; the others once, when they finish (so a step's Python work does not grow
-    # with the number of rows): until then output_token_ids and text stay empty.
-    stream: bool = False
-    stopped_by_string: bool = False
-    output_token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+from pyengine.tokenizer import Tokenizer
 
 
 @dataclass
@@ -104,7 +83,7 @@ class LLMEngine:
         self.generators = RequestGenerators(cfg.seed)
         self.eos_token_ids = list(dict.fromkeys(tokenizer.eos_token_ids + model_config.eos_token_ids))
         self.requests: dict[int, Request] = {}  # unfinished requests; a finished one leaves once returned
-        self.streamed: set[int] = set()  # ids of the unfinished requests with stream=True
+        self.outputs = OutputProcessor()
         self.next_id = 0
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_tokens": 0}
         self.prefill_time = self.decode_time = 0.0
@@ -133,8 +112,7 @@ class LLMEngine:
             req.finish_reason, req.error = "error", str(e)
             return req
         self.requests[rid] = req
-        if req.stream:
-            self.streamed.add(rid)
+        self.outputs.add(req)
         self.generators.get(rid, params.seed)
         self.counters["prompt_tokens"] += len(req.prompt_token_ids)
         return req
@@ -287,60 +265,18 @@ class LLMEngine:
 
     def _commit(self, batch, tokens: np.ndarray, counts: np.ndarray, num_committed: np.ndarray,
                 reasons: np.ndarray) -> list[Request]:
-        """Hand this step's tokens to the requests that need them now: every row of a streamed
-        request, and each request that finished (its whole output at once, from the scheduler).
-        Returns those requests; a finished one leaves self.requests."""
+        """Outputs for this step (pyengine/engine/output_processor.py); a finished request leaves
+        the engine once returned."""
         self.counters["generated_tokens"] += int(num_committed.sum())
-        touched: list[Request] = []
-        if self.streamed:
-            starts = np.cumsum(counts) - counts
-            streamed = np.fromiter(self.streamed, np.int64, len(self.streamed))
-            for r in np.nonzero(np.isin(batch.seq_ids, streamed) & (counts > 0))[0].tolist():
-                req = self.requests[int(batch.seq_ids[r])]
-                new = tokens[starts[r]:starts[r] + num_committed[r]].tolist()
-                req.output_token_ids.extend(new)
-                if reasons[r]:
-                    req.finish_reason = _C.FINISH_REASONS[reasons[r]]
-                self._append_text(req, req.detokenizer.add(new))
-                if req.finished:
-                    self._append_text(req, req.detokenizer.flush())
-                touched.append(req)
-        seq_ids, cu_num_tokens, output_ids = self.scheduler.finished_outputs()
-        if len(seq_ids):
-            rows = np.nonzero(reasons)[0]
-            reason_of = dict(zip(batch.seq_ids[rows].tolist(), reasons[rows].tolist()))
-        for i, sid in enumerate(seq_ids.tolist()):
-            req = self.requests[sid]
-            if not req.stream:
-                req.output_token_ids = output_ids[cu_num_tokens[i]:cu_num_tokens[i + 1]].tolist()
-                req.text = req.detokenizer.add(req.output_token_ids) + req.detokenizer.flush()
-                req.finish_reason = _C.FINISH_REASONS[reason_of[sid]]
-                touched.append(req)
+        touched = self.outputs.process(self.scheduler, self.requests, batch, tokens, counts, num_committed, reasons)
         finished = [req.request_id for req in touched if req.finished]
         for rid in finished:
             self.generators.release(rid)
-            self.streamed.discard(rid)
+            self.outputs.release(rid)
             del self.requests[rid]
         if finished and self.proposer is not None:
             self.proposer.forget(finished, finished=True)
         return touched
-
-    def _append_text(self, req: Request, new_text: str) -> None:
-        """Extend a streamed request's text; a stop string ends the request and is not part of
-        the output text."""
-        if req.stopped_by_string or not new_text:
-            return
-        before = len(req.text)
-        req.text += new_text
-        for stop in req.params.stop or []:
-            idx = req.text.find(stop, max(0, before - len(stop) + 1))
-            if idx >= 0:
-                req.text = req.text[:idx]
-                req.stopped_by_string = True
-                if not req.finished:
-                    req.finish_reason = "stop"
-                    self.scheduler.abort_request(req.request_id)
-                return
 
     # ---- reporting -------------------------------------------------------------------------------
     def stats(self) -> dict:
