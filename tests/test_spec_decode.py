@@ -261,3 +261,21 @@ def test_bf16_cpu_spec_equals_plain_exactly(tiny: str) -> None:
     outs, stats, rec, _ = run(tiny, prompts, max_tokens=24, spec=spec, dtype="bfloat16", block_size=4)
     assert stats["num_accepted_tokens"] > 0 and rec.had_ragged_step()
     assert outs == plain
+
+
+def test_regression_stop_string_inside_an_accepted_run(tiny: str) -> None:
+    """A stop string completed inside an accepted draft run: the tokens after the one that
+    completed it are dropped, so token_ids, text and finish reason equal plain decoding's."""
+    prompts = make_prompts(4, seed=7)
+    plain = run(tiny, prompts, max_tokens=30)[0]
+    llm = make_llm(tiny, None, device="cpu")
+    stop = llm.tokenizer.decode(plain[0][6:8])  # completed by the 8th token of the first request
+    assert stop.strip(), "the tiny tokenizer decoded nothing to stop at"
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    want = llm.generate(prompts, params, use_tqdm=False)
+    reference = {i: (len(p), out) for i, (p, out) in enumerate(zip(prompts, plain))}
+    spec = {"method": "scripted", "num_speculative_tokens": 8, "script": scripted(reference, 8, [8])}
+    got = make_llm(tiny, spec, device="cpu", block_size=4).generate(prompts, params, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in got] == \
+           [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in want]
+    assert want[0].outputs[0].finish_reason == "stop" and len(want[0].outputs[0].token_ids) <= 8

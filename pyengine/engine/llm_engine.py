@@ -267,8 +267,8 @@ class LLMEngine:
                 reasons: np.ndarray) -> list[Request]:
         """Outputs for this step (pyengine/engine/output_processor.py); a finished request leaves
         the engine once returned."""
-        self.counters["generated_tokens"] += int(num_committed.sum())
         touched = self.outputs.process(self.scheduler, self.requests, batch, tokens, counts, num_committed, reasons)
+        self.counters["generated_tokens"] += int(num_committed.sum()) - self.outputs.num_dropped_tokens
         finished = [req.request_id for req in touched if req.finished]
         for rid in finished:
             self.generators.release(rid)

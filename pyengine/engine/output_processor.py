@@ -25,7 +25,6 @@ class Request:
     detokenizer: IncrementalDetokenizer
     # Streamed: output_token_ids and text grow every step; else they stay empty until it finishes.
     stream: bool = False
-    stopped_by_string: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -39,6 +38,7 @@ class Request:
 class OutputProcessor:
     def __init__(self) -> None:
         self.streamed: set[int] = set()  # ids of the unfinished streamed requests
+        self.num_dropped_tokens = 0  # of the last process(): committed tokens cut after a stop string
 
     def add(self, req: Request) -> None:
         if req.stream:
@@ -52,18 +52,22 @@ class OutputProcessor:
         """Hand this step's tokens (scheduler.update's results for batch) to the requests that need
         them now: every row of a streamed request, and each request that finished. Returns them."""
         touched: list[Request] = []
+        self.num_dropped_tokens = 0  # committed tokens after a stop string, this step
         if self.streamed:
             starts = np.cumsum(counts) - counts
             streamed = np.fromiter(self.streamed, np.int64, len(self.streamed))
             for r in np.nonzero(np.isin(batch.seq_ids, streamed) & (counts > 0))[0].tolist():
                 req = requests[int(batch.seq_ids[r])]
                 new = tokens[starts[r]:starts[r] + num_committed[r]].tolist()
-                req.output_token_ids.extend(new)
-                if reasons[r]:
-                    req.finish_reason = _C.FINISH_REASONS[reasons[r]]
-                self._append_text(scheduler, req, req.detokenizer.add(new))
-                if req.finished:
-                    self._append_text(scheduler, req, req.detokenizer.flush())
+                reason = _C.FINISH_REASONS[reasons[r]] if reasons[r] else None
+                if req.params.stop:
+                    self._add_until_stop(scheduler, req, new, reason)
+                else:
+                    req.output_token_ids.extend(new)
+                    req.text += req.detokenizer.add(new)
+                    if reason is not None:
+                        req.finish_reason = reason
+                        req.text += req.detokenizer.flush()
                 touched.append(req)
         seq_ids, cu_num_tokens, output_ids = scheduler.finished_outputs()
         if len(seq_ids):
@@ -78,20 +82,28 @@ class OutputProcessor:
                 touched.append(req)
         return touched
 
-    @staticmethod
-    def _append_text(scheduler: _C.Scheduler, req: Request, new_text: str) -> None:
-        """Extend a streamed request's text; a stop string ends the request and is not part of
-        the output text."""
-        if req.stopped_by_string or not new_text:
-            return
-        before = len(req.text)
-        req.text += new_text
-        for stop in req.params.stop or []:
-            idx = req.text.find(stop, max(0, before - len(stop) + 1))
-            if idx >= 0:
-                req.text = req.text[:idx]
-                req.stopped_by_string = True
-                if not req.finished:
-                    req.finish_reason = "stop"
+    def _add_until_stop(self, scheduler: _C.Scheduler, req: Request, new: list[int], reason: str | None) -> None:
+        """Append `new` (the row's committed tokens; reason: how the scheduler finished it, if it
+        did) one token at a time, as plain decoding would see them, until the text contains a stop
+        string: the text ends before it, the tokens end with the one that completed it, and the
+        tokens after it (accepted drafts) are dropped."""
+        stops = req.params.stop or []
+        for j, token in enumerate(new):
+            last = j == len(new) - 1
+            req.output_token_ids.append(token)
+            before = len(req.text)
+            req.text += req.detokenizer.add([token])
+            if last and reason is not None:
+                req.text += req.detokenizer.flush()
+            found = [i for i in (req.text.find(stop, max(0, before - len(stop) + 1)) for stop in stops) if i >= 0]
+            if found:
+                req.text = req.text[:min(found)]
+                # The scheduler's own stop (EOS, a stop id, a length limit) wins only when it came
+                # with this very token; a request it still runs is aborted there.
+                req.finish_reason = reason if last and reason is not None else "stop"
+                if reason is None:
                     scheduler.abort_request(req.request_id)
+                self.num_dropped_tokens += len(new) - 1 - j
                 return
+        if reason is not None:
+            req.finish_reason = reason
