@@ -279,3 +279,18 @@ def test_regression_stop_string_inside_an_accepted_run(tiny: str) -> None:
     assert [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in got] == \
            [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in want]
     assert want[0].outputs[0].finish_reason == "stop" and len(want[0].outputs[0].token_ids) <= 8
+
+
+@pytest.mark.parametrize("max_tokens", [1, 4, 6])
+def test_regression_speculation_runs_what_plain_decoding_runs(tiny: str, max_tokens: int) -> None:
+    """A pool of one block: plain decoding runs a 10-token prompt for up to 6 tokens (16 positions);
+    speculation must run it too (drafts shrink to fit) and give the same tokens, not refuse it."""
+    prompt = make_prompts(1, seed=8)[0][:10]
+    assert len(prompt) == 10
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    want = make_llm(tiny, None, device="cpu", num_kv_blocks=1).generate([prompt], params, use_tqdm=False)[0]
+    assert want.error is None and len(want.outputs[0].token_ids) == max_tokens
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    got = make_llm(tiny, spec, device="cpu", num_kv_blocks=1).generate([prompt], params, use_tqdm=False)[0]
+    assert got.error is None, got.error
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids

@@ -47,9 +47,10 @@ void Scheduler::add_request(int64_t seq_id, std::vector<int32_t> prompt, int64_t
   const int64_t len = static_cast<int64_t>(prompt.size());
   PE_CHECK(len + max_tokens <= config_.max_model_len, "request ", seq_id, ": prompt (", len,
            " tokens) + max_tokens (", max_tokens, ") exceeds max_model_len (", config_.max_model_len, ")");
-  // A request that could not run even with the whole pool to itself would wait forever.
-  const int64_t worst = ceil_div(len + max_tokens + config_.num_spec_tokens + config_.drafter_lookahead,
-                                 config_.block_size);
+  // A request that could not run even with the whole pool to itself would wait forever. Drafts
+  // never need more: they are clamped to the tokens a request may still commit, and dropped when
+  // blocks run out (a draft model's own lookahead still needs its blocks).
+  const int64_t worst = ceil_div(len + max_tokens + config_.drafter_lookahead, config_.block_size);
   PE_CHECK(worst <= config_.num_kv_blocks, "request ", seq_id, " may need ", worst,
            " KV blocks but the pool has only ", config_.num_kv_blocks);
   auto seq = std::make_unique<Sequence>();
@@ -71,6 +72,12 @@ void Scheduler::abort_request(int64_t seq_id) {
   PE_CHECK(!step_in_flight_, "abort_request between schedule() and update()");
   finish(find(seq_id), FinishReason::kAbort);
   seqs_.erase(seq_id);
+}
+
+int64_t Scheduler::admission_lookahead(const Sequence& seq) const {
+  // The first verify step's tokens (1 + drafts, drafts clamped like max_useful_drafts) and the
+  // draft model's lookahead: reserving them at admission means that step never preempts.
+  return 1 + max_useful_drafts(seq) + config_.drafter_lookahead;
 }
 
 int64_t Scheduler::max_useful_drafts(const Sequence& seq) const {
@@ -213,11 +220,11 @@ std::shared_ptr<ScheduledBatch> Scheduler::schedule() {
   }
 
   // Pass 3: admit waiting requests, first come first served, unless this step had to preempt.
-  const int64_t lookahead = 1 + config_.num_spec_tokens + config_.drafter_lookahead;
   while (preempted.empty() && !waiting_.empty() && budget > 0 &&
          static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
     Sequence* seq = waiting_.front();
     if (!config_.enable_chunked_prefill && seq->num_tokens() > budget) break;
+    const int64_t lookahead = admission_lookahead(*seq);
     if (!block_manager_.can_allocate(seq->token_ids.data(), seq->num_tokens(), lookahead, seq->cache_salt))
       break;
     int64_t cached = block_manager_.allocate(seq->kv, seq->token_ids.data(), seq->num_tokens(),

@@ -80,6 +80,8 @@ class Scheduler {
   }
   // Clamp of the drafts a request may still use: more would pass max_tokens or max_model_len.
   int64_t max_useful_drafts(const Sequence& seq) const;
+  // Positions past the prompt that admission reserves blocks for.
+  int64_t admission_lookahead(const Sequence& seq) const;
   // The running requests whose next step decodes (see decode_view.h).
   std::shared_ptr<DecodeView> decode_view() const;
 
