@@ -115,7 +115,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("num_waiting", &DecodeView::num_waiting)
 #define PE_VIEW(name) .def_property_readonly(#name, [](py::object self) { \
         return view(self.cast<const DecodeView&>().name, self); })
-      PE_VIEW(seq_ids) PE_VIEW(request_slots) PE_VIEW(num_tokens) PE_VIEW(tokens_left) PE_VIEW(fewest_tokens_left);
+      PE_VIEW(seq_ids) PE_VIEW(request_slots) PE_VIEW(num_tokens) PE_VIEW(tokens_left);
 #undef PE_VIEW
 
   py::class_<Scheduler>(m, "Scheduler")

@@ -14,8 +14,8 @@ struct DecodeView {
   BatchArray<int32_t> request_slots;   // Sequence::slot: a dense index < max_num_seqs
   BatchArray<int64_t> num_tokens;      // committed tokens
   BatchArray<int64_t> tokens_left;     // tokens it may still commit (max_tokens, max_model_len)
-  BatchArray<int64_t> fewest_tokens_left;  // tokens_left if only length can stop it, else 1
-  // Over every running request (decoding or prefilling): the largest fewest_tokens_left.
+  // Over every running request (decoding or prefilling): the largest of its fewest tokens left
+  // (tokens_left if only length can stop it, else 1: EOS or a stop may come any time).
   int64_t max_fewest_tokens_left = 0;
   int64_t num_waiting = 0;
 

@@ -97,7 +97,6 @@ std::shared_ptr<DecodeView> Scheduler::decode_view() const {
     view->request_slots.push_back(seq->slot);
     view->num_tokens.push_back(seq->num_tokens());
     view->tokens_left.push_back(left);
-    view->fewest_tokens_left.push_back(fewest);
   }
   return view;
 }

@@ -180,7 +180,7 @@ class LLMEngine:
         """Per decode row (view: the scheduler's DecodeView): can it still be the last running
         request to finish? None while requests wait for admission (a row that finishes early is
         replaced, so every committed token counts). A request has at most tokens_left tokens to go
-        and at least fewest_tokens_left (the same if only the length can stop it, else 1: EOS or a
+        and at least its fewest tokens left (the same if only the length can stop it, else 1: EOS or a
         stop may come any time); one whose most is below another running request's fewest
         finishes first."""
         if view.num_waiting or view.num_rows < 2:
@@ -267,8 +267,9 @@ class LLMEngine:
                 reasons: np.ndarray) -> list[Request]:
         """Outputs for this step (pyengine/engine/output_processor.py); a finished request leaves
         the engine once returned."""
-        touched = self.outputs.process(self.scheduler, self.requests, batch, tokens, counts, num_committed, reasons)
-        self.counters["generated_tokens"] += int(num_committed.sum()) - self.outputs.num_dropped_tokens
+        touched, num_dropped = self.outputs.process(self.scheduler, self.requests, batch, tokens, counts,
+                                                    num_committed, reasons)
+        self.counters["generated_tokens"] += int(num_committed.sum()) - num_dropped
         finished = [req.request_id for req in touched if req.finished]
         for rid in finished:
             self.generators.release(rid)

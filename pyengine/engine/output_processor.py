@@ -38,7 +38,6 @@ class Request:
 class OutputProcessor:
     def __init__(self) -> None:
         self.streamed: set[int] = set()  # ids of the unfinished streamed requests
-        self.num_dropped_tokens = 0  # of the last process(): committed tokens cut after a stop string
 
     def add(self, req: Request) -> None:
         if req.stream:
@@ -48,11 +47,12 @@ class OutputProcessor:
         self.streamed.discard(request_id)
 
     def process(self, scheduler: _C.Scheduler, requests: dict[int, Request], batch, tokens: np.ndarray,
-                counts: np.ndarray, num_committed: np.ndarray, reasons: np.ndarray) -> list[Request]:
+                counts: np.ndarray, num_committed: np.ndarray, reasons: np.ndarray) -> tuple[list[Request], int]:
         """Hand this step's tokens (scheduler.update's results for batch) to the requests that need
-        them now: every row of a streamed request, and each request that finished. Returns them."""
+        them now: every row of a streamed request, and each request that finished. Returns them and
+        the number of committed tokens dropped after a stop string."""
         touched: list[Request] = []
-        self.num_dropped_tokens = 0  # committed tokens after a stop string, this step
+        num_dropped = 0
         if self.streamed:
             starts = np.cumsum(counts) - counts
             streamed = np.fromiter(self.streamed, np.int64, len(self.streamed))
@@ -61,7 +61,7 @@ class OutputProcessor:
                 new = tokens[starts[r]:starts[r] + num_committed[r]].tolist()
                 reason = _C.FINISH_REASONS[reasons[r]] if reasons[r] else None
                 if req.params.stop:
-                    self._add_until_stop(scheduler, req, new, reason)
+                    num_dropped += self._add_until_stop(scheduler, req, new, reason)
                 else:
                     req.output_token_ids.extend(new)
                     req.text += req.detokenizer.add(new)
@@ -80,13 +80,14 @@ class OutputProcessor:
                 req.text = req.detokenizer.add(req.output_token_ids) + req.detokenizer.flush()
                 req.finish_reason = _C.FINISH_REASONS[reason_of[sid]]
                 touched.append(req)
-        return touched
+        return touched, num_dropped
 
-    def _add_until_stop(self, scheduler: _C.Scheduler, req: Request, new: list[int], reason: str | None) -> None:
+    @staticmethod
+    def _add_until_stop(scheduler: _C.Scheduler, req: Request, new: list[int], reason: str | None) -> int:
         """Append `new` (the row's committed tokens; reason: how the scheduler finished it, if it
         did) one token at a time, as plain decoding would see them, until the text contains a stop
         string: the text ends before it, the tokens end with the one that completed it, and the
-        tokens after it (accepted drafts) are dropped."""
+        tokens after it (accepted drafts) are dropped. Returns how many were dropped."""
         stops = req.params.stop or []
         for j, token in enumerate(new):
             last = j == len(new) - 1
@@ -103,7 +104,7 @@ class OutputProcessor:
                 req.finish_reason = reason if last and reason is not None else "stop"
                 if reason is None:
                     scheduler.abort_request(req.request_id)
-                self.num_dropped_tokens += len(new) - 1 - j
-                return
+                return len(new) - 1 - j
         if reason is not None:
             req.finish_reason = reason
+        return 0
