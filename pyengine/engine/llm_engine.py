@@ -53,6 +53,7 @@ class EngineConfig:
     num_state_slots: int = 0  # hybrid models: recurrent-state slot pool (1 + k per request)
     async_decode: bool = True  # launch the next greedy decode step before this one's tokens arrive
     kernel_config: KernelConfig = field(default_factory=KernelConfig)  # the kernels this engine's steps run
+    record_logits: bool = False  # keep each committed token's logits (Request.logits): the losslessness checker
 
 
 class LLMEngine:
@@ -138,7 +139,8 @@ class LLMEngine:
         pending, self._pending = self._pending, None
         if pending is not None and pending.matches(batch):
             self.num_async_steps += 1
-            tokens, counts = self._sample_greedy(batch, pending.logits, pending.key)
+            logits = pending.logits
+            tokens, counts = self._sample_greedy(batch, logits, pending.key)
         else:
             self.num_async_discarded += pending is not None
             logits = self.runner.execute(batch)
@@ -147,6 +149,8 @@ class LLMEngine:
             else:
                 tokens, counts = self._sample(batch, logits)
         num_committed, reasons = self.scheduler.update(tokens, counts)
+        if self.cfg.record_logits:
+            self._record_logits(batch, logits, num_committed)
         touched = self._commit(batch, tokens, counts, num_committed, reasons)
         elapsed = time.perf_counter() - t0
         num_prefill = int(batch.num_tokens - (batch.query_start_loc[batch.num_decode_rows]))
@@ -263,6 +267,15 @@ class LLMEngine:
         # this step's token is a row's last one when it has one token left
         return bool((batch.tokens_left > 1).all())
 
+    def _record_logits(self, batch, logits: torch.Tensor, num_committed: np.ndarray) -> None:
+        """Each committed token's logits (fp32, CPU) onto its request: a row's logits are its
+        num_logits consecutive rows, the first num_committed of them gave committed tokens."""
+        starts = np.cumsum(batch.num_logits) - batch.num_logits
+        host = logits.float().cpu()
+        for r in np.nonzero(num_committed)[0].tolist():
+            req = self.requests[int(batch.seq_ids[r])]
+            req.logits.extend(host[starts[r]:starts[r] + num_committed[r]].unbind(0))
+
     def _commit(self, batch, tokens: np.ndarray, counts: np.ndarray, num_committed: np.ndarray,
                 reasons: np.ndarray) -> list[Request]:
         """Outputs for this step (pyengine/engine/output_processor.py); a finished request leaves
@@ -271,6 +284,9 @@ class LLMEngine:
                                                     num_committed, reasons)
         self.counters["generated_tokens"] += int(num_committed.sum()) - num_dropped
         finished = [req.request_id for req in touched if req.finished]
+        for req in touched:
+            if req.finished and req.logits:  # tokens dropped after a stop string drop their logits
+                del req.logits[len(req.output_token_ids):]
         for rid in finished:
             self.generators.release(rid)
             self.outputs.release(rid)

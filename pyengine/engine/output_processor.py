@@ -29,6 +29,8 @@ class Request:
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
+    # EngineConfig.record_logits: the fp32 logits [vocab] that produced each output token
+    logits: list = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
