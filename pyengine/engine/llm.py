@@ -1,6 +1,7 @@
 """`LLM`: the vLLM-compatible entry point (a subset of its arguments, the same names)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -54,12 +55,19 @@ class LLM:
                  speculative_config: dict[str, Any] | None = None, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, async_decode: bool = True,
                  cpu_kv_cache_bytes: int = CPU_KV_CACHE_BYTES,
-                 kernel_config: KernelConfig | dict[str, Any] | None = None) -> None:
+                 kernel_config: KernelConfig | dict[str, Any] | None = None,
+                 batch_invariant: bool | None = None) -> None:
         """vLLM's arguments, plus: async_decode (launch the next greedy decode step before this
         one's tokens reach the host; CUDA graphs only), cpu_kv_cache_bytes (the KV budget on the
         CPU) and kernel_config (the kernel variants this LLM's loading and steps run: a
-        KernelConfig or a dict of its fields; another LLM in the process keeps its own)."""
+        KernelConfig or a dict of its fields; another LLM in the process keeps its own).
+        batch_invariant: a row's numbers never depend on the rest of the step (None: the
+        kernel_config's batch_invariant)."""
         self.kernel_config = KernelConfig.from_value(kernel_config)
+        if batch_invariant is not None:
+            if not isinstance(batch_invariant, bool):
+                raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+            self.kernel_config = dataclasses.replace(self.kernel_config, batch_invariant=batch_invariant)
         with use_kernel_config(self.kernel_config):  # loading may pick kernels (CPU GEMM packing)
             for name, value, opt in [("block_size", block_size, False), ("max_num_seqs", max_num_seqs, False),
                                      ("max_model_len", max_model_len, True), ("num_kv_blocks", num_kv_blocks, True),

@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (GPU)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="a row's numbers never depend on the rest of the batch (default: the engine's)")
     return p.parse_args(argv)
 
 
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
                                 seed=args.seed, max_tokens=args.max_tokens)
         llm = LLM(model=args.model, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
                   num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                  speculative_config=spec, enforce_eager=args.enforce_eager)
+                  speculative_config=spec, enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant)
         tok = llm.tokenizer
         if args.chat and tok.has_chat_template:
             texts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]

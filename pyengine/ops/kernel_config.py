@@ -20,6 +20,9 @@ class KernelConfig:
     gqa_fma: bool = False  # NVIDIA: the CUDA-core (FMA) GQA kernel instead of the tensor-core one
     gqa_pairs_per_block: int = 0  # GQA FMA kernel: query-head pairs per block, 0 = chosen per launch (else 1, 2, 4, 8)
     mla_small_tile: bool = False  # NVIDIA: the small MLA tile (the one AMD builds) instead of the fast one
+    # Every op computes a row's result from that row alone, whatever shares the step (docs/
+    # architecture.md, "Batch invariance"): CUDA projections of every size run one GEMM family.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.gqa_pairs_per_block not in (0, 1, 2, 4, 8):
