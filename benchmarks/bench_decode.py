@@ -57,6 +57,9 @@ class NullDetokenizer:
     def add(self, ids) -> str:
         return ""
 
+    def flush(self) -> str:
+        return ""
+
 
 class NullTokenizer:
     """Token-id prompts only (the random 8B model has no vocabulary)."""

@@ -1,4 +1,4 @@
-"""The attention kernels under compute-sanitizer (memcheck: out-of-bounds / misaligned accesses;
+"""The attention kernels and the invariant GEMM under compute-sanitizer (memcheck: out-of-bounds / misaligned accesses;
 synccheck: barrier misuse, e.g. a warp-aligned barrier reached by diverged lanes). Each check runs a
 mixed batch (decode, verify, prefill, empty and long rows; unused cache pages NaN) in a child process
 under the tool and requires its "ERROR SUMMARY: 0 errors". Skipped without a GPU or the tool.
@@ -39,6 +39,17 @@ with use_kernel_config(mla_small_tile=sys.argv[1] == "small"):
     mla_case({ROWS}, 16, 20, torch.float16, seed=1)
 torch.cuda.synchronize()
 """,
+    "gemm": """
+import torch
+from pyengine.ops import cuda as cuda_ops
+g = torch.Generator(device="cuda").manual_seed(0)
+for m, k, n in [(1, 576, 960), (17, 576, 968), (300, 4096, 1032), (5, 1536, 576)]:
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = torch.randn(k, n, device="cuda", generator=g).bfloat16()
+    for split in (1, 2, 8):
+        cuda_ops.invariant_gemm(x, w, torch.ones(n, device="cuda").bfloat16(), split=split)
+torch.cuda.synchronize()
+""",
     "gqa": f"""
 import sys
 import torch
@@ -62,9 +73,10 @@ def run_under(tool: str, program: str, variant: str) -> str:
     return out
 
 
-@pytest.mark.parametrize("kernel", ["mla", "gqa", "gqa_fma"])
+@pytest.mark.parametrize("kernel", ["mla", "gqa", "gqa_fma", "gemm"])
 def test_memcheck_clean(kernel):
-    """gqa: the tensor-core kernel NVIDIA runs; gqa_fma: the FMA kernel (AMD's), forced."""
+    """gqa: the tensor-core kernel NVIDIA runs; gqa_fma: the FMA kernel (AMD's), forced; gemm: the
+    batch-invariant GEMM (row and column tails, every split)."""
     family, _, variant = kernel.partition("_")
     out = run_under("memcheck", PROGRAMS[family], variant or "default")
     assert "ERROR SUMMARY: 0 errors" in out, out[-3000:]
@@ -75,6 +87,15 @@ def test_gqa_mma_shared_memory_clean(tool):
     """The tensor-core GQA kernel runs one cp.async pipeline per warp with warp-level syncs only, then
     reuses all warps' stages as the block's merge buffer: a missing barrier shows as a hazard here."""
     out = run_under(tool, PROGRAMS["gqa"], "mma")
+    clean = "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
+    assert clean in out, out[-3000:]
+
+
+@pytest.mark.parametrize("tool", ["racecheck", "synccheck"])
+def test_invariant_gemm_shared_memory_clean(tool):
+    """The invariant GEMM's 3-stage pipeline and its reuse of the stages as the cluster's exchange
+    buffer (the split-K combine)."""
+    out = run_under(tool, PROGRAMS["gemm"], "default")
     clean = "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
     assert clean in out, out[-3000:]
 

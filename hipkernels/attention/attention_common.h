@@ -4,6 +4,7 @@
 // asynchronous global -> shared copies. Include after hip_compat.h and paged_attention.h.
 #pragma once
 
+#include "common/async_copy.h"
 #include "common/hip_compat.h"
 #include "attention/paged_attention.h"
 
@@ -88,36 +89,9 @@ PE_DEVICE void merge_and_store_pair(const PagedAttentionParams& p, const float* 
   }
 }
 
-// Asynchronous 16-byte global -> shared copies. On NVIDIA (sm_80 and later) these are cp.async
-// (zero-filled when the source is not valid, so that no byte of an unused page is read); the
-// portable fallback (HIP, older targets) copies synchronously through registers, and the barrier
-// that follows each wait makes the stores visible exactly as with cp.async.
-#if defined(PE_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#define PE_ATTN_CP_ASYNC 1
-#endif
-
-PE_DEVICE void copy16_async(void* smem, const void* gmem, bool valid) {
-#if defined(PE_ATTN_CP_ASYNC)
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
-#else
-  *reinterpret_cast<uint4*>(smem) = valid ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0u, 0u, 0u, 0u);
-#endif
-}
-
-PE_DEVICE void copy_commit() {
-#if defined(PE_ATTN_CP_ASYNC)
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-// Waits until at most N of this thread's committed copy groups are still in flight.
-template <int N>
-PE_DEVICE void copy_wait() {
-#if defined(PE_ATTN_CP_ASYNC)
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
+// Asynchronous global -> shared copies: common/async_copy.h.
+using pe_copy::copy16_async;
+using pe_copy::copy_commit;
+using pe_copy::copy_wait;
 
 }  // namespace pe_attn

@@ -95,6 +95,11 @@ struct PeVec8<pe_half> {
       f[2 * i + 1] = p.y;
     }
   }
+  static PE_DEVICE float element_to_float(uint16_t bits) {
+    __half h;
+    __builtin_memcpy(&h, &bits, 2);
+    return __half2float(h);
+  }
   static PE_DEVICE uint16_t from_float(float f) {
     __half h = __float2half_rn(f);
     uint16_t b;
@@ -113,6 +118,7 @@ struct PeVec8<pe_bf16> {
       f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
   }
+  static PE_DEVICE float element_to_float(uint16_t bits) { return pe_bf16_bits_to_float(bits); }
   static PE_DEVICE uint16_t from_float(float f) { return pe_float_to_bf16_bits(f); }
 };
 

@@ -5,6 +5,6 @@ void register_kernels(pybind11::module_& m) {
   pybind11::module_ k = m.def_submodule("kernels", "GPU kernels (raw device pointers and streams)");
   register_attention_kernels(k);
   register_layer_ops_kernels(k);
-  register_skinny_gemm_kernels(k);
+  register_gemm_kernels(k);
   register_ssm_kernels(k);
 }

@@ -10,5 +10,5 @@ void register_kernels(pybind11::module_& m);
 // One per kernel family, each defined in the family's bindings.cpp.
 void register_attention_kernels(pybind11::module_& k);
 void register_layer_ops_kernels(pybind11::module_& k);
-void register_skinny_gemm_kernels(pybind11::module_& k);
+void register_gemm_kernels(pybind11::module_& k);
 void register_ssm_kernels(pybind11::module_& k);

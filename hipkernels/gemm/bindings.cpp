@@ -1,12 +1,14 @@
-// Python binding of the skinny GEMM (skinny_gemm.h): SkinnyGemmParams as a class (pointers as
-// integers), launched as skinny_gemm(params, stream); pyengine/ops/cuda/gemm.py fills it.
+// Python bindings of the GEMMs (skinny_gemm.h, invariant_gemm.h): each params struct as a class
+// (pointers as integers), launched as skinny_gemm / invariant_gemm(params, stream);
+// pyengine/ops/cuda/gemm.py fills them.
 #include "common/binding_utils.h"
 #include "common/register_kernels.h"
+#include "gemm/invariant_gemm.h"
 #include "gemm/skinny_gemm.h"
 
 using namespace pyengine_bindings;  // ParamsClass, def_launch
 
-void register_skinny_gemm_kernels(py::module_& k) {
+void register_gemm_kernels(py::module_& k) {
   using G = SkinnyGemmParams;
   ParamsClass<G>(k, "SkinnyGemmParams")
       .PE_FIELD(G, x).PE_FIELD(G, w).PE_FIELD(G, bias).PE_FIELD(G, y).PE_FIELD(G, m).PE_FIELD(G, n).PE_FIELD(G, k)
@@ -17,4 +19,12 @@ void register_skinny_gemm_kernels(py::module_& k) {
         "The default output columns per block of the skinny GEMM for N (a function of N and the device).");
   k.def("skinny_gemm_split", &skinny_gemm_split, py::arg("k"), py::arg("n"), py::arg("tile_n"), py::arg("num_sms"),
         "The default K split of the skinny GEMM for a shape (a function of K, N and the device only).");
+  using I = InvariantGemmParams;
+  ParamsClass<I>(k, "InvariantGemmParams")
+      .PE_FIELD(I, x).PE_FIELD(I, w).PE_FIELD(I, bias).PE_FIELD(I, y).PE_FIELD(I, m).PE_FIELD(I, n).PE_FIELD(I, k)
+      .PE_FIELD(I, x_stride).PE_FIELD(I, y_stride).PE_FIELD(I, dtype).PE_FIELD(I, num_sms).PE_FIELD(I, split)
+      .PE_FIELD(I, pdl);
+  def_launch(k, "invariant_gemm", &launch_invariant_gemm);
+  k.def("invariant_gemm_split", &invariant_gemm_split, py::arg("k"), py::arg("n"), py::arg("num_sms"),
+        "The K split of the batch-invariant GEMM for a shape (a function of K, N and the device, never of M).");
 }

@@ -81,6 +81,9 @@ class LLM:
             spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
             self.device = resolve_device(device)
             self.dtype = resolve_dtype(dtype, self.device)
+            if self.kernel_config.batch_invariant and self.device.type == "cuda" and self.dtype == torch.float32:
+                raise ValueError("batch_invariant on CUDA needs bfloat16 or float16 (the invariant GEMM's dtypes), "
+                                 "got float32")
             torch.manual_seed(seed)
             self.model, self.model_config, self.tokenizer = load_model(model, str(self.device), self.dtype)
             draft = None  # draft model: loaded before the KV budget, which then covers both caches
@@ -98,6 +101,9 @@ class LLM:
             # ---- hybrid (recurrent-state) models: a state slot pool; no prefix caching ----
             num_state_slots = 0
             if hasattr(self.model, "state_shapes"):
+                if self.kernel_config.batch_invariant:
+                    raise ValueError(f"{self.model_config.architecture}: batch_invariant is not available for "
+                                     "recurrent-state models yet (their projections run torch's GEMMs)")
                 if spec is not None and spec.method == "draft_model":
                     raise ValueError(f"{self.model_config.architecture}: draft-model speculation is not supported for "
                                      "recurrent-state models (use ngram)")

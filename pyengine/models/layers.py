@@ -31,14 +31,15 @@ def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 def linear(x: torch.Tensor, w: torch.Tensor | Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W (+ bias) for a dense [in, out] weight, a oneDNN-prepacked one, or a
-    pyengine.ops.cpu.PackedLinear (LlamaForCausalLM.prepack_for_cpu). On CUDA, decode-sized batches
-    run pyengine's skinny GEMM (a row's result independent of the batch)."""
+    pyengine.ops.cpu.PackedLinear (LlamaForCausalLM.prepack_for_cpu). On CUDA pyengine's GEMMs take
+    what they take (ops.linear: single rows, or every call under KernelConfig.batch_invariant),
+    cuBLAS the rest."""
     if not isinstance(w, torch.Tensor):
         return w(x, bias)
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     if w.is_cuda:
-        y = ops.skinny_linear(x, w, bias)
+        y = ops.linear(x, w, bias)
         if y is not None:
             return y
     return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)

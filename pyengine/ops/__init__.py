@@ -22,7 +22,7 @@ from pyengine.ops.reference import PAD
 from pyengine.ops.reference.mla import KV_LORA_RANK, ROPE_DIM
 
 __all__ = ["paged_attention", "paged_attention_mla", "reshape_and_cache_mla", "rms_norm", "fused_add_rms_norm",
-           "silu_and_mul", "rope_and_cache", "skinny_linear", "causal_conv1d_update", "causal_conv1d_fn",
+           "silu_and_mul", "rope_and_cache", "linear", "causal_conv1d_update", "causal_conv1d_fn",
            "selective_state_update", "ssd_chunk_scan", "copy_state", "normalize_state", "PAD", "cpu_kernels_enabled"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -195,10 +195,11 @@ def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, 
     _impl(qk.device, "rope_and_cache")(qk, v, cos, sin, k_cache, v_cache, slot_mapping)
 
 
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x @ w (+ bias) by the backend's few-row GEMM (CUDA: hipkernels/gemm/skinny_gemm.hip) where it
-    takes the call, else None: the caller runs its own GEMM."""
-    fn = getattr(_backend(x.device), "skinny_linear", None)
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x @ w (+ bias), w [in, out], by the backend's own GEMMs where it takes the call (CUDA:
+    pyengine/ops/cuda/gemm.py: the skinny GEMM for one row, every size under
+    KernelConfig.batch_invariant), else None: the caller runs torch's GEMM."""
+    fn = getattr(_backend(x.device), "linear", None)
     return None if fn is None else fn(x, w, bias)
 
 

@@ -5,6 +5,12 @@ head_dim 64, 128 or 256 run the kernels, anything else the reference; the per-st
 and the split-KV workspace are built once per step (meta.cache) and shared by every layer, and
 meta.max_query_len / meta.max_context_len must be upper bounds of the rows' values. The kernel
 variant (tensor-core or FMA GQA kernel, pairs per block, PDL) comes from the current KernelConfig.
+
+Under KernelConfig.batch_invariant no row splits its keys: the split rule reads the row's query
+length (prefill chunks never split) and a split's size grows with the context, so a query's
+partial sums would change with the chunk or verify row it lands in. With one split a query's keys
+are summed tile by tile in key order whatever its row (keys past its causal limit are masked to
+exact zeros), at a cost only where few long rows leave the GPU idle (batch-1 decode past 512 keys).
 """
 from __future__ import annotations
 
@@ -21,12 +27,16 @@ _CONST = kernels.paged_attention_constants()
 SPLIT_BLOCK: int = _CONST["split_block"]  # keys per split unit; process-wide (benchmarks sweep it)
 MAX_SPLITS: int = _CONST["max_splits"]
 SPLIT_MAX_QUERY_LEN: int = _CONST["split_max_query_len"]
+# split_block under KernelConfig.batch_invariant: larger than any context, so no row splits
+NO_SPLIT_BLOCK = 1 << 30
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 _PLAN_KEY = "cuda_paged_attention"
 
 
 def max_splits_for(max_context_len: int) -> int:
     """Workspace split dimension for a step (the kernel's per-row rule never exceeds it)."""
+    if get_kernel_config().batch_invariant:
+        return 1
     return max(1, min(MAX_SPLITS, math.ceil(max(max_context_len, 0) / SPLIT_BLOCK)))
 
 
@@ -82,7 +92,7 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         query_start_loc=step["qsl"].data_ptr(), context_lens=step["ctx"].data_ptr(), num_rows=meta.num_rows,
         num_q_heads=num_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_v=head_dim_v,
         block_size=meta.block_size, max_blocks_per_row=tables.shape[1], max_query_len=int(meta.max_query_len),
-        max_splits=max_splits, split_block=SPLIT_BLOCK, scale=float(scale), dtype=DTYPE_CODE[q.dtype],
+        max_splits=max_splits, split_block=NO_SPLIT_BLOCK if config.batch_invariant else SPLIT_BLOCK, scale=float(scale), dtype=DTYPE_CODE[q.dtype],
         pdl=config.pdl and not mla, num_sms=num_sms(q.device), gqa_fma=config.gqa_fma,
         gqa_pairs_per_block=config.gqa_pairs_per_block, mla_small_tile=config.mla_small_tile,
     )

