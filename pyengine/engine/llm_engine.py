@@ -79,7 +79,8 @@ class LLMEngine:
             self.proposer = build_proposer(spec, runner, lambda sid: self.requests[sid], cfg.seed, cfg.max_model_len,
                                            draft=draft_model)
         adaptive = spec is not None and spec.adaptive_draft_length
-        self.draft_length = DraftLengthPolicy(self.k) if adaptive else None
+        # its step cost: spec.step_cost, else modelled from the model and device (never timed)
+        self.draft_length = DraftLengthPolicy.for_runner(self.k, runner, spec.step_cost) if adaptive else None
         self.rejection_sampler = RejectionSampler()
         self.generators = RequestGenerators(cfg.seed)
         self.eos_token_ids = list(dict.fromkeys(tokenizer.eos_token_ids + model_config.eos_token_ids))
@@ -163,8 +164,6 @@ class LLMEngine:
         if self.draft_length is not None:
             rows = batch.num_decode_rows
             self.draft_length.observe_rows(batch.request_slots[:rows], batch.num_draft_tokens[:rows], counts[:rows])
-            if not num_prefill:
-                self.draft_length.observe_step(int(batch.num_tokens), elapsed)
         return touched
 
     def _propose(self) -> None:

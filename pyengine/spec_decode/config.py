@@ -13,13 +13,16 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     model: str | None = None
     adaptive_draft_length: bool = True  # False: always propose up to k (tests pin every path)
+    # The adaptive policy's decode-step cost a + b * tokens fed (only b / a matters); None: modelled
+    # from the model's weights and the device (pyengine.spec_decode.draft_length.modelled_step_cost)
+    step_cost: tuple[float, float] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-                 "adaptive_draft_length"}
+                 "adaptive_draft_length", "step_cost"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} (known: {sorted(known)})")
@@ -34,7 +37,13 @@ class SpeculativeConfig:
         adaptive = d.get("adaptive_draft_length", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config.adaptive_draft_length must be a bool, got {adaptive!r}")
-        cfg = cls(method=method, num_speculative_tokens=k, model=d.get("model"), adaptive_draft_length=adaptive)
+        step_cost = d.get("step_cost")
+        if step_cost is not None:
+            from pyengine.spec_decode.draft_length import check_step_cost
+
+            step_cost = check_step_cost(step_cost, "speculative_config.step_cost")
+        cfg = cls(method=method, num_speculative_tokens=k, model=d.get("model"), adaptive_draft_length=adaptive,
+                  step_cost=step_cost)
         if method == "ngram":
             cfg.prompt_lookup_max = int(d.get("prompt_lookup_max", 4))
             cfg.prompt_lookup_min = int(d.get("prompt_lookup_min", min(2, cfg.prompt_lookup_max)))
