@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = _Parser(prog="python -m pyengine.generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", help="a file with one prompt per line")
+    p.add_argument("--prompts-file", help="a file with one prompt per line, or .jsonl with \"prompt\" or \"turns\"")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -51,14 +51,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def load_prompts_file(path: str, what: str = "--prompts-file") -> list[str]:
+    """The prompts in a file: a .jsonl file gives each line's "prompt" (a string) or the first of
+    its "turns" (a list of strings: Spec-Bench, MT-Bench); any other file gives one prompt per
+    non-blank line. Raises ValueError with one line for an unreadable file or a bad .jsonl line
+    (`what` names the file's source in the message). Shared with `python -m pyengine.check`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {what} {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not path.endswith(".jsonl"):
+        return [line for line in lines if line.strip()]
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} {path} line {n}: not JSON ({e.msg})") from None
+        turns = row.get("turns") if isinstance(row, dict) else None
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        if prompt is None and isinstance(turns, list) and turns:
+            prompt = turns[0]
+        if not isinstance(prompt, str):
+            raise ValueError(f'{what} {path} line {n}: needs a "prompt" string or a "turns" list of strings')
+        prompts.append(prompt)
+    return prompts
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str], chat: bool = True) -> list[tuple[str, list[int]]]:
+    """(text, token ids) per prompt: with chat and a chat template, each prompt rendered as one user
+    turn (the template's own special tokens, none added); else the raw prompt, special tokens
+    added. Shared with `python -m pyengine.check`."""
+    if chat and tokenizer.has_chat_template:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        return [(t, tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    return [(p, tokenizer.encode(p)) for p in prompts]
+
+
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file:
         try:
-            with open(args.prompts_file, encoding="utf-8") as f:
-                prompts += [line.rstrip("\n") for line in f if line.strip()]
-        except OSError as e:
-            fail(f"cannot read --prompts-file {args.prompts_file}: {e.strerror}")
+            prompts += load_prompts_file(args.prompts_file)
+        except ValueError as e:
+            fail(str(e))
         if not prompts:
             fail(f"--prompts-file {args.prompts_file} has no prompts")
     if not prompts:
@@ -95,12 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         llm = LLM(model=args.model, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
                   num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   speculative_config=spec, enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant)
-        tok = llm.tokenizer
-        if args.chat and tok.has_chat_template:
-            texts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-            encoded = [(t, tok.encode(t, add_special_tokens=False)) for t in texts]
-        else:
-            encoded = [(p, tok.encode(p)) for p in prompts]
+        encoded = encode_prompts(llm.tokenizer, prompts, args.chat)
     except ValueError as e:
         fail(str(e).splitlines()[0])
     limit = llm.engine.cfg.max_model_len
