@@ -87,10 +87,6 @@ def test_block_sizes(gguf, plain, block_size):
                      f"block size {block_size}")
 
 
-@pytest.mark.xfail(strict=True, reason="open (issue 18): on the H100 a request run alone (1 row, max_num_batched_tokens "
-                   "512) first differs from the same request in this batch at output 1-13 by a few bf16 ulps, "
-                   "with or without prefix caching, chunking, graphs or speculation; batches of 2, 8, 17 and 32 "
-                   "rows agree bit for bit, spec vs plain too")
 def test_alone_equals_in_a_batch_of_32(gguf):
     """Each request alone vs in a batch of 32 (a long prompt chunked beside decode and verify rows,
     varied lengths, prefix-cache hits from repeated prompts), with speculation in the batch."""

@@ -293,3 +293,24 @@ def test_unsupported_dtypes_fall_back_to_the_reference():
     # mixed dtypes (fp32 weight on bf16 activations): the reference's semantics, not a cast
     xb = x.to(torch.bfloat16)
     assert_bits_equal(cuda_ops.rms_norm(xb, w.float(), EPS), ref.rms_norm(xb, w.float(), EPS))
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_regression_lone_token_with_a_degenerate_stride_gets_the_batched_bits(dtype):
+    """A one-token [1, H] view of a transposed table (llama.py's tied embedding) has stride (1, 1):
+    the norms took their one-element path for it, so a request alone (batch 1 decode) summed in
+    another order than in a batch and drifted by a few bf16 ulps (found by
+    tests/test_batch_invariance_gpu.py on the H100)."""
+    g = torch.Generator(device=DEV).manual_seed(3)
+    table = torch.randn(576, 64, device=DEV, generator=g).to(dtype)
+    weight = torch.randn(576, device=DEV, generator=g).to(dtype)
+    lone = table.index_select(1, torch.tensor([5], device=DEV)).t().contiguous()
+    pair = table.index_select(1, torch.tensor([5, 9], device=DEV)).t().contiguous()
+    assert lone.stride() == (1, 1) and pair.stride() == (576, 1)  # the layouts llama.py produces
+    assert torch.equal(ops.rms_norm(lone, weight, EPS), ops.rms_norm(pair, weight, EPS)[:1])
+    x1 = torch.randn(1, 576, device=DEV, generator=g).to(dtype)
+    x2 = torch.cat([x1, torch.randn(1, 576, device=DEV, generator=g).to(dtype)])
+    residual1 = table.index_select(1, torch.tensor([5], device=DEV)).t().contiguous()  # stride (1, 1) again
+    out1, res1 = ops.fused_add_rms_norm(x1, residual1, weight, EPS)
+    out2, res2 = ops.fused_add_rms_norm(x2, pair.clone(), weight, EPS)
+    assert torch.equal(out1, out2[:1]) and torch.equal(res1, res2[:1])

@@ -20,7 +20,7 @@ import torch
 
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.ops import reference
-from pyengine.ops.cuda.launch import DTYPE_CODE, aligned_rows, kernels, num_sms, params, stream
+from pyengine.ops.cuda.launch import DTYPE_CODE, aligned_rows, kernels, num_sms, params, row_stride, stream
 from pyengine.ops.kernel_config import get_kernel_config
 
 _CONST = kernels.paged_attention_constants()
@@ -85,9 +85,9 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tables = step["tables"]
     config = get_kernel_config()
     p = params(
-        kernels.PagedAttentionParams, q=q.data_ptr(), q_stride_token=q.stride(0), q_stride_head=q.stride(1),
-        k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), out=out.data_ptr(), out_stride_token=out.stride(0),
-        out_stride_head=out.stride(1), lse=lse.data_ptr() if lse is not None else 0, ws_out=ws[0].data_ptr(),
+        kernels.PagedAttentionParams, q=q.data_ptr(), q_stride_token=row_stride(q), q_stride_head=row_stride(q, 1),
+        k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), out=out.data_ptr(), out_stride_token=row_stride(out),
+        out_stride_head=row_stride(out, 1), lse=lse.data_ptr() if lse is not None else 0, ws_out=ws[0].data_ptr(),
         ws_lse=ws[1].data_ptr(), ws_start=step["ws_start"].data_ptr(), block_tables=tables.data_ptr(),
         query_start_loc=step["qsl"].data_ptr(), context_lens=step["ctx"].data_ptr(), num_rows=meta.num_rows,
         num_q_heads=num_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_v=head_dim_v,

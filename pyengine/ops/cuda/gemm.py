@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from pyengine.ops.cuda.launch import aligned_rows, kernels, num_sms, params, stream
+from pyengine.ops.cuda.launch import aligned_rows, kernels, num_sms, params, row_stride, stream
 from pyengine.ops.kernel_config import get_kernel_config
 
 # Rows up to which skinny_linear takes a projection (above it cuBLAS is faster on the H100).
@@ -43,7 +43,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     x = aligned_rows(x)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     p = params(kernels.SkinnyGemmParams, x=x.data_ptr(), w=w.data_ptr(), bias=bias_ptr, y=y.data_ptr(), m=m, n=n,
-               k=k, x_stride=x.stride(0), y_stride=y.stride(0), dtype=_SKINNY_DTYPES[x.dtype],
+               k=k, x_stride=row_stride(x), y_stride=row_stride(y), dtype=_SKINNY_DTYPES[x.dtype],
                num_sms=num_sms(x.device), split=split, tile_n=tile_n,
                pdl=get_kernel_config().pdl if pdl is None else pdl, prefetch=pf_ptr, prefetch_bytes=pf_bytes)
     with torch.cuda.device(x.device):
@@ -64,7 +64,7 @@ def invariant_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     x = aligned_rows(x)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     p = params(kernels.InvariantGemmParams, x=x.data_ptr(), w=w.data_ptr(), bias=0 if bias is None else bias.data_ptr(),
-               y=y.data_ptr(), m=m, n=n, k=k, x_stride=x.stride(0), y_stride=y.stride(0), dtype=_SKINNY_DTYPES[x.dtype],
+               y=y.data_ptr(), m=m, n=n, k=k, x_stride=row_stride(x), y_stride=row_stride(y), dtype=_SKINNY_DTYPES[x.dtype],
                num_sms=num_sms(x.device), split=split, pdl=get_kernel_config().pdl if pdl is None else pdl)
     with torch.cuda.device(x.device):
         kernels.invariant_gemm(p, stream(x.device))

@@ -46,10 +46,21 @@ def params(cls: Any, **fields: Any) -> Any:
     return p
 
 
+def row_stride(t: torch.Tensor, dim: int = 0) -> int:
+    """t.stride(dim) as a kernel should see it. torch gives a dimension of size 1 any stride (a
+    one-token [1, H] view of a transposed table has stride (1, 1)); a kernel that picks its
+    vectorised path from the strides would then sum a lone token in another order than the same
+    token in a batch. The stride of one row is never used, so report the dense one."""
+    if t.shape[dim] != 1 or dim + 1 >= t.dim():
+        return t.stride(dim)
+    return t.shape[dim + 1] * row_stride(t, dim + 1)
+
+
 def aligned_rows(x: torch.Tensor) -> torch.Tensor:
-    """x with a contiguous last dim, 16-byte aligned base and row strides (copies only if needed)."""
+    """x with a contiguous last dim, 16-byte aligned base and row strides (copies only if needed);
+    pass row_stride(x) as its row stride."""
     vec = 16 // x.element_size()
-    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s % vec == 0 for s in x.stride()[:-1]):
+    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(row_stride(x, d) % vec == 0 for d in range(x.dim() - 1)):
         return x
     return x.contiguous()
 

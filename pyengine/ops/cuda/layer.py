@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from pyengine.ops import reference
-from pyengine.ops.cuda.launch import DTYPE_CODE, kernels, params, slots, stream
+from pyengine.ops.cuda.launch import DTYPE_CODE, kernels, params, row_stride, slots, stream
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -17,7 +17,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     weight = weight.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     p = params(kernels.RmsNormParams, x=x.data_ptr(), weight=weight.data_ptr(), out=out.data_ptr(),
-               num_tokens=x.shape[0], hidden=x.shape[1], x_stride=x.stride(0), out_stride=out.stride(0),
+               num_tokens=x.shape[0], hidden=x.shape[1], x_stride=row_stride(x), out_stride=row_stride(out),
                eps=float(eps), dtype=DTYPE_CODE[x.dtype])
     with torch.cuda.device(x.device):
         kernels.rms_norm(p, stream(x.device))
@@ -31,8 +31,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     weight = weight.contiguous()
     # In place: out aliases x.
     p = params(kernels.RmsNormParams, x=x.data_ptr(), residual=residual.data_ptr(), weight=weight.data_ptr(),
-               out=x.data_ptr(), num_tokens=x.shape[0], hidden=x.shape[1], x_stride=x.stride(0),
-               residual_stride=residual.stride(0), out_stride=x.stride(0), eps=float(eps), dtype=DTYPE_CODE[x.dtype])
+               out=x.data_ptr(), num_tokens=x.shape[0], hidden=x.shape[1], x_stride=row_stride(x),
+               residual_stride=row_stride(residual), out_stride=row_stride(x), eps=float(eps), dtype=DTYPE_CODE[x.dtype])
     with torch.cuda.device(x.device):
         kernels.fused_add_rms_norm(p, stream(x.device))
     return x, residual
@@ -44,7 +44,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     inter = x.shape[1] // 2
     out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
     p = params(kernels.SiluAndMulParams, x=x.data_ptr(), out=out.data_ptr(), num_tokens=x.shape[0], inter=inter,
-               x_stride=x.stride(0), out_stride=out.stride(0), dtype=DTYPE_CODE[x.dtype])
+               x_stride=row_stride(x), out_stride=row_stride(out), dtype=DTYPE_CODE[x.dtype])
     with torch.cuda.device(x.device):
         kernels.silu_and_mul(p, stream(x.device))
     return out
@@ -59,8 +59,8 @@ def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, 
         cos = cos if cos.stride(-1) == 1 else cos.contiguous()
         sin = sin if sin.stride(-1) == 1 else sin.contiguous()
         dtypes |= {cos.dtype, sin.dtype}
-        rope = dict(cos=cos.data_ptr(), sin=sin.data_ptr(), cos_stride_token=cos.stride(0),
-                    sin_stride_token=sin.stride(0))
+        rope = dict(cos=cos.data_ptr(), sin=sin.data_ptr(), cos_stride_token=row_stride(cos),
+                    sin_stride_token=row_stride(sin))
     slot_ids = slots(slot_mapping)
     if len(dtypes) != 1 or qk.dtype not in DTYPE_CODE or (cos is not None and d % 2):
         return reference.rope_and_cache(qk, v, cos, sin, k_cache, v_cache, slot_mapping)
@@ -68,8 +68,8 @@ def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, 
         return
     p = params(kernels.RopeAndCacheParams, qk=qk.data_ptr(), v=v.data_ptr(), k_cache=k_cache.data_ptr(),
                v_cache=v_cache.data_ptr(), slot_mapping=slot_ids.data_ptr(), num_tokens=t,
-               num_q_heads=qk.shape[1] - hkv, num_kv_heads=hkv, head_dim=d, qk_stride_token=qk.stride(0),
-               qk_stride_head=qk.stride(1), v_stride_token=v.stride(0), v_stride_head=v.stride(1),
+               num_q_heads=qk.shape[1] - hkv, num_kv_heads=hkv, head_dim=d, qk_stride_token=row_stride(qk),
+               qk_stride_head=row_stride(qk, 1), v_stride_token=row_stride(v), v_stride_head=row_stride(v, 1),
                dtype=DTYPE_CODE[qk.dtype], **rope)
     with torch.cuda.device(qk.device):
         kernels.rope_and_cache(p, stream(qk.device))

@@ -8,7 +8,7 @@ import torch
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.ops import reference
 from pyengine.ops.cuda.attention import launch_paged_attention
-from pyengine.ops.cuda.launch import DTYPE_CODE, kernels, params, slots, stream
+from pyengine.ops.cuda.launch import DTYPE_CODE, kernels, params, row_stride, slots, stream
 from pyengine.ops.reference.mla import KV_LORA_RANK
 
 
@@ -28,8 +28,8 @@ def reshape_and_cache_mla(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torc
         k_pe = k_pe.contiguous()
     p = params(kernels.ReshapeAndCacheMlaParams, c_kv=c_kv.data_ptr(), k_pe=k_pe.data_ptr(),
                kv_cache=kv_cache.data_ptr(), slot_mapping=slot_ids.data_ptr(), num_tokens=num_tokens,
-               kv_lora_rank=c_kv.shape[1], rope_dim=k_pe.shape[1], c_kv_stride_token=c_kv.stride(0),
-               k_pe_stride_token=k_pe.stride(0), elem_size=kv_cache.element_size())
+               kv_lora_rank=c_kv.shape[1], rope_dim=k_pe.shape[1], c_kv_stride_token=row_stride(c_kv),
+               k_pe_stride_token=row_stride(k_pe), elem_size=kv_cache.element_size())
     with torch.cuda.device(c_kv.device):
         kernels.reshape_and_cache_mla(p, stream(c_kv.device))
 
