@@ -23,6 +23,7 @@ PROMPTS = [
     "Explain what a hash table is in two sentences.",
     "def fibonacci(n):\n    " * 3,
 ]
+LAST_STATS: dict = {}  # the stats of the last run()
 LONG = "The history of the city is long and full of events. " * 70  # ~770 tokens: > 512 keys, chunked
 
 
@@ -47,6 +48,8 @@ def run(gguf: str, prompts: list[str], max_tokens: int = 48, **kw) -> list[tuple
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     reqs = llm.run_requests([(p, llm.tokenizer.encode(p)) for p in prompts], [params] * len(prompts))
     out = [(r.output_token_ids, torch.stack(r.logits)) for r in reqs]
+    LAST_STATS.clear()
+    LAST_STATS.update(llm.stats())
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -95,3 +98,15 @@ def test_alone_equals_in_a_batch_of_32(gguf):
                    max_num_batched_tokens=256)
     for i in (0, 1, 2, 9, 31):
         assert_identical(run(gguf, [batch[i]], max_tokens=24), [together[i]], f"row {i} alone")
+
+
+def test_batch_of_64_under_preemption(gguf):
+    """64 mixed prompts in a KV pool too small for all of them (preempted requests re-prefill their
+    tokens beside other rows' decode and verify steps): every row's logits equal the same request
+    run alone with a roomy pool."""
+    batch = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) + str(i) for i in range(64)]
+    crowded = run(gguf, batch, max_tokens=32, num_kv_blocks=64, block_size=16, max_num_batched_tokens=256,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert LAST_STATS["num_preemptions"] > 0 and LAST_STATS["num_accepted_tokens"] > 0
+    for i in (0, 7, 33, 63):
+        assert_identical(run(gguf, [batch[i]], max_tokens=32), [crowded[i]], f"row {i} alone")
