@@ -10,11 +10,11 @@ from pyengine.loader import load_model
 from pyengine.models.llama_cpu_stack import CpuLlamaStack
 from pyengine.ops import cpu as cpu_ops
 from pyengine.ops.kernel_config import use_kernel_config
+from tests.test_cpu_ops import GEMM_CPU
 from tests.tiny_models import make_checkpoint
 from tests.utils_paged import PagedCache, make_meta
 
-needs_packed_gemm = pytest.mark.skipif(not cpu_ops.PackedLinear.supported(torch.zeros(2, 2, dtype=torch.bfloat16)),
-                                       reason="CPU lacks the packed GEMM's AVX-512 BF16")
+needs_packed_gemm = pytest.mark.skipif(not GEMM_CPU, reason="CPU has neither AVX-512 nor AVX2 + FMA for the packed GEMM")
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +64,56 @@ def test_layer_stack_equals_the_layer_loop(checkpoint: str, dtype: torch.dtype, 
 
 
 @needs_packed_gemm
-def test_layer_stack_leaves_long_prefills_and_bad_caches_alone(checkpoint: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_stack_takes_long_prefills_bit_identical_to_the_loop(checkpoint: str, dtype: torch.dtype,
+                                                                  monkeypatch) -> None:
+    """A step with a 200-token prefill (40000 query-key pairs: before, such steps left the stack
+    for the op loop and its SDPA attention) next to a decode row runs in the stack, with the pool
+    splitting the long row, and equals the op loop bit for bit; the decode row's hidden state is
+    the one it gets in a step of its own."""
+    model, config, _ = load_model(checkpoint, "cpu", dtype)
+    stack_tokens: list[int] = []  # tokens of the steps the C++ stack ran
+    stack_call = CpuLlamaStack.__call__
+    monkeypatch.setattr(CpuLlamaStack, "__call__", lambda self, h, *a: stack_tokens.append(h.shape[0]) or stack_call(self, h, *a))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as inside an engine step: the C++ pool (2 threads) splits the work
+    cpu_ops.kernels.set_num_threads(2)
+    try:
+        outs = {}
+        for mode in ("stack", "loop", "alone"):
+            cache = PagedCache(config, 80, 4, dtype, seed=1)
+            long_table: list[int] = []
+            short_table: list[int] = []
+            cache.grow(long_table, 200)
+            cache.grow(short_table, 30)
+            gen = torch.Generator().manual_seed(0)
+            prompt = torch.randint(0, config.vocab_size, (29,), generator=gen)
+            tokens = torch.randint(0, config.vocab_size, (201,), generator=gen)
+            with use_kernel_config(cpu_layer_stack=mode != "loop"):
+                _step(model, [(short_table, 0, 29)], cache, prompt)
+                rows = [(short_table, 29, 1)] + ([(long_table, 0, 200)] if mode != "alone" else [])
+                outs[mode] = _step(model, rows, cache, tokens[:sum(q for _, _, q in rows)])
+        assert stack_tokens == [29, 201, 29, 1]  # "stack" and "alone" ran in the stack, "loop" never
+        assert torch.equal(outs["stack"], outs["loop"])
+        assert torch.equal(outs["alone"][:1], outs["stack"][:1])
+    finally:
+        torch.set_num_threads(threads)
+        cpu_ops.kernels.set_num_threads(threads)
+
+
+@needs_packed_gemm
+def test_layer_stack_applies_to_every_step_and_rejects_bad_caches(checkpoint: str) -> None:
     model, config, _ = load_model(checkpoint, "cpu", torch.float32)
     stack = model.cpu_stack
     cache = PagedCache(config, 80, 4, torch.float32)
     table: list[int] = []
     cache.grow(table, 200)
-    long_meta, _ = make_meta([(table, 0, 200)], 4)  # 200 x 200 query-key pairs > MAX_QUERY_KEY_PAIRS
-    assert not stack.applies(long_meta, cache.kv_caches)
+    long_meta, _ = make_meta([(table, 0, 200)], 4)  # 200 x 200 query-key pairs: the kernel's too
+    assert stack.applies(long_meta, cache.kv_caches)
     short_meta, positions = make_meta([(table, 0, 5)], 4)
     assert stack.applies(short_meta, cache.kv_caches)
+    bf16_cache = PagedCache(config, 80, 4, torch.bfloat16)
+    assert not stack.applies(short_meta, bf16_cache.kv_caches)  # a cache of another dtype: the op loop
     h = torch.randn(5, config.hidden_size)
     cos, sin = model.rotary_emb(positions)
     with pytest.raises(ValueError, match="KV caches for 2 layers"):

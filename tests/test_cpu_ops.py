@@ -1,8 +1,10 @@
 """The C++ CPU layer ops (pyengine.ops.cpu) against the PyTorch references, fp32 and bf16.
 
-Attention is also checked for the property greedy speculative decoding needs: a query's output
-is bit-identical whether its row is alone or in a batch, and whether it is the last query of a
-verify row or the only query of a decode row over the same keys."""
+Attention and the packed GEMM are also checked for the property greedy speculative decoding needs
+(issue 18, "a row's numbers never depend on the batch"): a query's output is bit-identical whether
+its row is alone or in a batch (next to a long prefill too), whether it is the last query of a
+verify row, the only query of a decode row over the same keys, or one query inside a long prefill;
+a GEMM row's output is the same bits for every M and every pool thread count."""
 from __future__ import annotations
 
 import random
@@ -86,6 +88,70 @@ def test_paged_attention_is_batch_invariant(dtype: torch.dtype) -> None:
             t += 1
 
 
+@pytest.fixture
+def pool_of_two(restore_pool_threads) -> None:
+    """As inside an engine step: torch at one thread, so the C++ ops split work over a pool of 2."""
+    torch.set_num_threads(1)
+    cpu_ops.kernels.set_num_threads(2)
+
+
+def _no_reference(*args, **kwargs):
+    raise AssertionError("the step ran the PyTorch reference instead of the C++ kernel")
+
+
+# Decode rows around a 200-token prefill: 200 x 200 = 40000 query-key pairs in that row alone, more
+# than the 32768 above which the step used to switch to the SDPA reference.
+LONG_ROWS = [(40, 1), (0, 200), (70, 1), (35, 3)]
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 80)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_prefill_runs_the_kernel_and_every_query_keeps_its_bits(hq: int, hkv: int, d: int, dtype: torch.dtype,
+                                                                    pool_of_two, monkeypatch) -> None:
+    """A step with a long prefill row runs the C++ kernel (never the reference), split over the
+    pool inside the row, and each query's output (and lse) is bit-identical to the same query as a
+    1-query row over the same context, whether it belongs to a decode row, a verify row or the long
+    prefill; the step's result does not depend on the pool's thread count. Head dim 80 covers a
+    head that is not a multiple of 32."""
+    q, k_cache, v_cache, meta, rows = _paged_case(11, hq, hkv, d, 16, LONG_ROWS, dtype)
+    assert cpu_ops.step_tables(meta)[3] > 1 << 15
+    ref, ref_lse = reference.paged_attention(q, k_cache, v_cache, meta, d**-0.5, return_lse=True)
+    monkeypatch.setattr(reference, "paged_attention", _no_reference)
+    out, lse = cpu_ops.paged_attention(q, k_cache, v_cache, meta, d**-0.5, return_lse=True)
+    torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+    starts = [0]
+    for _, _, q_len in rows:
+        starts.append(starts[-1] + q_len)
+    for (table, cached, q_len), t0 in zip(rows, starts):
+        picks = range(q_len) if q_len < 10 else (0, 1, 15, 16, 31, 32, 33, 63, 64, 100, 198, 199)
+        for i in picks:
+            alone_meta, _ = make_meta([(table, cached + i, 1)], 16)
+            alone, alone_lse = cpu_ops.paged_attention(q[t0 + i:t0 + i + 1], k_cache, v_cache, alone_meta, d**-0.5,
+                                                       return_lse=True)
+            assert torch.equal(alone, out[t0 + i:t0 + i + 1]), f"token {t0 + i} differs alone vs in the step"
+            assert torch.equal(alone_lse, lse[t0 + i:t0 + i + 1])
+    # The prefill row on its own (one row, no decode rows beside it), and the step on one thread.
+    solo_meta, _ = make_meta([rows[1]], 16)
+    solo = cpu_ops.paged_attention(q[starts[1]:starts[2]], k_cache, v_cache, solo_meta, d**-0.5)
+    assert torch.equal(solo, out[starts[1]:starts[2]])
+    cpu_ops.kernels.set_num_threads(1)
+    assert torch.equal(cpu_ops.paged_attention(q, k_cache, v_cache, meta, d**-0.5), out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_row_alone_equals_next_to_a_long_prefill(dtype: torch.dtype, pool_of_two) -> None:
+    """The issue's case through the ops facade: decode rows alone, and in one step with a prefill
+    row of 300 x 300 query-key pairs, give the same bits (before, the whole step switched to SDPA,
+    whose results differ from the kernel's in the last bits)."""
+    q, k_cache, v_cache, meta, rows = _paged_case(12, 9, 3, 64, 16, [(300, 0), (57, 1), (120, 1), (9, 1), (0, 300)],
+                                                  dtype)
+    both = ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    for t, row in enumerate(rows[1:4]):
+        alone_meta, _ = make_meta([row], 16)
+        assert torch.equal(ops.paged_attention(q[t:t + 1], k_cache, v_cache, alone_meta, 0.125), both[t:t + 1])
+
+
 def test_paged_attention_rejects_block_ids_outside_the_cache() -> None:
     q, k_cache, v_cache, meta, _ = _paged_case(0, 4, 4, 64, 16, [(20, 1)], torch.float32)
     meta.block_tables[0, 1] = k_cache.shape[0]  # one past the last block
@@ -158,11 +224,83 @@ def test_norms_and_activation_match_reference(dtype: torch.dtype) -> None:
                                **_tol(dtype))
 
 
-needs_bf16_gemm = pytest.mark.skipif(not cpu_ops.PackedLinear.supported(torch.zeros(2, 2, dtype=torch.bfloat16)),
-                                     reason="CPU lacks avx512_bf16")
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
 
 
-@needs_bf16_gemm
+# The packed GEMM must run on every AVX-512 or AVX2 + FMA (x86-64-v3) CPU, CI's included: the skip
+# follows the CPU's flags, not has_gemm(), so a GEMM that wrongly reports itself missing fails here.
+GEMM_CPU = {"avx2", "fma"} <= _cpu_flags() or {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags()
+needs_gemm = pytest.mark.skipif(not GEMM_CPU, reason="CPU has neither AVX-512 nor AVX2 + FMA")
+
+
+@pytest.mark.skipif(not _cpu_flags(), reason="needs the CPU flags of /proc/cpuinfo")
+def test_has_gemm_reports_the_kernels_this_cpu_runs() -> None:
+    """has_gemm / gemm_isa per dtype follow the CPU's flags: AVX-512 kernels where it has
+    avx512f/bw/vl (+ avx512_bf16 for bf16), else the AVX2 + FMA ones, else none; PackedLinear
+    agrees and reports which kernels a weight runs."""
+    flags = _cpu_flags()
+    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
+    avx2 = {"avx2", "fma"} <= flags
+    for code, dtype, extra in ((0, torch.float32, set()), (1, torch.bfloat16, {"avx512_bf16"})):
+        want = 3 if avx512 and extra <= flags else 2 if avx2 else 0
+        assert cpu_ops.kernels.gemm_isa(code) == want, (dtype, sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16"}))
+        assert cpu_ops.kernels.has_gemm(code) == (want != 0)
+        assert cpu_ops.PackedLinear.supported(torch.zeros(2, 16, dtype=dtype)) == (want != 0)
+        if want:
+            assert cpu_ops.PackedLinear(torch.zeros(2, 16, dtype=dtype)).isa == {2: "avx2", 3: "avx512"}[want]
+
+
+@pytest.fixture
+def restore_pool_threads():
+    """Tests that set the C++ pool's (or torch's) thread count put both back afterwards."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    cpu_ops.kernels.set_num_threads(threads)
+
+
+GEMM_SHAPES = [(64, 30), (96, 70), (576, 200), (1536, 40)]  # K 1536: several L2 row chunks at M 300
+
+
+@needs_gemm
+@pytest.mark.parametrize("k,n", GEMM_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_row_bits_do_not_depend_on_m_or_threads(k: int, n: int, dtype: torch.dtype,
+                                                             restore_pool_threads) -> None:
+    """y = x @ W + b for M = 1, 2, 5, 17, 64, 300 rows: every row equals the same row computed
+    alone, or in any other slice of the batch (other row groups, other row chunks), bit for bit,
+    with 1, 2 or 3 pool threads; and the values are those of the exact product within fp32
+    noise (fp32) or one bf16 rounding (bf16). N is not a multiple of the 16-column panels."""
+    gen = torch.Generator().manual_seed(k + n)
+    w = torch.randn(k, n, generator=gen).to(dtype)
+    x = torch.randn(300, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    layer = cpu_ops.PackedLinear(w, compact=False)
+    cpu_ops.kernels.set_num_threads(1)
+    full = layer(x, bias)
+    for m in (1, 2, 5, 17, 64, 300):
+        assert torch.equal(layer(x[:m], bias), full[:m]), f"M = {m}"
+    for r in (0, 1, 3, 5, 6, 7, 29, 30, 31, 64, 150, 299):
+        assert torch.equal(layer(x[r:r + 1], bias), full[r:r + 1]), f"row {r} alone"
+    assert torch.equal(layer(x[3:70], bias), full[3:70])  # rows shifted against the row groups
+    wide = torch.cat([x, x], dim=1)  # a strided x: rows 2K apart
+    assert torch.equal(layer(wide[:, :k], bias), full)
+    for threads in (2, 3):
+        cpu_ops.kernels.set_num_threads(threads)
+        assert torch.equal(layer(x, bias), full), f"{threads} threads"
+        assert torch.equal(layer(x[150:151], bias), full[150:151])
+    exact = x.double() @ w.double() + bias.double()
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 8e-3}
+    torch.testing.assert_close(full.double(), exact, **tol)
+    torch.testing.assert_close(full.float(), (x.float() @ w.float() + bias.float()).to(dtype).float(), **tol)
+
+
+@needs_gemm
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 40])
 @pytest.mark.parametrize("n", [70, 30])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -183,7 +321,7 @@ def test_packed_linear_matches_exact_matmul(m: int, n: int, dtype: torch.dtype) 
     torch.testing.assert_close(layer(x, bias).double(), exact + bias.double(), **tol)
 
 
-@needs_bf16_gemm
+@needs_gemm
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_linear_rows_are_batch_invariant(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(5)
@@ -208,26 +346,29 @@ def _gguf_roundtrip(w: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(dequantize(quantize(rows, kind_), kind_).astype(np.float32).T))
 
 
-@needs_bf16_gemm
-@pytest.mark.parametrize("kind,bits", [("Q4_1", 4), ("Q4_0", 4), ("Q8_0", 8)])
-def test_compact_panels_give_the_dense_results_bit_for_bit(kind: str, bits: int) -> None:
+@needs_gemm
+@pytest.mark.parametrize("kind,bits,k", [("Q4_1", 4, 96), ("Q4_0", 4, 96), ("Q8_0", 8, 96), ("Q4_1", 4, 1536),
+                                         ("Q8_0", 8, 1536)])
+def test_compact_panels_give_the_dense_results_bit_for_bit(kind: str, bits: int, k: int) -> None:
     """Block-quantised fp32 weights are packed as codes + per-run scale and offset and rebuilt in
     the kernel (csrc/cpu/cpu_gemm_affine.h): same outputs as the dense fp32 panels, every bit, for
-    whole and partial row tiles and a partial last panel, in a fraction of the bytes."""
-    gen = torch.Generator().manual_seed(bits)
-    w = _gguf_roundtrip(torch.randn(96, 70, generator=gen) * 0.05, kind)
+    one row group and many (AVX2: block by block vs the whole panel rebuilt), several row chunks
+    (K 1536, M 300) and a partial last panel, in a fraction of the bytes."""
+    gen = torch.Generator().manual_seed(bits + k)
+    w = _gguf_roundtrip(torch.randn(k, 70, generator=gen) * 0.05, kind)
     compact, dense = cpu_ops.PackedLinear(w), cpu_ops.PackedLinear(w, compact=False)
     assert (compact.bits_per_weight, dense.bits_per_weight) == (bits, 32)
     assert compact.packed_bytes < dense.packed_bytes * (bits + 8) / 32
     bias = torch.randn(70, generator=gen)
-    for m in (1, 3, 16, 17, 40):
-        x = torch.randn(m, 96, generator=gen)
+    for m in (1, 3, 6, 7, 16, 17, 40, 300):
+        x = torch.randn(m, k, generator=gen)
         assert torch.equal(compact(x), dense(x))
         assert torch.equal(compact(x, bias), dense(x, bias))
+    assert torch.equal(compact(x[123:124]), dense(x)[123:124])  # a row alone == inside 300
     torch.testing.assert_close(compact(x).double(), x.double() @ w.double(), atol=1e-4, rtol=1e-5)
 
 
-@needs_bf16_gemm
+@needs_gemm
 def test_weights_that_are_not_block_quantised_stay_dense() -> None:
     """The decomposition is checked for every weight: one value off the grid, K not a multiple of
     the 32-input run, a NaN, or plain random weights keep the whole matrix dense."""
@@ -262,7 +403,7 @@ def test_cpu_ops_report_misuse_as_value_error() -> None:
         cpu_ops.PackedLinear(torch.zeros(4, 16, dtype=torch.float64))
 
 
-@needs_bf16_gemm
+@needs_gemm
 def test_packed_linear_from_two_python_threads() -> None:
     """The GEMM releases the GIL and shares one C++ pool: concurrent callers (two engines in two
     threads) must each get their own, correct result."""

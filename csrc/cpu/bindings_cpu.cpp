@@ -55,6 +55,8 @@ void register_cpu_ops(py::module_& m) {
     return rms_norm(p);
   });
   cpu.def("has_gemm", [](int32_t dtype) { return has_gemm(static_cast<DType>(dtype)); });
+  cpu.def("gemm_isa", [](int32_t dtype) { return static_cast<int32_t>(gemm_isa(static_cast<DType>(dtype))); },
+          "the packed GEMM's kernels for dtype here: 0 none, 2 AVX2 + FMA, 3 AVX-512");
   cpu.def("check_packed_weight", [](int64_t k, int64_t n, int32_t dtype) {
     return PackedWeight::check(k, n, static_cast<DType>(dtype));
   });
@@ -69,6 +71,8 @@ void register_cpu_ops(py::module_& m) {
       .def_property_readonly("format", [](const PackedWeight& self) { return static_cast<int32_t>(self.format()); },
                              "0 dense, 4 or 8: the bits per weight of cpu_gemm_affine.h's formats")
       .def_property_readonly("packed_bytes", &PackedWeight::packed_bytes)
+      .def_property_readonly("isa", [](const PackedWeight& self) { return static_cast<int32_t>(self.isa()); },
+                             "the kernels it runs: 2 AVX2 + FMA, 3 AVX-512")
       .def("matmul", [](const PackedWeight& self, uintptr_t x, int64_t x_row_stride, int64_t m, uintptr_t bias,
                         uintptr_t y) {
         py::gil_scoped_release release;  // the pool's threads run while Python may do other work

@@ -1,6 +1,6 @@
 // The decode GEMM of cpu_gemm.h: AVX-512 (BF16) micro-kernels of up to 16 rows x 16 columns
 // (16 zmm accumulators, the weights streamed once, x broadcast from L1), threads splitting the
-// panels into contiguous ranges.
+// panels into contiguous ranges. CPUs without them run cpu_gemm_avx2.h's kernels on the same panels.
 #include "cpu_gemm.h"
 
 #include <algorithm>
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/common.h"
+#include "cpu_gemm_avx2.h"
 #include "cpu_thread_pool.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -121,16 +122,19 @@ void run_panels(const std::array<MicroKernel<T>, kRows>& kernels, const uint32_t
 
 }  // namespace
 
-bool has_gemm(DType dtype) {
+GemmIsa gemm_isa(DType dtype) {
 #ifdef PE_HAVE_GEMM
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl");
-  return avx512 && (dtype == DType::kFloat32 || __builtin_cpu_supports("avx512bf16"));
+  if (avx512 && (dtype == DType::kFloat32 || __builtin_cpu_supports("avx512bf16"))) return GemmIsa::kAvx512;
+  if (has_avx2_gemm()) return GemmIsa::kAvx2;
 #else
   (void)dtype;
-  return false;
 #endif
+  return GemmIsa::kNone;
 }
+
+bool has_gemm(DType dtype) { return gemm_isa(dtype) != GemmIsa::kNone; }
 
 std::string PackedWeight::check(int64_t k, int64_t n, DType dtype) {
   if (k <= 0 || n <= 0) return concat("packed weight needs K, N > 0, got ", k, " x ", n);
@@ -140,7 +144,12 @@ std::string PackedWeight::check(int64_t k, int64_t n, DType dtype) {
 }
 
 PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, bool compact)
-    : k_(k), n_(n), k_steps_(dtype == DType::kBFloat16 ? k / 2 : k), panels_(ceil_div(n, kPanel)), dtype_(dtype) {
+    : k_(k),
+      n_(n),
+      k_steps_(dtype == DType::kBFloat16 ? k / 2 : k),
+      panels_(ceil_div(n, kPanel)),
+      dtype_(dtype),
+      isa_(gemm_isa(dtype)) {
   if (!check(k, n, dtype).empty()) {  // the binding checks first; an empty weight computes nothing
     k_ = n_ = k_steps_ = panels_ = 0;
     return;
@@ -173,6 +182,14 @@ void PackedWeight::matmul(const void* x, int64_t x_row_stride, int64_t m, const 
   const auto* xf = static_cast<const float*>(x);
   const auto* bf = static_cast<const float*>(bias);
   auto* yf = static_cast<float*>(y);
+  if (isa_ == GemmIsa::kAvx2) {
+    if (dtype_ == DType::kBFloat16)
+      avx2_matmul_bf16(packed_.data(), k_, n_, static_cast<const bf16*>(x), x_row_stride, m,
+                       static_cast<const bf16*>(bias), static_cast<bf16*>(y));
+    else
+      avx2_matmul_f32(packed_.data(), format_, k_, n_, xf, x_row_stride, m, bf, yf);
+    return;
+  }
   if (dtype_ == DType::kBFloat16)
     run_panels(kBf16Kernels, packed_.data(), panels_, k_steps_ * kPanel, k_steps_, n_, static_cast<const bf16*>(x),
                x_row_stride, m, static_cast<const bf16*>(bias), static_cast<bf16*>(y));

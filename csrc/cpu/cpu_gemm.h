@@ -2,15 +2,22 @@
 //
 // Why not oneDNN: at decode sizes (M of 1 to a few dozen rows) the step streams every weight once,
 // and oneDNN's bf16 kernels reached ~21-24 GB/s of the machine's ~30-45 (SmolLM2, 2 cores); its
-// kernel choice also depends on M, so a row's result could change with the batch around it. Here a
-// row's output is the same k-ordered sum for any M (rows are independent and the packing fixes the
-// order), which keeps greedy speculation identical to plain decoding.
+// kernel choice also depends on M, so a row's result could change with the batch around it (on an
+// AVX2 EPYC, SmolLM2's logits of one request moved by up to 8e-5 in fp32 and 0.63 in bf16 next to
+// a 400-token prompt). Here a row's output is the same k-ordered sum for any M and any thread count
+// (rows are independent and the packing fixes the order), which keeps greedy speculation identical
+// to plain decoding.
+//
+// Kernels: AVX-512 (+ avx512_bf16 for bf16) where the CPU has them, else AVX2 + FMA
+// (cpu_gemm_avx2.h), for every format below; the two families give different last bits, each
+// batch-invariant. Without AVX2 + FMA (or off x86-64 GCC/Clang) has_gemm() is false and Python
+// keeps oneDNN or dense weights.
 //
 // Layout: 16-column panels of 64-byte lines: per k (fp32) or per pair of k (bf16: the columns'
-// (w[2k], w[2k+1]) pairs of vdpbf16ps), one line feeds one FMA per row of x. Panels are
-// contiguous, so each thread streams its share of the matrix in address order. fp32 weights that
-// hold block-quantised values (GGUF Q4_0/Q4_1/Q8_0) are packed smaller, losslessly: see
-// cpu_gemm_affine.h.
+// (w[2k], w[2k+1]) pairs of vdpbf16ps), one line feeds one FMA per row of x (AVX2: two ymm halves;
+// bf16 pairs widened to two fp32 k). Panels are contiguous, so each thread streams its share of
+// the matrix in address order. fp32 weights that hold block-quantised values (GGUF Q4_0/Q4_1/Q8_0)
+// are packed smaller, losslessly: see cpu_gemm_affine.h.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +30,11 @@
 
 namespace pyengine::cpu {
 
-// The instructions the kernels of `dtype` need (AVX-512; for bf16 also avx512_bf16) at run time.
+// Which kernels run `dtype` here: AVX-512 (for bf16 also avx512_bf16), else AVX2 + FMA
+// (cpu_gemm_avx2.h: dense fp32, bf16 pairs and the affine formats), else none.
+enum class GemmIsa : int32_t { kNone = 0, kAvx2 = 2, kAvx512 = 3 };
+GemmIsa gemm_isa(DType dtype);
+// Whether some kernel runs `dtype` on this CPU (gemm_isa(dtype) != kNone).
 bool has_gemm(DType dtype);
 
 class PackedWeight {
@@ -37,6 +48,7 @@ class PackedWeight {
   int64_t k() const { return k_; }
   int64_t n() const { return n_; }
   PanelFormat format() const { return format_; }
+  GemmIsa isa() const { return isa_; }
   int64_t packed_bytes() const { return static_cast<int64_t>(packed_.size() * sizeof(uint32_t)); }
 
   // y [M, N] (row stride N) = x [M, K] (row stride x_row_stride) @ W + bias (bias [N] or null).
@@ -46,6 +58,7 @@ class PackedWeight {
  private:
   int64_t k_, n_, k_steps_, panels_;
   DType dtype_;
+  GemmIsa isa_;
   PanelFormat format_ = PanelFormat::kDense;
   PanelStore packed_;  // dense: [panels][k_steps][16] fp32 or bf16 pairs; else cpu_gemm_affine.h
 };

@@ -1,5 +1,5 @@
 // cpu_gemm_affine.h: finding each run's (s, m, q), packing, and the AVX-512 micro-kernels that
-// rebuild the fp32 weights in registers.
+// rebuild the fp32 weights in registers (the AVX2 ones are in cpu_gemm_avx2.cpp).
 #include "cpu_gemm_affine.h"
 
 #include <algorithm>

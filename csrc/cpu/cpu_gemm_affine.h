@@ -11,6 +11,10 @@
 // Nothing here trusts the file: (s, m, q) are found from the fp32 values and every weight is
 // checked to come back exactly; a matrix with one run that does not fit stays dense.
 //
+// Kernels: AVX-512 ones here (affine_kernels: the weights rebuilt in zmm registers); on AVX2 + FMA
+// CPUs cpu_gemm_avx2.cpp rebuilds each block (or, for many rows, the whole panel) into an fp32
+// buffer with the same fma and runs its dense kernel over it.
+//
 // Layout: 16-column panels as in cpu_gemm.h; per panel, K / 32 blocks of
 //   s[16] fp32, m[16] fp32, then q lines of 16 bytes (one byte per column):
 //   4-bit: 16 lines, line j holds inputs 2j (low nibble) and 2j + 1 (high nibble);
@@ -41,7 +45,7 @@ constexpr int kGemmRows = 16;   // rows of x per micro-kernel call: 16 accumulat
 // leaving `out` unspecified, when K is not a multiple of 32 or some run does not fit exactly.
 bool pack_affine(const float* w, int64_t k, int64_t n, PanelFormat f, PanelStore& out);
 
-// One panel times up to kGemmRows rows of x: (x, x_row_stride, panel, K, bias or null, y,
+// AVX-512 only: one panel times up to kGemmRows rows of x: (x, x_row_stride, panel, K, bias or null, y,
 // y_row_stride, valid columns). kernels[r - 1] takes r rows; run by cpu_gemm.cpp's panel loop.
 // The affine kernels for r rows read x interleaved, [K][r] (see interleave_rows; x_row_stride
 // unused): every broadcast is one base register plus a constant, where 16 row pointers spilled

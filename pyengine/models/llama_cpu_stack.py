@@ -4,8 +4,10 @@ values; hidden states equal bit for bit). It saves the per-op Python crossings, 
 allocations of the layer loop.
 
 Taken when the model's linears are pyengine's PackedLinear, the layers have no qkv bias or q/k
-norm, the step's attention is one the C++ kernel runs (pyengine.ops.cpu.paged_attention's rule:
-long prefills keep the op-by-op path and its SDPA reference) and KernelConfig.cpu_layer_stack is on.
+norm, the KV cache has the model's dtype (so the C++ attention kernel runs, as it would op by op)
+and KernelConfig.cpu_layer_stack is on. Steps of every size take it, long prefills included: the
+C++ attention runs every step itself (pyengine.ops.cpu.attention), so the op-by-op path has no
+other implementation to switch to, and either path gives the same bits.
 """
 from __future__ import annotations
 
@@ -16,13 +18,14 @@ from pyengine.config import ModelConfig
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.models.layers import KVCache, LlamaDecoderLayer
 from pyengine.ops.cpu import PackedLinear  # ImportError without the extension's CPU ops: no stack
-from pyengine.ops.cpu.attention import MAX_QUERY_KEY_PAIRS, step_tables
+from pyengine.ops.cpu.attention import runs_kernel, step_tables
 from pyengine.ops.cpu.extension import DTYPE_CODE, kernels, pool_threads, raise_error
 
 
 class CpuLlamaStack:
     def __init__(self, layers: nn.ModuleList, config: ModelConfig, dtype: torch.dtype) -> None:
         self.dtype = dtype
+        self.head_dim = config.head_dim
         weights = []  # raw pointers into weights the model (which holds this stack) owns
         for layer in layers:
             linears = [getattr(layer, name) for name in LlamaDecoderLayer.LINEAR_NAMES]
@@ -47,9 +50,7 @@ class CpuLlamaStack:
 
     def applies(self, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
         """Whether the C++ attention takes this step (else the op-by-op path runs it)."""
-        if meta.num_tokens == 0 or kv_caches[0][0].dtype != self.dtype:
-            return False
-        return step_tables(meta)[3] <= MAX_QUERY_KEY_PAIRS
+        return meta.num_tokens > 0 and runs_kernel(self.dtype, kv_caches[0][0].dtype, self.head_dim)
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,10 @@
 """CPU paged GQA attention (csrc/cpu/cpu_attention.cpp) for fp32 and bf16 with head_dim a multiple
-of 16: it reads K/V in place, which wins for decode and verify steps (a few queries per row); a step
-with much more attention work than that (long prefills) runs the reference, whose SDPA kernel uses
-every core. Rows are split over the C++ pool only inside an engine step (extension.pool_threads)."""
+of 16. It reads K/V in place and runs every step, decode, verify and long prefills alike: a row's
+queries are cut into chunks of 32 positions per kv head, and those work units are split over the
+C++ pool by query-key work, so a long prefill uses every thread with bounded scratch. A query's
+output is the same bits whatever shares its step (alone, in a batch, inside a prefill chunk).
+Only other dtypes, mixed cache dtypes or head dims that are not multiples of 16 run the reference.
+Work is split over the C++ pool only inside an engine step (extension.pool_threads)."""
 from __future__ import annotations
 
 import torch
@@ -11,9 +14,6 @@ from pyengine.ops import reference
 from pyengine.ops.cpu.extension import DTYPE_CODE, heads_contiguous, kernels, pool_threads, raise_error
 
 _META_KEY = "cpu_paged_attention"
-# Query-key pairs (summed over rows) above which a step's attention runs the reference instead:
-# beyond this the multi-threaded SDPA kernel beats one thread (measured on SmolLM2 shapes).
-MAX_QUERY_KEY_PAIRS = 1 << 15
 
 
 def step_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -30,13 +30,16 @@ def step_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, to
     return tables
 
 
+def runs_kernel(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the C++ kernel takes attention of these dtypes and head size (else the reference)."""
+    return q_dtype in DTYPE_CODE and cache_dtype == q_dtype and head_dim % 16 == 0
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    code = DTYPE_CODE.get(q.dtype)
-    bt, qsl, ctx, pairs = step_tables(meta)
-    if (code is None or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or pairs > MAX_QUERY_KEY_PAIRS
-            or q.shape[0] == 0 or q.shape[2] % 16):
+    if (not runs_kernel(q.dtype, k_cache.dtype, q.shape[2]) or v_cache.dtype != q.dtype or q.shape[0] == 0):
         return reference.paged_attention(q, k_cache, v_cache, meta, scale, return_lse=return_lse)
+    bt, qsl, ctx, _ = step_tables(meta)
     if not heads_contiguous(q):
         q = q.contiguous()
     num_tokens, num_heads, head_dim = q.shape
@@ -45,5 +48,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     raise_error(kernels.paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                        0 if lse is None else lse.data_ptr(), bt.data_ptr(), bt.shape[1], qsl.data_ptr(),
                        ctx.data_ptr(), ctx.shape[0], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-                       k_cache.shape[0], scale, code, pool_threads()))
+                       k_cache.shape[0], scale, DTYPE_CODE[q.dtype], pool_threads()))
     return (out, lse) if lse is not None else out

@@ -8,8 +8,14 @@ from pyengine.ops.cpu.extension import DTYPE_CODE, kernels, raise_error
 
 class PackedLinear:
     """An fp32 or bf16 [in, out] weight in the layout of the C++ decode GEMM (csrc/cpu/cpu_gemm.h):
-    called as y = layer(x, bias), one row's result independent of the other rows. Threads:
-    torch's count when packed; the pool runs them only inside ModelRunner.step_threads.
+    called as y = layer(x, bias), one row's result independent of the other rows: each output is
+    one k-ordered fp32 FMA chain fixed by the packing, so a row's bits are the same for every M and
+    every thread count. Threads: torch's count when packed; the pool runs them only inside
+    ModelRunner.step_threads.
+
+    Kernels (`isa`): AVX-512 where the CPU has avx512f/bw/vl (bf16: also avx512_bf16), else AVX2 +
+    FMA (csrc/cpu/cpu_gemm_avx2.h, every format below). The two families differ in the last bits;
+    each is batch-invariant. Without either, supported() is False and models keep oneDNN or torch.
 
     compact: an fp32 weight whose values are block-quantised ones (a GGUF Q4_0/Q4_1/Q8_0 tensor
     dequantised on load) is stored as its 4- or 8-bit codes plus per-block scale and offset and
@@ -28,6 +34,11 @@ class PackedLinear:
     @property
     def bits_per_weight(self) -> int:
         return self.packed.format or torch.finfo(self.dtype).bits
+
+    @property
+    def isa(self) -> str:
+        """The kernels this weight runs: "avx512" or "avx2"."""
+        return {2: "avx2", 3: "avx512"}[int(self.packed.isa)]
 
     @property
     def packed_bytes(self) -> int:
