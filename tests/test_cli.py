@@ -177,3 +177,72 @@ def test_bad_prompts_file(tmp_path: Path) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n", encoding="utf-8")
     assert_usage_error(cli("--prompts-file", str(empty)), "no prompts")
+
+
+# ---- a request that fails while it runs (issue 18: non-finite logits) ----------------------------------
+
+# The CLI's main() on an LLM whose embedding of one token (argv[1]) is NaN: a request whose prompt
+# holds that token gets NaN logits. (The tied SmolLM2 embeds from lm_head's dense columns; the
+# logits read the packed copy, or a copy of their own where nothing was packed.)
+POISONED_CLI = """
+import sys, torch, pyengine
+from pyengine.engine.llm import LLM
+from pyengine.entrypoints.generate import main
+
+class PoisonedLLM(LLM):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        m = self.model
+        with torch.no_grad():
+            if m.embed_tokens is not None:
+                m.embed_tokens[int(sys.argv[1])] = float("nan")
+            else:
+                if m.packed_lm_head is None:
+                    m.packed_lm_head = m.lm_head.detach().clone()
+                m.lm_head[:, int(sys.argv[1])] = float("nan")
+
+pyengine.LLM = PoisonedLLM
+main(sys.argv[2:])
+"""
+
+
+def poisoned_cli(token: int, *args: str, timeout: float = 600) -> Result:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", POISONED_CLI, str(token), "--device", "cpu", *args], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+def error_lines(r: Result) -> list[str]:
+    return [line for line in r.stderr.splitlines() if line.startswith("error:")]
+
+
+def test_a_request_with_non_finite_logits_exits_1(smollm2_tokenizer: Tokenizer) -> None:
+    """Two prompts, the first holding the poisoned token: exit 1, one stderr line naming request 0
+    (after the outputs), no traceback; the JSON still has both outputs, the second one complete."""
+    prompts = ["Name a colour.", "Count to three."]
+    chats = [smollm2_tokenizer.encode(smollm2_tokenizer.apply_chat_template([{"role": "user", "content": p}]),
+                                      add_special_tokens=False) for p in prompts]
+    token = next(t for t in chats[0] if t not in chats[1])
+    r = poisoned_cli(token, "--json", "--max-tokens", str(MAX_TOKENS), "--prompt", prompts[0], "--prompt", prompts[1])
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert error_lines(r) == ["error: request 0: non-finite logits at output position 0"], r.stderr
+    assert r.stderr.splitlines()[-1] == error_lines(r)[0]
+    outs = json.loads(r.stdout)["outputs"]
+    assert [(o["finish_reason"], o["error"], o["token_ids"]) for o in outs[:1]] == [
+        ("error", "request 0: non-finite logits at output position 0", [])]
+    assert outs[1]["error"] is None and outs[1]["finish_reason"] in ("stop", "length")
+    assert 1 <= len(outs[1]["token_ids"]) <= MAX_TOKENS
+    assert outs[1]["text"] == smollm2_tokenizer.decode(outs[1]["token_ids"])
+    # text mode, one prompt (streamed): the same single line, exit 1
+    r = poisoned_cli(token, "--max-tokens", str(MAX_TOKENS), "--prompt", prompts[0])
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert error_lines(r) == ["error: request 0: non-finite logits at output position 0"], r.stderr
+
+
+def test_a_request_refused_at_admission_is_bad_input(smollm2_path: str) -> None:
+    """A request that can never run (a KV pool of one block) is still bad input: exit 2."""
+    assert_usage_error(cli("--num-kv-blocks", "1", "--max-tokens", str(MAX_TOKENS), "--prompt", HAPPY_PROMPT),
+                       "request 0")

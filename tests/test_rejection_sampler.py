@@ -327,3 +327,69 @@ def test_random_rows_independent_of_batch() -> None:
     batch = verify(logits, drafts, params, gens, q)
     alone = verify(logits[4:8], [drafts[2]], [params[2]], [RequestGenerators().get(2, 2)], q[2:5])
     assert token_rows(batch)[2] == token_rows(alone)[0]
+
+
+# ---------------------------------------------------------------- non-finite logits (issue 18)
+
+
+def _verify_rows_with_a_rejection(greedy: bool) -> tuple[torch.Tensor, list[list[int]], list[SamplingParams]]:
+    """Two verify rows over V = 20. Row 0 (4 drafts, positions 0..4): drafts 0 and 1 are accepted,
+    draft 2 (judged by position 2) is rejected, so its tokens come from positions 0, 1 and 2 and
+    positions 3 and 4 give none. Row 1 (2 drafts, positions 5..7) is clean. The logits are peaked
+    (+-30) so a sampled row accepts and rejects exactly the same drafts."""
+    v = 20
+    logits = torch.zeros(5 + 3, v)
+    good = [3, 5, 7, 9, 11, 2, 4, 6]  # each position's favourite token
+    logits[torch.arange(8), good] = 30.0
+    drafts = [[3, 5, 8, 9], [2, 4]]  # row 0: draft 2 (8) is not position 2's favourite (7)
+    logits[2, 8] = -30.0
+    params = [GREEDY if greedy else SamplingParams(temperature=0.8, seed=11 + r) for r in range(2)]
+    return logits, drafts, params
+
+
+def _gens(params: list[SamplingParams]) -> list[torch.Generator | None]:
+    pool = RequestGenerators()
+    return [None if p.is_greedy else pool.get(i, p.seed) for i, p in enumerate(params)]
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("position", range(5))
+def test_nonfinite_logits_before_vs_after_the_first_rejected_draft(greedy: bool, value: float,
+                                                                   position: int) -> None:
+    """A NaN / inf in row 0's logits at `position`: up to the first rejected draft's position (2)
+    it gave one of the row's tokens, and first_nonfinite names that token (the tokens before it
+    are the clean run's); after it (3, 4) no token came from it: nothing is reported and every
+    token is the clean run's. The clean row is never touched."""
+    logits, drafts, params = _verify_rows_with_a_rejection(greedy)
+    clean = verify(logits, drafts, params, _gens(params))
+    assert token_rows(clean) == [[3, 5, 7], [2, 4, 6]] and clean.first_nonfinite.tolist() == [-1, -1]
+    poisoned = logits.clone()
+    poisoned[position, 13] = value
+    out = verify(poisoned, drafts, params, _gens(params))
+    rows = token_rows(out)
+    assert rows[1] == [2, 4, 6]
+    if position <= 2:
+        assert out.first_nonfinite.tolist() == [position, -1]
+        assert rows[0][:position] == [3, 5, 7][:position]
+    else:
+        assert out.first_nonfinite.tolist() == [-1, -1]
+        assert rows[0] == [3, 5, 7]
+
+
+def test_nonfinite_logits_without_drafts() -> None:
+    """Plain steps (the all-greedy fast path, and a batch with a sampled row): a row with a NaN or
+    an inf anywhere reports its token (0); finite rows report -1 and keep their tokens."""
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(9))
+    logits[1, 7] = float("nan")
+    logits[3, 0] = float("-inf")
+    none = torch.zeros(0, dtype=torch.long)
+    fast = RejectionSampler()(logits, none, torch.zeros(4, dtype=torch.long), None, [GREEDY] * 4, [None] * 4)
+    assert fast.first_nonfinite.tolist() == [-1, 0, -1, 0]
+    assert [fast.flat_tokens[i].item() for i in (0, 2)] == [logits[0].argmax().item(), logits[2].argmax().item()]
+    params = [GREEDY, SamplingParams(seed=1), SamplingParams(seed=2), GREEDY]
+    mixed = RejectionSampler()(logits, none, torch.zeros(4, dtype=torch.long), None, params, _gens(params))
+    assert mixed.first_nonfinite.tolist() == [-1, 0, -1, 0]
+    alone = RejectionSampler()(logits[2:3], none, torch.zeros(1, dtype=torch.long), None, [params[2]],
+                               [RequestGenerators().get(2, 2)])
+    assert mixed.flat_tokens[2].item() == alone.flat_tokens[0].item()

@@ -32,7 +32,7 @@ from pyengine.engine.model_runner import ModelRunner
 from pyengine.engine.output_processor import OutputProcessor, Request
 from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
 from pyengine.spec_decode.rejection_sampler import RejectionSampler, greedy_argmax
-from pyengine.engine.sampler import RequestGenerators
+from pyengine.engine.sampler import RequestGenerators, finite_rows
 from pyengine.sampling_params import SamplingParams
 from pyengine.spec_decode.config import SpeculativeConfig
 from pyengine.spec_decode.draft_length import DraftLengthPolicy
@@ -141,15 +141,25 @@ class LLMEngine:
         if pending is not None and pending.matches(batch):
             self.num_async_steps += 1
             logits = pending.logits
-            tokens, counts = self._sample_greedy(batch, logits, pending.key)
+            tokens, counts, first_bad = self._sample_greedy(batch, logits, pending.key)
         else:
             self.num_async_discarded += pending is not None
             logits = self.runner.execute(batch)
             if self._all_greedy_single(batch, logits):
-                tokens, counts = self._sample_greedy(batch, logits, self.runner.last_graph_key)
+                tokens, counts, first_bad = self._sample_greedy(batch, logits, self.runner.last_graph_key)
             else:
-                tokens, counts = self._sample(batch, logits)
+                tokens, counts, first_bad = self._sample(batch, logits)
+        if first_bad is not None:
+            # NaN / inf logits where a row's token would be committed: the row commits the tokens
+            # before (a filler where there are none) and its request ends with an error in _commit.
+            # A step launched ahead ran on this step's tokens, the bad rows' too: it is dropped.
+            tokens, counts, filler_rows = self.outputs.hold_back_nonfinite(batch, tokens, counts, first_bad)
+            if self._pending is not None:
+                self._pending = None
+                self.num_async_discarded += 1
         num_committed, reasons = self.scheduler.update(tokens, counts)
+        if first_bad is not None:
+            num_committed[filler_rows] = 0  # a filler token is not output
         if self.cfg.record_logits:
             self._record_logits(batch, logits, num_committed)
         touched = self._commit(batch, tokens, counts, num_committed, reasons)
@@ -190,12 +200,14 @@ class LLMEngine:
             return None
         return view.tokens_left >= view.max_fewest_tokens_left
 
-    def _sample(self, batch, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    def _sample(self, batch, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(tokens, counts per row, first_bad): first_bad None when every logits row that gave a
+        token was finite, else per row the first of its tokens whose logits were not (-1: none)."""
         num_logits = batch.num_logits
         rows = np.nonzero(num_logits)[0]
         counts = np.zeros(batch.num_rows, dtype=np.int32)
         if len(rows) == 0:
-            return np.zeros(0, dtype=np.int32), counts
+            return np.zeros(0, dtype=np.int32), counts, None
         num_drafts = batch.num_draft_tokens[rows]
         # Draft tokens are the inputs after each verify row's first token.
         starts = batch.query_start_loc[rows] + 1
@@ -214,7 +226,12 @@ class LLMEngine:
         out = self.rejection_sampler(logits, draft_ids, torch.from_numpy(num_drafts.astype(np.int64)), draft_probs,
                                      params, gens)
         counts[rows] = out.num_tokens.cpu().numpy()
-        return out.flat_tokens.cpu().numpy().astype(np.int32), counts
+        first_bad = None
+        bad = out.first_nonfinite.numpy()
+        if (bad >= 0).any():
+            first_bad = np.full(batch.num_rows, -1, dtype=np.int64)
+            first_bad[rows] = bad
+        return out.flat_tokens.cpu().numpy().astype(np.int32), counts, first_bad
 
     def _all_greedy_single(self, batch, logits: torch.Tensor) -> bool:
         """Every row wants one token (num_logits 1, no drafts) and is greedy: the rejection
@@ -225,10 +242,13 @@ class LLMEngine:
         reqs = self.requests
         return all(reqs[s].params.is_greedy for s in batch.seq_ids.tolist())
 
-    def _sample_greedy(self, batch, logits: torch.Tensor, key: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
-        """Argmax per row (the tokens the rejection sampler gives these rows). On the GPU: argmax
-        into a static device buffer, an asynchronous copy to pinned memory and one event wait; the
-        next step's forward is launched before that wait where it can be (module docstring)."""
+    def _sample_greedy(self, batch, logits: torch.Tensor,
+                       key: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Argmax per row (the tokens the rejection sampler gives these rows), and first_bad as
+        _sample gives it (None: every row finite, else 0 for a row with NaN / inf logits, -1 for
+        the others). On the GPU: argmax and the finite flags into static device buffers, their
+        asynchronous copies to pinned memory and one event wait; the next step's forward is
+        launched before that wait where it can be (module docstring)."""
         n = logits.shape[0]
         ready = None
         if logits.is_cuda:
@@ -236,14 +256,20 @@ class LLMEngine:
                 size = max(n, self.cfg.max_num_seqs)
                 self._tok_dev = torch.empty(size, dtype=torch.int64, device=logits.device)
                 self._tok_host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+                self._fin_dev = torch.empty(size, dtype=torch.bool, device=logits.device)
+                self._fin_host = torch.empty(size, dtype=torch.bool, pin_memory=True)
                 self._tok_ready = torch.cuda.Event()
             tok, host = self._tok_dev[:n], self._tok_host[:n]
+            fin, fin_host = self._fin_dev[:n], self._fin_host[:n]
             torch.argmax(logits, dim=-1, out=tok)
+            fin.copy_(finite_rows(logits, tok))  # before a launched step's replay overwrites logits
             host.copy_(tok, non_blocking=True)
+            fin_host.copy_(fin, non_blocking=True)
             ready = self._tok_ready
             ready.record()
         else:
             tok = host = greedy_argmax(logits)
+            fin_host = finite_rows(logits, tok)
         if key is not None and self._may_launch_next(batch, key):
             self._pending = self.runner.graph_runner.launch_next(batch, key, tok)
         if ready is not None:
@@ -251,14 +277,18 @@ class LLMEngine:
         tokens = host.numpy().astype(np.int32)  # a copy: the pinned buffer is reused next step
         if self._pending is not None:
             self._pending.input_ids = tokens.astype(np.int64)
-        return tokens, np.ones(batch.num_rows, dtype=np.int32)
+        finite = fin_host.numpy()
+        first_bad = None if finite.all() else np.where(finite, -1, 0).astype(np.int64)
+        return tokens, np.ones(batch.num_rows, dtype=np.int32), first_bad
 
     def _may_launch_next(self, batch, key: tuple[int, int]) -> bool:
         """Launch the next decode step now? Only where it is likely to be the step the scheduler
         asks for: a graph step of decode rows only (q = 1), no speculation, no recurrent state,
         nobody waiting for admission, and no row that this step's token finishes by length."""
         g = self.runner.graph_runner
-        if not self.async_decode or self.proposer is not None or g is None or g.state_cache is not None:
+        # record_logits reads this step's logits after sampling: the next replay would overwrite them
+        if (not self.async_decode or self.cfg.record_logits or self.proposer is not None or g is None
+                or g.state_cache is not None):
             return False
         rows = batch.num_rows
         if key[1] != 1 or batch.num_decode_rows != rows or self.scheduler.num_waiting:

@@ -17,6 +17,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from pyengine.sampling_params import SamplingParams
@@ -207,6 +208,40 @@ def draw_uniforms(
     if not chunks:
         return torch.empty(0, dtype=torch.float64, device=device)
     return torch.cat([c.to(device) for c in chunks])
+
+
+def finite_rows(logits: torch.Tensor, argmax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[N, V] logits -> [N] bool, where the logits live: is the row free of NaN and +-inf? Its
+    minimum and maximum are both finite (NaN propagates through both). argmax: the rows' argmax,
+    if already computed (NaN or +inf is what it picks), saves the maximum: the check then costs
+    one reduction. CPU float32 rows go through NumPy (torch.aminmax is far slower there)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        x = logits.detach().numpy()
+        if argmax is None:
+            top = x.max(axis=-1)
+        else:
+            top = x[np.arange(x.shape[0]), argmax.numpy()]
+        return torch.from_numpy(np.isfinite(top) & np.isfinite(x.min(axis=-1)))
+    if argmax is None:
+        low, top = torch.aminmax(logits, dim=-1)
+    else:
+        low, top = logits.amin(dim=-1), logits.gather(1, argmax.view(-1, 1)).view(-1)
+    return torch.isfinite(low) & torch.isfinite(top)
+
+
+def first_nonfinite(finite: torch.Tensor, num_logits: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    """Per row, the first of its tokens whose logits are not finite, or -1. finite: [sum(num_logits)]
+    per logits row; row r owns num_logits[r] consecutive logits rows, and its num_tokens[r] tokens
+    came from the first num_tokens[r] of them (a verify row: accepted drafts, then the correction
+    or bonus token). Logits after a rejected draft gave no token and are not looked at."""
+    rows = num_logits.shape[0]
+    width = int(num_tokens.max()) if rows else 0
+    starts = torch.cumsum(num_logits, 0) - num_logits
+    cols = torch.arange(width, device=finite.device)
+    used = cols.unsqueeze(0) < num_tokens.unsqueeze(1)  # [N, W]
+    idx = torch.where(used, starts.unsqueeze(1) + cols, 0)
+    bad = used & ~finite[idx]
+    return torch.where(bad.any(dim=1), bad.to(torch.int8).argmax(dim=1), -1)
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

