@@ -66,5 +66,8 @@ def test_calls_per_step_do_not_grow_with_rows(checkpoints: tuple[str, str], meth
     for rows in (1, 32):
         llm = LLM(model=target, device="cpu", speculative_config=spec, block_size=4, max_model_len=128)
         counts[rows] = calls_per_decode_step(llm, rows)
-    assert counts[1] == counts[32], counts
-    assert max(counts[32]) <= 7, counts  # draft model: view, tails, tables, drafts, schedule, update, finished
+    if not adaptive:  # every row drafts every step: the same calls at both sizes
+        assert counts[1] == counts[32], counts
+    # adaptive: the cost model may give a large batch's rows no drafts in some steps, which skips
+    # the proposal calls (fewer crossings, never more)
+    assert max(counts[1]) <= 7 and max(counts[32]) <= 7, counts  # draft model: view, tails, tables, drafts, schedule, update, finished
