@@ -54,3 +54,18 @@ def test_draft_model_spec_logits_equal_plain(smollm2_path: str) -> None:
     report = check_losslessness(PROMPTS, model=smollm2_path, device="cpu", dtype="bfloat16", speculative_config=spec,
                                 max_tokens=16, alone=False, chat=False, batch_invariant=True)
     assert_bit_identical(report, "spec")
+
+
+def test_batch_invariant_refuses_what_it_cannot_keep(smollm2_path: str, tmp_path) -> None:
+    """A clear ValueError, not a silently non-invariant run: the PyTorch references (cpu_kernels off)
+    and a recurrent-state model (its projections run torch's GEMMs)."""
+    from pyengine import LLM
+    from tests.test_mamba2 import make_mamba2_checkpoint
+
+    with pytest.raises(ValueError, match="cpu_kernels"):
+        LLM(smollm2_path, device="cpu", batch_invariant=True, kernel_config={"cpu_kernels": False})
+    make_mamba2_checkpoint(str(tmp_path))
+    with pytest.raises(ValueError, match="batch_invariant is not available for recurrent-state models"):
+        LLM(str(tmp_path), device="cpu", batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant must be a bool"):
+        LLM(smollm2_path, device="cpu", batch_invariant="yes")

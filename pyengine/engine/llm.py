@@ -98,6 +98,8 @@ class LLM:
                 kv_configs = [self.model_config] + ([] if draft is None else [draft[1]])
                 num_kv_blocks = default_num_kv_blocks(kv_configs, block_size, self.dtype, self.device, max_num_seqs,
                                                       max_model_len, gpu_memory_utilization, cpu_kv_cache_bytes)
+            if self.kernel_config.batch_invariant and self.device.type == "cpu":
+                self._check_cpu_batch_invariant()
             # ---- hybrid (recurrent-state) models: a state slot pool; no prefix caching ----
             num_state_slots = 0
             if hasattr(self.model, "state_shapes"):
@@ -124,6 +126,20 @@ class LLM:
                                  cuda_graphs=not enforce_eager and self.device.type == "cuda",
                                  num_state_slots=num_state_slots)
             self.engine = LLMEngine(runner, self.model_config, self.tokenizer, cfg, draft_model=draft)
+
+    def _check_cpu_batch_invariant(self) -> None:
+        """batch_invariant on the CPU needs the C++ ops and every linear on the packed GEMM (torch's
+        GEMMs pick their kernel by the number of rows)."""
+        from pyengine.ops.cpu import PackedLinear
+
+        if not self.kernel_config.cpu_kernels:
+            raise ValueError("batch_invariant on the CPU needs KernelConfig.cpu_kernels (the references are not "
+                             "batch-invariant)")
+        if hasattr(self.model, "state_shapes"):
+            return  # refused below, with the reason
+        if not isinstance(getattr(self.model, "packed_lm_head", None), PackedLinear):
+            raise ValueError("batch_invariant on the CPU needs pyengine's packed GEMM (x86-64 with AVX2 + FMA or "
+                             "AVX-512) for this model's linears")
 
     # ---- generation ---------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
