@@ -2,8 +2,9 @@
 // math. Work units are (row, chunk of up to kChunkQueries query positions, kv head): every query
 // of the chunk's GQA group scores the keys it sees (16 at a time, one shared reduction), then sums
 // the values, with the query and its accumulators in registers. Units are split over the pool in
-// contiguous ranges of about equal query-key work, so one long prefill row is spread over every
-// thread and its scratch stays bounded ([kChunkQueries * G, ctx] scores per thread).
+// contiguous ranges of about equal query-key work (4 per thread, claimed dynamically), so one long
+// prefill row is spread over every thread and its scratch stays bounded ([kChunkQueries * G, ctx]
+// scores per thread).
 //
 // Per query the arithmetic is fixed by the query alone: scores in key order, one max, exp, one
 // sum, and the weighted values summed in key order; chunks and threads only choose which queries
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -116,6 +118,8 @@ struct Scratch {
   std::vector<float> scores;   // [nq, keys] scores, then softmax numerators
   std::vector<const void*> kv; // [ctx] K row pointers, then V row pointers (from the block table)
   std::vector<float> sums;     // [nq] softmax denominators
+  std::vector<float> wide;     // AVX2, bf16: one key block's K or V rows widened to fp32
+  std::vector<const void*> wide_ptrs;  // [ctx] row pointers into `wide` (the current block's)
 };
 
 // Query positions [i0, i1) of row r for kv head h, with its whole GQA group. NV = head_dim / 16
@@ -429,9 +433,32 @@ PE_AVX2_INLINE std::pair<float, float> softmax_numerators(float* sc, int32_t lim
   return {m, sum};
 }
 
+// n floats of v from a 64-byte line on (rows of 8-float multiples then never straddle two lines).
+PE_INLINE float* aligned64(std::vector<float>& v, size_t n) {
+  v.resize(n + 16);
+  const auto address = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((64 - address % 64) % 64) / sizeof(float);
+}
+
 // Keys per block: the chunk's queries score (then sum) one block of K (V) rows while it sits in
 // L1 (64 rows of a 64-dim fp32 head: 16 KiB), instead of each query streaming every key from L2.
 constexpr int32_t kKeyBlock = 64;
+// bf16 units with at least this many queries widen each key block once (see attend_avx2).
+constexpr int32_t kWidenMinQueries = 8;
+
+// Rows s.kv[j0, j1) (bf16) widened into s.wide; returns pointers p with p[j] the row of key j.
+template <typename T>
+PE_AVX2_INLINE const void* const* widen_block(Scratch& s, int32_t j0, int32_t j1, int32_t d) {
+  float* base = aligned64(s.wide, static_cast<size_t>(kKeyBlock) * d);
+  s.wide_ptrs.resize(s.kv.size());
+  for (int32_t j = j0; j < j1; ++j) {
+    const T* src = static_cast<const T*>(s.kv[j]);
+    float* dst = base + static_cast<size_t>(j - j0) * d;
+    for (int32_t c = 0; c < d; c += 8) _mm256_storeu_ps(dst + c, load8(src + c));
+    s.wide_ptrs[j] = dst;
+  }
+  return s.wide_ptrs.data();
+}
 
 template <typename T>
 PE_AVX2_INLINE void attend_avx2(const PagedAttentionParams& p, const Unit& u, Scratch& s) {
@@ -444,10 +471,10 @@ PE_AVX2_INLINE void attend_avx2(const PagedAttentionParams& p, const Unit& u, Sc
   const int32_t nq = (u.i1 - u.i0) * G;  // local query n: position i0 + n / G, head h * G + n % G
   const int32_t keys = std::max(ctx - (q_len - u.i1), 0);
   const int32_t stride = std::max((keys + 7) / 8 * 8, 8);  // scores row: whole groups of 8
-  s.scores.resize(static_cast<size_t>(nq) * (stride + 3 * D));
+  float* scores = aligned64(s.scores, static_cast<size_t>(nq) * (stride + 3 * D));
   s.kv.resize(stride);
   s.sums.resize(nq);
-  float* qf = s.scores.data() + static_cast<size_t>(nq) * stride;  // [nq][D] widened queries
+  float* qf = scores + static_cast<size_t>(nq) * stride;  // [nq][D] widened queries
   float* acc = qf + static_cast<size_t>(nq) * D;                   // [nq][2D] even | odd value sums
 
   const int32_t* table = p.block_tables + r * p.block_table_stride;  // checked by paged_attention()
@@ -470,15 +497,23 @@ PE_AVX2_INLINE void attend_avx2(const PagedAttentionParams& p, const Unit& u, Sc
     const T* qrow = q + (q0 + u.i0 + n / G) * p.q_row_stride + (h * G + n % G) * D;
     for (int32_t c = 0; c < D; ++c) qf[n * D + c] = to_float(qrow[c]);
   }
+  // bf16 with many queries: each block's rows widened once into fp32 (exactly) rather than by
+  // every query; the same values reach the same FMAs either way.
+  const bool widen = std::is_same_v<T, bf16> && nq >= kWidenMinQueries;
   if (keys > 0) {
     const __m256 scale = _mm256_set1_ps(p.scale);
     row_pointers(p.k_cache);
-    for (int32_t kb = 0; kb < keys; kb += kKeyBlock)
+    for (int32_t kb = 0; kb < keys; kb += kKeyBlock) {
+      const void* const* wide = widen ? widen_block<T>(s, kb, std::min(stride, kb + kKeyBlock), D) : nullptr;
       for (int32_t n = 0; n < nq; ++n) {
         const int32_t end = std::min(limit_of(n), kb + kKeyBlock);
-        float* sc = &s.scores[static_cast<size_t>(n) * stride];
-        for (int32_t j0 = kb; j0 < end; j0 += 8) _mm256_storeu_ps(sc + j0, score8<T>(qf + n * D, &s.kv[j0], D, scale));
+        float* sc = scores + static_cast<size_t>(n) * stride;
+        if (widen)
+          for (int32_t j0 = kb; j0 < end; j0 += 8) _mm256_storeu_ps(sc + j0, score8<float>(qf + n * D, wide + j0, D, scale));
+        else
+          for (int32_t j0 = kb; j0 < end; j0 += 8) _mm256_storeu_ps(sc + j0, score8<T>(qf + n * D, &s.kv[j0], D, scale));
       }
+    }
   }
   for (int32_t n = 0; n < nq; ++n) {
     const int32_t limit = limit_of(n);
@@ -487,22 +522,29 @@ PE_AVX2_INLINE void attend_avx2(const PagedAttentionParams& p, const Unit& u, Sc
       std::fill_n(out + head_row(n) * D, D, from_float<T>(0.0f));
       continue;
     }
-    const auto [m, sum] = softmax_numerators(&s.scores[static_cast<size_t>(n) * stride], limit);
+    const auto [m, sum] = softmax_numerators(scores + static_cast<size_t>(n) * stride, limit);
     s.sums[n] = sum;
     if (p.lse) p.lse[head_row(n)] = m + std::log(sum);
   }
   if (keys <= 0) return;
   std::fill_n(acc, static_cast<size_t>(nq) * 2 * D, 0.0f);
   row_pointers(p.v_cache);
-  for (int32_t kb = 0; kb < keys; kb += kKeyBlock)
+  for (int32_t kb = 0; kb < keys; kb += kKeyBlock) {
+    const void* const* wide = widen ? widen_block<T>(s, kb, std::min(keys, kb + kKeyBlock), D) : nullptr;
     for (int32_t n = 0; n < nq; ++n) {
       const int32_t end = std::min(limit_of(n), kb + kKeyBlock);
       if (end <= kb) continue;
-      const float* sc = &s.scores[static_cast<size_t>(n) * stride];
+      const float* sc = scores + static_cast<size_t>(n) * stride;
       int32_t d0 = 0;
-      for (; d0 + 32 <= D; d0 += 32) values<T, 4>(sc, s.kv.data(), kb, end, d0, D, acc + n * 2 * D);
-      if (d0 < D) values<T, 2>(sc, s.kv.data(), kb, end, d0, D, acc + n * 2 * D);  // D % 32 == 16
+      if (widen) {
+        for (; d0 + 32 <= D; d0 += 32) values<float, 4>(sc, wide, kb, end, d0, D, acc + n * 2 * D);
+        if (d0 < D) values<float, 2>(sc, wide, kb, end, d0, D, acc + n * 2 * D);
+      } else {
+        for (; d0 + 32 <= D; d0 += 32) values<T, 4>(sc, s.kv.data(), kb, end, d0, D, acc + n * 2 * D);
+        if (d0 < D) values<T, 2>(sc, s.kv.data(), kb, end, d0, D, acc + n * 2 * D);  // D % 32 == 16
+      }
     }
+  }
   for (int32_t n = 0; n < nq; ++n) {
     if (limit_of(n) <= 0) continue;
     const __m256 inv = _mm256_set1_ps(1.0f / s.sums[n]);
@@ -574,14 +616,14 @@ std::string paged_attention(const PagedAttentionParams& p) {
   const Unit* unit_data = units.data();
   const int64_t num_units = static_cast<int64_t>(units.size());
   const std::vector<int64_t>& w = work;  // the caller's (a worker's own thread_local would be empty)
-  auto unit_at = [&](int part, int parts) {
+  auto unit_at = [&](int64_t part, int64_t parts) {
     if (part == parts) return num_units;
     const int64_t target = split_begin(w.back(), part, parts);
     return static_cast<int64_t>(std::lower_bound(w.begin(), w.end(), target) - w.begin());
   };
   const bool avx2 = use_avx2_attention();
-  auto run = [&](int t, int nt) {
-    const int64_t begin = std::min(unit_at(t, nt), num_units), end = std::min(unit_at(t + 1, nt), num_units);
+  auto run = [&](int64_t part, int64_t parts) {
+    const int64_t begin = std::min(unit_at(part, parts), num_units), end = std::min(unit_at(part + 1, parts), num_units);
     if (avx2)
       p.dtype == DType::kBFloat16 ? attention_units_avx2<bf16>(p, unit_data, begin, end)
                                   : attention_units_avx2<float>(p, unit_data, begin, end);
@@ -591,8 +633,10 @@ std::string paged_attention(const PagedAttentionParams& p) {
   };
   if (!p.use_pool || work.back() < kMinParallelWork) {
     run(0, 1);
-  } else {
-    shared_pool().run(run);
+  } else {  // ranges of about equal work, claimed by the pool's threads as they come
+    ThreadPool& pool = shared_pool();
+    const int64_t parts = std::min<int64_t>(num_units, 4 * pool.num_threads());
+    pool.run_chunks(parts, [&](int64_t c) { run(c, parts); });
   }
   return {};
 }

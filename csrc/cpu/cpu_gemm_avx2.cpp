@@ -1,6 +1,6 @@
-// cpu_gemm_avx2.h: AVX2 + FMA micro-kernels of up to kRows rows x 16 columns (two ymm accumulators
-// per row), row groups looped over row chunks that stay in L2, threads splitting the panels into
-// contiguous ranges as the AVX-512 path does.
+// cpu_gemm_avx2.h: AVX2 + FMA micro-kernels of up to 6 (fp32) or 4 (bf16) rows x 16 columns (two ymm
+// accumulators per row), row groups looped over row chunks that stay in L2, the pool's threads
+// claiming contiguous panel ranges.
 #include "cpu_gemm_avx2.h"
 
 #include <algorithm>
@@ -33,6 +33,10 @@ constexpr int kRowsF32 = 6;
 constexpr int kRowsBf16 = 4;
 constexpr int kPrefetchLines = 16;            // weight lines requested ahead (1 KiB), as the AVX-512 path
 constexpr int64_t kChunkBytes = 192 << 10;    // x rows of one chunk: L2-resident while the panels pass
+// Contiguous panel ranges per pool thread, claimed dynamically (cpu_thread_pool.h): a thread that
+// is not scheduled leaves its ranges to the others. Each output is still computed by one kernel
+// call, so the results do not depend on the split.
+constexpr int kChunksPerThread = 4;
 
 // The accumulators are named registers, not arrays: GCC 12 kept arrays of __m256 on the stack
 // and stored every accumulator back on each k step (2x slower). PE_ROWS(X) applies X to rows
@@ -190,9 +194,32 @@ const float* panel_bias(const T* bias, int64_t p, int cols, float (&dst)[kPanel]
   return dst;
 }
 
+// n floats of `v` starting on a 64-byte line: a panel row is then one line (std::vector's 16-byte
+// alignment split every other ymm load over two lines: 1.6x slower kernels).
+float* aligned_buffer(std::vector<float>& v, int64_t n) {
+  v.resize(static_cast<size_t>(n) + 16);
+  const auto address = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((64 - address % 64) % 64) / sizeof(float);
+}
+
 // Rows per chunk: a multiple of `group` whose x rows (k fp32 each) fit kChunkBytes.
 int64_t chunk_rows(int64_t k, int group) {
   return std::max<int64_t>(group, kChunkBytes / (k * 4) / group * group);
+}
+
+// A bf16 pair panel [k_pairs][16] -> fp32 [2 k_pairs][16]: row 2kp the low halves, 2kp + 1 the
+// high ones. The fp32 kernel over it runs, per output, the very FMAs of kernel_bf16 (k in order).
+PE_AVX2 void widen_panel(const uint32_t* panel, int64_t k_pairs, float* w) {
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t kp = 0; kp < k_pairs; ++kp) {
+    const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + kp * kPanel));
+    const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + kp * kPanel + 8));
+    float* even = w + 2 * kp * kPanel;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(even), _mm256_slli_epi32(p0, 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(even + 8), _mm256_slli_epi32(p1, 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(even + kPanel), _mm256_and_si256(p0, high_half));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(even + kPanel + 8), _mm256_and_si256(p1, high_half));
+  }
 }
 
 PE_AVX2 void widen_bf16(const bf16* x, int64_t xs, int64_t m, int64_t k, float* dst) {
@@ -210,8 +237,10 @@ void avx2_matmul_f32(const uint32_t* packed, PanelFormat format, int64_t k, int6
   const int64_t chunk = chunk_rows(k, kRowsF32);
   const int64_t blocks = k / kAffineRun;
   const int64_t block_words = format == PanelFormat::kDense ? 0 : affine_block_words(format);
-  shared_pool().run([&](int t, int nt) {
-    const int64_t begin = split_begin(panels, t, nt), end = split_begin(panels, t + 1, nt);
+  ThreadPool& pool = shared_pool();
+  const int64_t parts = std::min<int64_t>(panels, kChunksPerThread * pool.num_threads());
+  pool.run_chunks(parts, [&](int64_t c) {
+    const int64_t begin = split_begin(panels, c, parts), end = split_begin(panels, c + 1, parts);
     if (begin == end) return;
     thread_local std::vector<float> wpanel;  // affine, more rows than one group: [K][16] rebuilt
     alignas(64) float acc[kRowsF32 * kPanel];
@@ -235,13 +264,13 @@ void avx2_matmul_f32(const uint32_t* packed, PanelFormat format, int64_t k, int6
         }
         const uint8_t* block = reinterpret_cast<const uint8_t*>(packed + p * blocks * block_words);
         if (rows > kRowsF32) {  // the panel rebuilt once into L2, then every row group as dense
-          wpanel.resize(static_cast<size_t>(k * kPanel));
+          float* wp = aligned_buffer(wpanel, k * kPanel);
           for (int64_t bk = 0; bk < blocks; ++bk, block += block_words * 4)
-            format == PanelFormat::kAffine4 ? decode_block<4>(block, wpanel.data() + bk * kAffineRun * kPanel)
-                                            : decode_block<8>(block, wpanel.data() + bk * kAffineRun * kPanel);
+            format == PanelFormat::kAffine4 ? decode_block<4>(block, wp + bk * kAffineRun * kPanel)
+                                            : decode_block<8>(block, wp + bk * kAffineRun * kPanel);
           for (int64_t g = 0; g < rows; g += kRowsF32) {
             const int rg = static_cast<int>(std::min<int64_t>(kRowsF32, rows - g));
-            kF32Block[rg - 1](xc + g * x_row_stride, x_row_stride, wpanel.data(), k, acc, true);
+            kF32Block[rg - 1](xc + g * x_row_stride, x_row_stride, wp, k, acc, true);
             store_rows(acc, rg, b, yc + g * n + p * kPanel, n, cols);
           }
           continue;
@@ -266,10 +295,13 @@ void avx2_matmul_bf16(const uint32_t* packed, int64_t k, int64_t n, const bf16* 
   widen_bf16(x, x_row_stride, m, k, xf.data());
   const float* xw = xf.data();  // the workers read this thread's copy (a thread_local named in the
                                 // lambda would be each worker's own)
-  const int64_t chunk = chunk_rows(k, kRowsBf16);
-  shared_pool().run([&](int t, int nt) {
-    const int64_t begin = split_begin(panels, t, nt), end = split_begin(panels, t + 1, nt);
-    alignas(64) float acc[kRowsBf16 * kPanel];
+  const int64_t chunk = chunk_rows(k, kRowsF32);
+  ThreadPool& pool = shared_pool();
+  const int64_t parts = std::min<int64_t>(panels, kChunksPerThread * pool.num_threads());
+  pool.run_chunks(parts, [&](int64_t c) {
+    const int64_t begin = split_begin(panels, c, parts), end = split_begin(panels, c + 1, parts);
+    thread_local std::vector<float> wpanel;  // more rows than one group: [K][16] widened
+    alignas(64) float acc[kRowsF32 * kPanel];
     float bias_buf[kPanel];
     for (int64_t r0 = 0; r0 < m && begin < end; r0 += chunk) {
       const int64_t rows = std::min(chunk, m - r0);
@@ -277,6 +309,16 @@ void avx2_matmul_bf16(const uint32_t* packed, int64_t k, int64_t n, const bf16* 
         const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
         const float* b = panel_bias(bias, p, cols, bias_buf);
         const uint32_t* panel = packed + p * k_pairs * kPanel;
+        if (rows > kRowsBf16) {  // the panel widened once (exactly), then the fp32 kernel's 6-row groups
+          float* wp = aligned_buffer(wpanel, k * kPanel);
+          widen_panel(panel, k_pairs, wp);
+          for (int64_t g = 0; g < rows; g += kRowsF32) {
+            const int rg = static_cast<int>(std::min<int64_t>(kRowsF32, rows - g));
+            kF32Block[rg - 1](xw + (r0 + g) * k, k, wp, k, acc, true);
+            store_rows(acc, rg, b, y + (r0 + g) * n + p * kPanel, n, cols);
+          }
+          continue;
+        }
         for (int64_t g = 0; g < rows; g += kRowsBf16) {
           const int rg = static_cast<int>(std::min<int64_t>(kRowsBf16, rows - g));
           kBf16[rg - 1](xw + (r0 + g) * k, k, panel, k_pairs, acc);

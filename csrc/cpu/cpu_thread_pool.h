@@ -2,6 +2,13 @@
 // counter. Workers spin briefly between jobs (decode issues a GEMM every few tens of microseconds,
 // and a futex wake-up costs about as much as a small GEMM) and then sleep on a condition variable,
 // so an idle engine leaves the other cores alone. Recreated after fork().
+//
+// A job is n chunks claimed one at a time from an atomic counter by whichever thread gets there
+// first, the caller included: each chunk runs exactly once, on any thread. The caller waits only
+// for chunks in progress, never for a worker that has not started: on a machine whose cores are
+// shared with other processes, a worker that is not scheduled no longer holds every step up by a
+// time slice (its chunks are taken by the threads that run). Callers must therefore compute
+// nothing that depends on which thread runs a chunk (the CPU ops' results never do).
 #pragma once
 
 #include <unistd.h>
@@ -9,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -24,7 +32,7 @@ class ThreadPool {
   ~ThreadPool() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
+      stop_.store(true);
       generation_.fetch_add(1);
     }
     wake_.notify_all();
@@ -36,25 +44,48 @@ class ThreadPool {
   int num_threads() const { return num_threads_; }
   pid_t pid() const { return pid_; }
 
-  // Runs fn(thread_index, num_threads) on every thread of the pool, the caller being thread 0.
-  // Callers are serialised: the GEMM binding releases the GIL, so two Python threads (two engines)
-  // can arrive here at once, and the job slot holds one job.
-  void run(const std::function<void(int, int)>& fn) {
-    if (num_threads_ == 1) return fn(0, 1);
+  // Runs fn(i) for every i in [0, n), each once, spread over the pool's threads (the caller too);
+  // returns when all have finished. Callers are serialised: the GEMM binding releases the GIL, so
+  // two Python threads (two engines) can arrive here at once, and the job slot holds one job.
+  void run_chunks(int64_t n, const std::function<void(int64_t)>& fn) {
+    if (n <= 0) return;
+    if (num_threads_ == 1 || n == 1) {
+      for (int64_t i = 0; i < n; ++i) fn(i);
+      return;
+    }
     std::lock_guard<std::mutex> caller(run_mutex_);
-    job_ = &fn;
-    pending_.store(num_threads_ - 1);
+    Job job{&fn, n};
+    current_.store(&job);
     generation_.fetch_add(1);  // seq_cst: pairs with the workers' sleeping_ store (no lost wake-up)
     if (sleeping_.load() > 0) {
       std::lock_guard<std::mutex> lock(mutex_);
       wake_.notify_all();
     }
-    fn(0, num_threads_);
-    while (pending_.load(std::memory_order_acquire) != 0) __builtin_ia32_pause();
+    execute(job);
+    // Every chunk is claimed. A worker may still run one: it announced itself (active_) before
+    // reading current_, so after the store below no worker can reach `job` unannounced.
+    current_.store(nullptr);
+    while (active_.load() != 0) __builtin_ia32_pause();
+  }
+
+  // Runs fn(t, num_threads) for t in [0, num_threads): run_chunks with one chunk per thread.
+  void run(const std::function<void(int, int)>& fn) {
+    const int nt = num_threads_;
+    run_chunks(nt, [&](int64_t t) { fn(static_cast<int>(t), nt); });
   }
 
  private:
-  void work(int index) {
+  struct Job {
+    const std::function<void(int64_t)>* fn;
+    int64_t n;
+    std::atomic<int64_t> next{0};
+  };
+
+  static void execute(Job& job) {
+    for (int64_t i; (i = job.next.fetch_add(1)) < job.n;) (*job.fn)(i);
+  }
+
+  void work(int /*index*/) {
     uint64_t seen = 0;
     for (;;) {
       const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
@@ -69,9 +100,10 @@ class ThreadPool {
         }
       }
       seen = gen;
-      if (stop_) return;
-      (*job_)(index, num_threads_);
-      pending_.fetch_sub(1, std::memory_order_release);
+      if (stop_.load()) return;
+      active_.fetch_add(1);
+      if (Job* job = current_.load()) execute(*job);  // null: the job ended before this worker ran
+      active_.fetch_sub(1);
     }
   }
 
@@ -82,10 +114,10 @@ class ThreadPool {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};
+  std::atomic<Job*> current_{nullptr};
+  std::atomic<int> active_{0};
   std::atomic<int> sleeping_{0};
-  const std::function<void(int, int)>* job_ = nullptr;
-  bool stop_ = false;
+  std::atomic<bool> stop_{false};
 };
 
 // The process-wide pool of the CPU ops (GEMM, attention, activations), made on first use with the
