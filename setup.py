@@ -55,6 +55,11 @@ setup(
         "jinja2",
         "tqdm",
     ],
-    extras_require={"test": ["pytest", "hypothesis", "scipy", "transformers>=4.45", "accelerate"]},
+    extras_require={
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
+        "test": ["pytest", "hypothesis", "scipy", "transformers>=4.45", "accelerate",
+                 "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.40", "httpx>=0.27"],
+    },
+    entry_points={"console_scripts": ["pyengine = pyengine.__main__:main"]},
     zip_safe=False,
 )

@@ -122,6 +122,21 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort_request(self, request_id: int) -> bool:
+        """End an unfinished request between steps (a client that went away): its blocks are freed
+        at once, and the output processor, the proposer and its generator release it like a finished
+        request. It ends with finish_reason "abort" and is not returned by a later step. Returns
+        False for an unknown or already finished request."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort_request(request_id)
+        self.outputs.abort(req)
+        self.generators.release(request_id)
+        if self.proposer is not None:
+            self.proposer.forget([request_id], finished=True)
+        return True
+
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one step; returns the requests that received tokens (or finished) in it. A finished

@@ -56,6 +56,16 @@ class OutputProcessor:
     def release(self, request_id: int) -> None:
         self.streamed.discard(request_id)
 
+    def abort(self, req: Request) -> None:
+        """req was aborted between steps (LLMEngine.abort_request): it keeps the output it has (a
+        streamed request: its tokens and text so far, the detokenizer flushed) and ends with
+        finish_reason "abort"; nothing of it is kept here."""
+        self.release(req.request_id)
+        self._errors.pop(req.request_id, None)
+        if req.stream:
+            req.text += req.detokenizer.flush()
+        req.finish_reason = "abort"
+
     def hold_back_nonfinite(self, batch, tokens: np.ndarray, counts: np.ndarray,
                             first_bad: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Before scheduler.update: rows whose logits were non-finite (first_bad[r] >= 0: the first
