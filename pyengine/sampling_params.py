@@ -13,6 +13,8 @@ from typing import Any
 # Temperatures below this are treated as greedy (same threshold as vLLM): dividing logits by
 # a near-zero temperature only approximates argmax, and does it with worse numerics.
 GREEDY_TEMPERATURE_EPS = 1e-5
+SEED_MIN, SEED_END = -(2**63), 2**64  # seeds are 64-bit (torch.Generator.manual_seed's range)
+MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the scheduler
 
 
 def _is_int(value: Any) -> bool:
@@ -63,12 +65,12 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {m!r}")
         self.min_p = float(m)
 
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed < SEED_END):
+            raise ValueError(f"seed must be None or an int in [-2**63, 2**64) (a 64-bit seed), got {self.seed!r}")
 
         n = self.max_tokens
-        if not _is_int(n) or n < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {n!r}")
+        if not _is_int(n) or not 1 <= n < 2**63:
+            raise ValueError(f"max_tokens must be an int in 1..2**63-1, got {n!r}")
 
     @staticmethod
     def _normalise_stop(stop: Any) -> list[str]:
@@ -87,8 +89,8 @@ class SamplingParams:
     def _normalise_stop_token_ids(ids: Any) -> list[int]:
         if ids is None:
             return []
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
-            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}")
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and 0 <= i <= MAX_TOKEN_ID for i in ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (ints in 0..{MAX_TOKEN_ID}), got {ids!r}")
         return list(ids)
 
     @property

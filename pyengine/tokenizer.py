@@ -40,6 +40,27 @@ def _byte_alphabet() -> dict[int, str]:
     return mapping
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _check_messages(messages: Any) -> None:
+    """A conversation is a non-empty list of {"role": str, "content": str | list | None} dicts;
+    anything else is refused here, by position, instead of failing inside the template."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise ValueError(f"messages[{i}] has no 'role' string")
+        if "content" not in m:
+            raise ValueError(f"messages[{i}] has no 'content'")
+        if m["content"] is not None and not isinstance(m["content"], (str, list)):
+            raise ValueError(f"messages[{i}]['content'] must be a string, got {type(m['content']).__name__}")
+
+
 def _token_text(token: Any) -> str | None:
     """tokenizer_config.json spells special tokens as a string or an AddedToken dict."""
     if isinstance(token, dict):
@@ -68,19 +89,33 @@ class Tokenizer:
         tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_file):
             raise ValueError(f"no tokenizer.json in {path}")
-        backend = HFTokenizer.from_file(tok_file)
+        try:
+            backend = HFTokenizer.from_file(tok_file)
+        except Exception as exc:  # the tokenizers library raises a bare Exception on malformed files
+            raise ValueError(f"not a valid tokenizer file: {tok_file} ({_first_line(exc)})") from None
         cfg: dict[str, Any] = {}
         cfg_file = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(cfg_file):
-            with open(cfg_file, encoding="utf-8") as f:
-                cfg = json.load(f)
+            try:
+                with open(cfg_file, encoding="utf-8") as f:
+                    cfg = json.load(f)
+            except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                raise ValueError(f"cannot read {cfg_file}: {_first_line(exc)}") from None
+            if not isinstance(cfg, dict):
+                raise ValueError(f"{cfg_file} must hold a JSON object, got a JSON {type(cfg).__name__}")
         template = cfg.get("chat_template")
         jinja_file = os.path.join(path, "chat_template.jinja")
         if template is None and os.path.isfile(jinja_file):
-            with open(jinja_file, encoding="utf-8") as f:
-                template = f.read()
+            try:
+                with open(jinja_file, encoding="utf-8") as f:
+                    template = f.read()
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"cannot read {jinja_file}: {_first_line(exc)}") from None
         if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
+        if template is not None and not isinstance(template, str):
+            raise ValueError(f"{cfg_file}: chat_template must be a string, got {type(template).__name__}")
 
         def token_id(key: str) -> int | None:
             text = _token_text(cfg.get(key))
@@ -163,12 +198,20 @@ class Tokenizer:
 
             env.globals["raise_exception"] = raise_exception
             env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
-            self._template = env.from_string(self.chat_template)
+            try:
+                self._template = env.from_string(self.chat_template)
+            except jinja2.TemplateError as exc:
+                raise ValueError(f"the model's chat template does not parse: {_first_line(exc)}") from None
+        _check_messages(messages)
         special = {
             "bos_token": "" if self.bos_token_id is None else self.backend.id_to_token(self.bos_token_id),
             "eos_token": "" if not self.eos_token_ids else self.backend.id_to_token(self.eos_token_ids[0]),
         }
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special, **kwargs)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special,
+                                         **kwargs)
+        except jinja2.TemplateError as exc:  # e.g. a field the template reads and these messages lack
+            raise ValueError(f"chat template error: {_first_line(exc)}") from None
 
 
 class IncrementalDetokenizer:

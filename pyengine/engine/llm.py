@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -9,11 +10,11 @@ import torch
 from pyengine.engine.llm_engine import EngineConfig, LLMEngine
 from pyengine.engine.output_processor import Request
 from pyengine.loader import load_model
-from pyengine.engine.kv_budget import CPU_KV_CACHE_BYTES, default_num_kv_blocks
+from pyengine.engine.kv_budget import CPU_KV_CACHE_BYTES, default_num_kv_blocks, kv_bytes_per_block
 from pyengine.engine.model_runner import ModelRunner
 from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
 from pyengine.outputs import CompletionOutput, RequestOutput
-from pyengine.sampling_params import SamplingParams
+from pyengine.sampling_params import SEED_END, SEED_MIN, SamplingParams
 from pyengine.spec_decode.config import SpeculativeConfig
 
 Prompt = str | list[int]
@@ -41,11 +42,44 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-def _positive(name: str, value: Any, allow_none: bool = False) -> None:
+_INT32_MAX = 2**31 - 1
+MAX_NUM_SEQS = 1 << 16  # rows of a step: the scheduler and CUDA graph buffers are sized by it
+
+
+def _positive(name: str, value: Any, allow_none: bool = False, limit: int = _INT32_MAX) -> None:
     if value is None and allow_none:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if value > limit:
+        raise ValueError(f"{name} must be at most {limit}, got {value!r}")
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+
+
+def _total_memory(device: torch.device) -> int:
+    """Bytes the KV pool could at most take: the GPU's free memory, or the machine's RAM."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # no sysconf: let the allocator decide
+        return 2**63 - 1
+
+
+def _check_kv_memory(num_kv_blocks: int, configs: list[Any], block_size: int, dtype: torch.dtype,
+                     device: torch.device) -> None:
+    """An explicit num_kv_blocks whose pool cannot fit the device is refused with what it needs."""
+    per_block = kv_bytes_per_block(configs, block_size, dtype)
+    need, have = num_kv_blocks * per_block, _total_memory(device)
+    if need > have:
+        where = "free GPU memory" if device.type == "cuda" else "RAM"
+        raise ValueError(f"num_kv_blocks={num_kv_blocks} needs {need / 2**30:.1f} GiB of KV cache ({per_block} bytes "
+                         f"per block of {block_size} tokens), more than the {have / 2**30:.1f} GiB of {where}; "
+                         f"lower num_kv_blocks")
 
 
 class LLM:
@@ -69,15 +103,22 @@ class LLM:
                 raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
             self.kernel_config = dataclasses.replace(self.kernel_config, batch_invariant=batch_invariant)
         with use_kernel_config(self.kernel_config):  # loading may pick kernels (CPU GEMM packing)
-            for name, value, opt in [("block_size", block_size, False), ("max_num_seqs", max_num_seqs, False),
-                                     ("max_model_len", max_model_len, True), ("num_kv_blocks", num_kv_blocks, True),
-                                     ("max_num_batched_tokens", max_num_batched_tokens, True),
-                                     ("cpu_kv_cache_bytes", cpu_kv_cache_bytes, False)]:
+            for name, value, opt in [("block_size", block_size, False), ("max_model_len", max_model_len, True),
+                                     ("num_kv_blocks", num_kv_blocks, True),
+                                     ("max_num_batched_tokens", max_num_batched_tokens, True)]:
                 _positive(name, value, opt)
-            if not 0.0 < gpu_memory_utilization <= 1.0:
-                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-            if not isinstance(seed, int):
-                raise ValueError(f"seed must be an int, got {seed!r}")
+            _positive("max_num_seqs", max_num_seqs, limit=MAX_NUM_SEQS)
+            _positive("cpu_kv_cache_bytes", cpu_kv_cache_bytes, limit=2**63 - 1)
+            for name, value in [("enable_prefix_caching", enable_prefix_caching), ("enforce_eager", enforce_eager),
+                                ("async_decode", async_decode)]:
+                _bool(name, value)
+            if (not isinstance(gpu_memory_utilization, (int, float)) or isinstance(gpu_memory_utilization, bool)
+                    or not 0.0 < gpu_memory_utilization <= 1.0):
+                raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}")
+            if not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed < SEED_END:
+                raise ValueError(f"seed must be an int in [-2**63, 2**64) (a 64-bit seed), got {seed!r}")
+            if model is not None and not isinstance(model, str):
+                raise ValueError(f"model must be a path (str) or None, got {model!r}")
             spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
             self.device = resolve_device(device)
             self.dtype = resolve_dtype(dtype, self.device)
@@ -89,13 +130,19 @@ class LLM:
             draft = None  # draft model: loaded before the KV budget, which then covers both caches
             if spec is not None and spec.method == "draft_model":
                 draft_model, draft_config, _ = load_model(spec.model, str(self.device), self.dtype)
+                if draft_config.vocab_size != self.model_config.vocab_size:
+                    raise ValueError(f"draft model {spec.model} has a vocabulary of {draft_config.vocab_size} tokens, "
+                                     f"the target model {self.model_config.vocab_size}: a draft model must share "
+                                     "the target's vocabulary")
                 draft = (draft_model, draft_config)
             limit = self.model_config.max_position_embeddings
             if max_model_len is not None and max_model_len > limit:
                 raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({limit})")
             max_model_len = max_model_len or min(limit, 8192)
-            if num_kv_blocks is None:
-                kv_configs = [self.model_config] + ([] if draft is None else [draft[1]])
+            kv_configs = [self.model_config] + ([] if draft is None else [draft[1]])
+            if num_kv_blocks is not None:
+                _check_kv_memory(num_kv_blocks, kv_configs, block_size, self.dtype, self.device)
+            else:
                 num_kv_blocks = default_num_kv_blocks(kv_configs, block_size, self.dtype, self.device, max_num_seqs,
                                                       max_model_len, gpu_memory_utilization, cpu_kv_cache_bytes)
             if self.kernel_config.batch_invariant and self.device.type == "cpu":

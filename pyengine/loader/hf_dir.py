@@ -7,6 +7,7 @@ import glob
 import json
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,12 +20,30 @@ from pyengine.tokenizer import Tokenizer
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
+def read_json(path: str) -> Any:
+    """A JSON file's contents; ValueError naming the file for unreadable or malformed JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+
+
 def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, s) for s in shards]
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index} has no \"weight_map\" object of tensor name -> shard file")
+        files = [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
+        missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ValueError(f"{index} names shard {missing[0]}, which is not in {path}"
+                             + (f" ({len(missing)} shards missing)" if len(missing) > 1 else ""))
+        return files
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if files:
         return files
@@ -36,20 +55,68 @@ def safetensors_files(path: str) -> list[str]:
     raise ValueError(f"no *.safetensors weights in {path}")
 
 
-def iter_safetensors(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _bad_safetensors(file: str, exc: Exception) -> ValueError:
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return ValueError(f"not a valid safetensors file: {file} ({msg})")
+
+
+def check_safetensors_headers(files: list[str]) -> None:
+    """Open every file's header (cheap: no tensor data is read), so a corrupt or truncated file is
+    refused before the model is built. safetensors checks that the header's offsets cover the file."""
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        try:
+            with safe_open(file, framework="pt") as f:
+                f.keys()
+        except Exception as exc:  # SafetensorError, OSError, ...: one line naming the file
+            raise _bad_safetensors(file, exc) from None
+
+
+def iter_safetensors(files: list[str], dtype: torch.dtype, num_layers: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every file. With num_layers, a tensor of a layer index beyond it is refused."""
+    for file in files:
+        try:
+            handle = safe_open(file, framework="pt")
+        except Exception as exc:  # SafetensorError, OSError: one line naming the file
+            raise _bad_safetensors(file, exc) from None
+        with handle as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                parts = name.split(".")
+                if (num_layers is not None and len(parts) > 3 and parts[1] == "layers" and parts[2].isdigit()
+                        and int(parts[2]) >= num_layers):
+                    raise ValueError(f"{file}: tensor {name} is for layer {int(parts[2])}, but config.json has "
+                                     f"num_hidden_layers={num_layers}")
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as exc:
+                    raise _bad_safetensors(file, exc) from None
+                yield name, tensor.to(dtype)
 
 
 def _eos_from_generation_config(path: str) -> list[int]:
     gen_file = os.path.join(path, "generation_config.json")
     if not os.path.isfile(gen_file):
         return []
-    with open(gen_file, encoding="utf-8") as f:
-        eos = json.load(f).get("eos_token_id")
-    return [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    gen = read_json(gen_file)
+    eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    eos_list = [] if eos is None else (eos if isinstance(eos, list) else [eos])
+    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos_list):
+        raise ValueError(f"{gen_file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return eos_list
+
+
+def model_config_from_file(cfg_file: str) -> ModelConfig:
+    """config.json -> a validated ModelConfig; every problem is a ValueError naming the file."""
+    raw = read_json(cfg_file)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_file} must hold a JSON object, got a JSON {type(raw).__name__}")
+    try:
+        config = model_config_from_hf(raw)
+        config.validate()
+    except KeyError as e:
+        raise ValueError(f"{cfg_file} has no {e.args[0]!r}") from None
+    except (TypeError, ValueError, ArithmeticError) as e:
+        raise ValueError(f"{cfg_file}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return config
 
 
 def load_hf_dir(path: str, dtype: torch.dtype) -> tuple[nn.Module, ModelConfig, Tokenizer]:
@@ -57,11 +124,15 @@ def load_hf_dir(path: str, dtype: torch.dtype) -> tuple[nn.Module, ModelConfig, 
     if not os.path.isfile(cfg_file):
         raise ValueError(f"no config.json in {path}")
     files = safetensors_files(path)  # refuse pickle-only dirs before any other work
-    with open(cfg_file, encoding="utf-8") as f:
-        config = model_config_from_hf(json.load(f))
+    config = model_config_from_file(cfg_file)
+    check_safetensors_headers(files)
+    tokenizer = Tokenizer.from_dir(path)  # a broken tokenizer is refused before the weights are read
     model = build_model(config, dtype)
-    model.load_weights(iter_safetensors(files, dtype))  # type: ignore[operator]
-    tokenizer = Tokenizer.from_dir(path)
+    try:
+        model.load_weights(iter_safetensors(files, dtype, config.num_hidden_layers))  # type: ignore[operator]
+    except ValueError as e:  # a missing tensor or a wrong shape: name the checkpoint
+        msg = str(e).splitlines()[0]
+        raise ValueError(msg if path in msg else f"{path}: {msg}") from None
     # Stop on every eos any of the three files names (instruct models list several).
     eos = config.eos_token_ids + _eos_from_generation_config(path) + tokenizer.eos_token_ids
     config.eos_token_ids = list(dict.fromkeys(eos))

@@ -45,11 +45,23 @@ class SpeculativeConfig:
         cfg = cls(method=method, num_speculative_tokens=k, model=d.get("model"), adaptive_draft_length=adaptive,
                   step_cost=step_cost)
         if method == "ngram":
-            cfg.prompt_lookup_max = int(d.get("prompt_lookup_max", 4))
-            cfg.prompt_lookup_min = int(d.get("prompt_lookup_min", min(2, cfg.prompt_lookup_max)))
+            cfg.prompt_lookup_max = _lookup_len(d, "prompt_lookup_max", 4)
+            cfg.prompt_lookup_min = _lookup_len(d, "prompt_lookup_min", min(2, cfg.prompt_lookup_max))
             if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
                 raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                                  f"{cfg.prompt_lookup_min}..{cfg.prompt_lookup_max}")
         if method == "draft_model" and not cfg.model:
             raise ValueError("speculative_config.model (the draft model's path) is required for a draft model")
+        if cfg.model is not None and not isinstance(cfg.model, str):
+            raise ValueError(f"speculative_config.model must be a path (str), got {cfg.model!r}")
         return cfg
+
+
+MAX_LOOKUP_LEN = 2**31 - 1  # the ngram lookup's lengths are int32 in the scheduler
+
+
+def _lookup_len(d: dict[str, Any], key: str, default: int) -> int:
+    value = d.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_LOOKUP_LEN:
+        raise ValueError(f"speculative_config.{key} must be an int in 1..{MAX_LOOKUP_LEN}, got {value!r}")
+    return value
