@@ -108,7 +108,11 @@ def check_gguf_layout(path: str) -> None:
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    with f:
         size = os.fstat(f.fileno()).st_size
         if size < 24:
             raise ValueError(f"not a valid GGUF file: {path} (only {size} bytes)")
