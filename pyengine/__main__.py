@@ -9,7 +9,7 @@ USAGE = "usage: pyengine {serve,generate} [args...]  (pyengine <command> --help 
 def main(argv: list[str] | None = None) -> int | None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "serve":
