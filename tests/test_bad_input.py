@@ -214,6 +214,78 @@ def test_broken_gguf(case: str, gguf_head: tuple[bytes, int], tmp_path: Path) ->
     assert "index 0 is out of bounds" not in str(info.value)
 
 
+def write_gguf(path: Path, extra_layers: tuple[int, ...] = (), skip: tuple[str, ...] = (), head_count_kv: int = 2,
+               tokenizer_model: str = "gpt2") -> None:
+    """A tiny one-layer llama GGUF (float32 tensors, a 96-token byte-level vocabulary)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    if "block_count" not in skip:
+        w.add_block_count(1)
+    if "embedding_length" not in skip:
+        w.add_embedding_length(64)
+    w.add_feed_forward_length(96)
+    w.add_head_count(4)
+    w.add_head_count_kv(head_count_kv)
+    w.add_context_length(128)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model(tokenizer_model)
+    if "tokens" not in skip:
+        w.add_token_list([chr(c) for c in range(33, 33 + 96)])
+        w.add_token_types([1] * 96)
+    w.add_token_merges([])
+    w.add_eos_token_id(2)
+    rng = np.random.default_rng(0)
+
+    def tensor(name: str, *shape: int) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+
+    tensor("token_embd.weight", 96, 64)
+    tensor("output_norm.weight", 64)
+    tensor("output.weight", 96, 64)
+    for i in (0, *extra_layers):
+        p = f"blk.{i}."
+        for name, shape in [("attn_norm", (64,)), ("ffn_norm", (64,)), ("attn_q", (64, 64)), ("attn_k", (32, 64)),
+                            ("attn_v", (32, 64)), ("attn_output", (64, 64)), ("ffn_gate", (96, 64)),
+                            ("ffn_up", (96, 64)), ("ffn_down", (64, 96))]:
+            tensor(p + name + ".weight", *shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+GGUF_METADATA_CASES = {
+    "tensor_for_layer_beyond_block_count": (dict(extra_layers=(3,)),
+                                            r"GGUF tensor blk.3.attn_norm.weight is for layer 3, but the model has 1 layers"),
+    "no_block_count": (dict(skip=("block_count",)), r"GGUF metadata has no llama.block_count"),
+    "no_embedding_length": (dict(skip=("embedding_length",)), r"GGUF metadata has no llama.embedding_length"),
+    "no_vocabulary": (dict(skip=("tokens",)), r"GGUF metadata has no tokenizer.ggml.tokens"),
+    "kv_heads_not_dividing": (dict(head_count_kv=3), r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+    "sentencepiece_tokenizer": (dict(tokenizer_model="llama"), r"GGUF tokenizer model 'llama' is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GGUF_METADATA_CASES))
+def test_bad_gguf_metadata(case: str, tmp_path: Path) -> None:
+    kwargs, match = GGUF_METADATA_CASES[case]
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, **kwargs)
+    with pytest.raises(ValueError, match=match) as info:
+        LLM(model=str(path), device="cpu", num_kv_blocks=16)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_tiny_gguf_loads(tmp_path: Path) -> None:
+    """The control for the cases above: the same writer's unbroken file loads and generates."""
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path)
+    out = LLM(model=str(path), device="cpu", num_kv_blocks=16).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2),
+                                                                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
 # ---- LLM(...) arguments --------------------------------------------------------------------------------
 
 
