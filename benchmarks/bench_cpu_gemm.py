@@ -10,8 +10,11 @@ linears and the dense weight bytes per second).
 It also measures this machine's ceilings, to show what a decode step's linears can cost at best:
 oneDNN's GEMM throughput on a cache-resident, compute-bound shape (fp32 and bf16) and the memory
 bandwidth of a streaming read; `floor_ms` is max(FLOPs / GEMM throughput, weight bytes / bandwidth).
+Where oneDNN cannot prepack a dtype (bf16 on CPUs without avx512bw/vl/dq or avx_ne_convert, e.g.
+AVX2-only ones), the baseline is what the engine then runs: torch.mm on the dense [in, out] weight
+(`baseline` in each row says which).
 
-    python benchmarks/bench_cpu_gemm.py [--threads 2] [--repeats 5] [--out FILE]
+    python benchmarks/bench_cpu_gemm.py [--threads 2] [--repeats 5] [--batches 1 16] [--out FILE]
 """
 from __future__ import annotations
 
@@ -20,11 +23,13 @@ import datetime
 import json
 import os
 import platform
+import sys
 import time
 
 import torch
 
-from pyengine.ops.cpu import PackedLinear
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pyengine.ops.cpu import PackedLinear  # noqa: E402
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]  # [in, out]
 
@@ -50,6 +55,24 @@ def best_ms(fn, repeats: int) -> float:
     return best * 1e3
 
 
+def onednn_prepacks(dtype: torch.dtype) -> bool:
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(2, 2, dtype=dtype), None)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 2, dtype=dtype), w, None, "none", [], "")
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def baseline_linear(w: torch.Tensor):
+    """[in, out] -> f(x): oneDNN's prepacked linear where it takes the dtype, else torch.mm (the
+    engine's fallbacks in that order)."""
+    if onednn_prepacks(w.dtype):
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return lambda x: torch.mm(x, w)
+
+
 def ceilings(threads: int, repeats: int) -> dict:
     """Compute and bandwidth ceilings of this machine, measured with the same thread count."""
     torch.set_num_threads(threads)
@@ -57,9 +80,8 @@ def ceilings(threads: int, repeats: int) -> dict:
     m, k, n = 512, 576, 1024  # weights of 1.2-2.4 MB stay in cache: compute-bound
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(m, k).to(dtype)
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).to(dtype), None)
-        ms = best_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for _ in range(10)],
-                     repeats) / 10
+        f = baseline_linear(torch.randn(k, n).to(dtype))
+        ms = best_ms(lambda: [f(x) for _ in range(10)], repeats) / 10
         out[f"gemm_gflop_s_{str(dtype).replace('torch.', '')}"] = round(2 * m * k * n / ms / 1e6, 1)
     big = torch.ones(135_000_000)  # 540 MB, SmolLM2's fp32 weights, far beyond the caches
     out["stream_read_gb_s"] = round(big.numel() * 4 / best_ms(big.sum, repeats) / 1e6, 1)
@@ -70,12 +92,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="rows M of x per linear")
     ap.add_argument("--out")
     args = ap.parse_args()
     result: dict = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "command": "python benchmarks/bench_cpu_gemm.py " + " ".join(
-                        f"--{k} {v}" for k, v in (("threads", args.threads), ("repeats", args.repeats))),
+                        f"--{k} {v}" for k, v in (("threads", args.threads), ("repeats", args.repeats),
+                                                   ("batches", " ".join(map(str, args.batches))))),
                     "loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "rows": []}
     # Ceilings are maxima: measured before and after the GEMMs (interference only ever lowers them).
     first = ceilings(args.threads, args.repeats)
@@ -85,10 +109,11 @@ def main() -> None:
         weights = [w.to(dtype) for w in quantised]
         packed = [PackedLinear(w, compact=False) for w in weights]  # pool threads = torch's count now
         compact = [PackedLinear(w) for w in weights] if dtype == torch.float32 else []
-        onednn = [torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None) for w in weights]
+        isa = {2: "avx2", 3: "avx512"}.get(int(packed[0].packed.isa), "none")
+        onednn = [baseline_linear(w) for w in weights]
         nbytes = sum(w.numel() * w.element_size() for w in weights)
         compact_bytes = sum(layer.packed_bytes for layer in compact)
-        for m in (1, 16):
+        for m in args.batches:
             xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
 
             def run_packed(layers: list[PackedLinear] = packed) -> None:
@@ -96,8 +121,8 @@ def main() -> None:
                     layer(xs[k])
 
             def run_onednn() -> None:
-                for w, (k, _) in zip(onednn, SHAPES):
-                    torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+                for f, (k, _) in zip(onednn, SHAPES):
+                    f(xs[k])
 
             times: dict[str, float] = {"packed": float("inf"), "onednn": float("inf"), "compact": float("inf")}
             for _ in range(2):  # turns, so a burst of interference cannot land on one side only
@@ -107,7 +132,8 @@ def main() -> None:
                     times["compact"] = min(times["compact"], best_ms(lambda: run_packed(compact), args.repeats))
                 torch.set_num_threads(args.threads)
                 times["onednn"] = min(times["onednn"], best_ms(run_onednn, args.repeats))
-            row = {"dtype": str(dtype).replace("torch.", ""), "batch": m,
+            row = {"dtype": str(dtype).replace("torch.", ""), "batch": m, "packed_isa": isa,
+                   "baseline": "onednn" if onednn_prepacks(dtype) else "torch.mm",
                    "packed_ms": round(times["packed"], 2), "onednn_ms": round(times["onednn"], 2),
                    "packed_gb_s": round(nbytes / times["packed"] / 1e6, 1),
                    "onednn_gb_s": round(nbytes / times["onednn"] / 1e6, 1),

@@ -74,7 +74,8 @@ def test_layer_stack_takes_long_prefills_bit_identical_to_the_loop(checkpoint: s
     model, config, _ = load_model(checkpoint, "cpu", dtype)
     stack_tokens: list[int] = []  # tokens of the steps the C++ stack ran
     stack_call = CpuLlamaStack.__call__
-    monkeypatch.setattr(CpuLlamaStack, "__call__", lambda self, h, *a: stack_tokens.append(h.shape[0]) or stack_call(self, h, *a))
+    monkeypatch.setattr(CpuLlamaStack, "__call__",
+                        lambda self, h, *a: stack_tokens.append(h.shape[0]) or stack_call(self, h, *a))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as inside an engine step: the C++ pool (2 threads) splits the work
     cpu_ops.kernels.set_num_threads(2)

@@ -28,7 +28,9 @@ namespace {
 
 constexpr int kPanel = kPanelCols;
 // Rows per micro-kernel call: fp32 6 (12 accumulators + 2 weight vectors + a broadcast of the 16
-// ymm registers), bf16 4 (8 accumulators + the 4 widened weight vectors of a k pair).
+// ymm registers), bf16 4 (8 accumulators + the 4 widened weight vectors of a k pair). A bf16 row
+// chunk of more than 4 rows widens the panel once and runs the fp32 kernel instead, and an affine
+// one of more than 6 rebuilds the whole panel: per output the same FMAs in the same order.
 constexpr int kRowsF32 = 6;
 constexpr int kRowsBf16 = 4;
 constexpr int kPrefetchLines = 16;            // weight lines requested ahead (1 KiB), as the AVX-512 path

@@ -10,6 +10,10 @@
 // 32-input block with the fma(s, q, m) that pack_affine() verified, i.e. to the dense values, so
 // compact and dense panels give the same bits here too.
 //
+// Which kernel runs a row group (6-row fp32, 4-row bf16 pairs, fused block rebuild, whole-panel
+// rebuild) is chosen by the row count of the chunk, but every choice runs the same FMA chain per
+// output, so the choice never shows in the bits (tests compare M = 1 .. 300 and 1 .. 3 threads).
+//
 // Results differ from the AVX-512 kernels (vdpbf16ps rounds differently; those accumulate in
 // other registers): invariance holds within one machine's kernel family, which is what
 // speculative decoding compares against.
