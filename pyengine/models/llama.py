@@ -89,9 +89,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head if self.packed_lm_head is None else self.packed_lm_head
 
     def prepack_for_cpu(self) -> bool:
-        """Swap every linear weight for a packed copy (CPU only, after load_weights): on AVX-512
-        CPUs (avx512_bf16 for bf16) pyengine's own GEMM (pyengine.ops.cpu.PackedLinear), which also
-        runs the C++ layer stack, else a oneDNN-prepacked weight. Returns False (model unchanged)
+        """Swap every linear weight for a packed copy (CPU only, after load_weights): on x86-64 CPUs
+        with AVX-512 (avx512_bf16 for bf16) or AVX2 + FMA pyengine's own GEMM
+        (pyengine.ops.cpu.PackedLinear: batch-invariant), which also runs the C++ layer stack,
+        else a oneDNN-prepacked weight. Returns False (model unchanged)
         where neither is available. The dense copies are dropped, so load_weights cannot run again."""
         if self.lm_head.device.type != "cpu":
             return False
