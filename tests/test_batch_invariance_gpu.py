@@ -6,12 +6,12 @@ Skips without CUDA."""
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import torch
 
 from pyengine import LLM, SamplingParams
+from tests.test_gpu_e2e import gguf  # noqa: F401  (the SmolLM2 GGUF fixture)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -25,19 +25,6 @@ PROMPTS = [
 ]
 LAST_STATS: dict = {}  # the stats of the last run()
 LONG = "The history of the city is long and full of events. " * 70  # ~770 tokens: > 512 keys, chunked
-
-
-@pytest.fixture(scope="module")
-def gguf() -> str:
-    path = os.environ.get("PYENGINE_SMOLLM2_GGUF")
-    if path:
-        return path
-    from pyengine.loader import default_model_path
-
-    try:
-        return default_model_path()
-    except ValueError as exc:
-        pytest.skip(str(exc))
 
 
 def run(gguf: str, prompts: list[str], max_tokens: int = 48, **kw) -> list[tuple[list[int], torch.Tensor]]:

@@ -13,19 +13,15 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
-from pyengine.entrypoints.generate import fail, load_prompts_file, speculative_config
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2
-        fail(message)
+from pyengine.entrypoints.cli_args import OneLineParser, add_engine_args, engine_kwargs, fail
+from pyengine.entrypoints.generate import load_prompts_file
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m pyengine.check", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p = OneLineParser(prog="python -m pyengine.check", description=__doc__.splitlines()[0])
+    add_engine_args(p, default_spec="ngram")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file",
                    help='one prompt per line, or .jsonl with a "prompt" or "turns" field (the first turn)')
@@ -33,23 +29,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="render prompts with the model's chat template (default on)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
-    p.add_argument("--spec", choices=["ngram", "draft"], default="ngram", help="speculative decoding method")
-    p.add_argument("--num-spec-tokens", type=int, default=4)
-    p.add_argument("--draft-model", help="draft model path for --spec draft")
     p.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True,
                    help="also compare each prompt run alone with the batched run (default on)")
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
-                   help="a row's numbers never depend on the rest of the batch (default: the engine's)")
     p.add_argument("--strict", action=argparse.BooleanOptionalAction, default=None,
                    help="fail on any bit difference in the logits (default: on with --batch-invariant)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON document")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (GPU)")
     return p.parse_args(argv)
 
 
@@ -84,7 +68,8 @@ def _jsonable(x: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     prompts = read_prompts(args)
-    spec = speculative_config(args)
+    kwargs = engine_kwargs(args)
+    spec = kwargs.pop("speculative_config")
     if args.max_tokens < 1:
         fail(f"--max-tokens must be positive, got {args.max_tokens}")
     for flag, path in (("model", args.model), ("draft model", args.draft_model)):
@@ -100,11 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         report = check_losslessness(
-            prompts, model=args.model, device=args.device, dtype=args.dtype, speculative_config=spec,
-            max_tokens=args.max_tokens, alone=args.alone, chat=args.chat, batch_invariant=args.batch_invariant,
-            strict=args.strict, log=lambda line: print(line, file=sys.stderr), max_model_len=args.max_model_len,
-            num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-            enforce_eager=args.enforce_eager)
+            prompts, speculative_config=spec, max_tokens=args.max_tokens, alone=args.alone, chat=args.chat,
+            strict=args.strict, log=lambda line: print(line, file=sys.stderr), **kwargs)
     except ValueError as e:
         fail(str(e).splitlines()[0])
     if args.json:

@@ -11,24 +11,16 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, NoReturn
+from typing import Any
+
+from pyengine.entrypoints.cli_args import OneLineParser, add_engine_args, engine_kwargs, fail
 
 DEFAULT_PROMPT = "Write a short poem about the sea."
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse prints usage too)
-        fail(message)
-
-
-def fail(message: str) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m pyengine.generate", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p = OneLineParser(prog="python -m pyengine.generate", description=__doc__.splitlines()[0])
+    add_engine_args(p)
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="a file with one prompt per line, or .jsonl with \"prompt\" or \"turns\"")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -38,18 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="render prompts with the model's chat template (default on)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--json", action="store_true", help="print one JSON document: outputs and stats")
-    p.add_argument("--spec", choices=["ngram", "draft"], help="speculative decoding method")
-    p.add_argument("--num-spec-tokens", type=int, default=4)
-    p.add_argument("--draft-model", help="draft model path for --spec draft")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (GPU)")
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
-                   help="a row's numbers never depend on the rest of the batch (default: the engine's)")
     return p.parse_args(argv)
 
 
@@ -110,22 +91,10 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
-    if args.spec is None:
-        if args.draft_model:
-            fail("--draft-model needs --spec draft")
-        return None
-    if args.spec == "draft":
-        if not args.draft_model:
-            fail("--spec draft needs --draft-model PATH")
-        return {"model": args.draft_model, "num_speculative_tokens": args.num_spec_tokens}
-    return {"method": "ngram", "num_speculative_tokens": args.num_spec_tokens}
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     prompts = read_prompts(args)
-    spec = speculative_config(args)
+    kwargs = engine_kwargs(args)
     if args.model and not os.path.exists(args.model):
         fail(f"model file not found: {args.model}")
     from pyengine import LLM, SamplingParams  # heavy imports after the cheap checks
@@ -133,9 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.seed, max_tokens=args.max_tokens)
-        llm = LLM(model=args.model, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
-                  num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                  speculative_config=spec, enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant)
+        llm = LLM(seed=args.seed, **kwargs)
         encoded = encode_prompts(llm.tokenizer, prompts, args.chat)
     except ValueError as e:
         fail(str(e).splitlines()[0])

@@ -15,7 +15,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any
 
-from pyengine.entrypoints.generate import fail, speculative_config
+from pyengine.entrypoints.cli_args import OneLineParser, add_engine_args, engine_kwargs, fail
 
 try:  # the `serve` extra; main() says so when it is missing
     from fastapi import FastAPI, Request
@@ -31,30 +31,13 @@ except ImportError as e:
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
-        fail(message)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m pyengine.serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p = OneLineParser(prog="python -m pyengine.serve", description=__doc__.splitlines()[0])
+    add_engine_args(p)
     p.add_argument("--served-model-name", help="the model's name in the API (default: the model file's name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--spec", choices=["ngram", "draft"], help="speculative decoding method")
-    p.add_argument("--num-spec-tokens", type=int, default=4)
-    p.add_argument("--draft-model", help="draft model path for --spec draft")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (GPU)")
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
-                   help="a row's numbers never depend on the rest of the batch (default: the engine's)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     return p.parse_args(argv)
 
@@ -70,16 +53,13 @@ def model_name(args: argparse.Namespace) -> str:
 
 def build_llm(args: argparse.Namespace):
     """The LLM the arguments describe; bad arguments end the process with one line (exit 2)."""
-    spec = speculative_config(args)
+    kwargs = engine_kwargs(args)
     if args.model and not os.path.exists(args.model):
         fail(f"model file not found: {args.model}")
     from pyengine import LLM
 
     try:
-        return LLM(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
-                   max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-                   max_num_seqs=args.max_num_seqs, speculative_config=spec, enforce_eager=args.enforce_eager,
-                   batch_invariant=args.batch_invariant)
+        return LLM(seed=args.seed, **kwargs)
     except ValueError as e:
         fail(str(e).splitlines()[0])
 

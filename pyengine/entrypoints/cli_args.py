@@ -1,0 +1,54 @@
+"""What the command lines share: one-line errors (exit 2) and the engine's arguments, parsed once
+into LLM(...) keyword arguments (generate, check and serve each add only their own flags)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, NoReturn
+
+
+def fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse prints usage too)
+        fail(message)
+
+
+def add_engine_args(p: argparse.ArgumentParser, default_spec: str | None = None) -> None:
+    """The model and engine flags every command takes (LLM's arguments, vLLM's names)."""
+    p.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
+    p.add_argument("--spec", choices=["ngram", "draft"], default=default_spec, help="speculative decoding method")
+    p.add_argument("--num-spec-tokens", type=int, default=4)
+    p.add_argument("--draft-model", help="draft model path for --spec draft")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--num-kv-blocks", type=int)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (GPU)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="a row's numbers never depend on the rest of the batch (default: the engine's)")
+
+
+def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.spec is None:
+        if args.draft_model:
+            fail("--draft-model needs --spec draft")
+        return None
+    if args.spec == "draft":
+        if not args.draft_model:
+            fail("--spec draft needs --draft-model PATH")
+        return {"model": args.draft_model, "num_speculative_tokens": args.num_spec_tokens}
+    return {"method": "ngram", "num_speculative_tokens": args.num_spec_tokens}
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM(...) keyword arguments of add_engine_args' flags (the speculative config included)."""
+    return dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                speculative_config=speculative_config(args), enforce_eager=args.enforce_eager,
+                batch_invariant=args.batch_invariant)
