@@ -22,21 +22,9 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     and tile_n (64, 128): 0 takes the default for the shape; benchmarks sweep them. pdl: None takes
     the KernelConfig's. prefetch: a contiguous tensor (the weight a later GEMM reads) pulled into L2
     once this one's work is done."""
-    if x.device.type != "cuda" or w.device != x.device:
-        raise ValueError(f"skinny_gemm needs x and w on one CUDA device, got {x.device} / {w.device}")
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
-        raise ValueError(f"x must be [M, K] and w [K, N], got {tuple(x.shape)} / {tuple(w.shape)}")
+    bias = _checked_operands("skinny_gemm", x, w, bias)
     m, k, n = x.shape[0], x.shape[1], w.shape[1]
-    if x.dtype not in _SKINNY_DTYPES or w.dtype != x.dtype:
-        raise ValueError(f"skinny_gemm takes fp16/bf16 x and w of one dtype, got {x.dtype} / {w.dtype}")
-    if not w.is_contiguous() or w.data_ptr() % 16 or k % 8 or n % 8:
-        raise ValueError(f"w must be contiguous and 16-byte aligned with K, N multiples of 8, got {tuple(w.shape)}")
-    bias_ptr = 0
-    if bias is not None:
-        if bias.device != x.device or tuple(bias.shape) != (n,) or bias.dtype != x.dtype:
-            raise ValueError(f"bias must be [{n}] {x.dtype} on {x.device}, got {tuple(bias.shape)} {bias.dtype}")
-        bias = bias.contiguous()
-        bias_ptr = bias.data_ptr()
+    bias_ptr = 0 if bias is None else bias.data_ptr()
     pf_ptr = pf_bytes = 0
     if prefetch is not None and prefetch.device == x.device and prefetch.is_contiguous() and prefetch.data_ptr() % 16 == 0:
         pf_ptr, pf_bytes = prefetch.data_ptr(), prefetch.numel() * prefetch.element_size() // 16 * 16
@@ -57,7 +45,7 @@ def invariant_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     rounding), on tensor cores for any M. Each output's summation order depends on (K, N, split)
     only, never on M: a row's result is the same alone and in any batch. split (1, 2, 4, 8): 0 takes
     the default for the shape (kernels.invariant_gemm_split). NVIDIA only."""
-    _check_gemm_args("invariant_gemm", x, w, bias)
+    bias = _checked_operands("invariant_gemm", x, w, bias)
     m, k, n = x.shape[0], x.shape[1], w.shape[1]
     if k % 64:
         raise ValueError(f"invariant_gemm needs K a multiple of 64, got {tuple(w.shape)}")
@@ -71,7 +59,8 @@ def invariant_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     return y
 
 
-def _check_gemm_args(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _checked_operands(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """Validates the operands of pyengine's GEMMs; returns bias contiguous (or None)."""
     if x.device.type != "cuda" or w.device != x.device:
         raise ValueError(f"{name} needs x and w on one CUDA device, got {x.device} / {w.device}")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
@@ -80,10 +69,12 @@ def _check_gemm_args(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Te
         raise ValueError(f"{name} takes fp16/bf16 x and w of one dtype, got {x.dtype} / {w.dtype}")
     if not w.is_contiguous() or w.data_ptr() % 16 or x.shape[1] % 8 or w.shape[1] % 8:
         raise ValueError(f"w must be contiguous and 16-byte aligned with K, N multiples of 8, got {tuple(w.shape)}")
-    if bias is not None and (bias.device != x.device or tuple(bias.shape) != (w.shape[1],) or bias.dtype != x.dtype
-                             or not bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous [{w.shape[1]}] {x.dtype} tensor on {x.device}, got "
-                         f"{tuple(bias.shape)} {bias.dtype}")
+    if bias is None:
+        return None
+    n = w.shape[1]
+    if bias.device != x.device or tuple(bias.shape) != (n,) or bias.dtype != x.dtype:
+        raise ValueError(f"bias must be [{n}] {x.dtype} on {x.device}, got {tuple(bias.shape)} {bias.dtype}")
+    return bias.contiguous()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
