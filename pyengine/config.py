@@ -53,6 +53,10 @@ class ModelConfig:
         )
 
 
+    def kv_elements_per_token(self) -> int:
+        """Cache values one token occupies over all layers: K and V of every kv head."""
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim
+
     def validate(self) -> None:
         """Refuse sizes no model can have (a negative hidden_size, zero heads, ...) with a ValueError
         naming the field, before any tensor is allocated from them."""
@@ -151,7 +155,7 @@ def rope_scaling_from_hf(cfg: dict[str, Any]) -> dict[str, Any] | None:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type in (None, "default"):
         return None
-    if rope_type not in ("llama3", "linear"):
-        raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: llama3, linear)")
+    if rope_type not in ("llama3", "linear", "yarn"):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: llama3, linear, yarn)")
     scaling["rope_type"] = rope_type
     return scaling

@@ -48,3 +48,66 @@ def make_checkpoint(case: str, path: str, seed: int = 0) -> torch.nn.Module:
     hf.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)
     return hf
+
+
+# ---------------------------------------------------------------- DeepSeek-V3 (MLA + MoE + MTP)
+
+DEEPSEEK_V3 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                   n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48,
+                   qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=16, n_group=4, topk_group=2,
+                   num_experts_per_tok=3, first_k_dense_replace=1, max_position_embeddings=512)
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+
+
+def make_deepseek_checkpoint(path: str, seed: int = 0, mtp_agreement: float | None = None,
+                             layer_scale: float = 1.0, **overrides) -> torch.nn.Module:
+    """A random DeepseekV3ForCausalLM (dense layer 0, MoE after; DEEPSEEK_V3 updated by overrides)
+    saved to `path`. layer_scale < 1 shrinks every layer's output projections (o_proj and the
+    down projections): the token embedding then dominates the residual stream and the next token
+    depends mostly on the current one. mtp_agreement: also store an MTP layer (model.layers.{N}.*) built to agree with
+    the target that often-ish: it reads mostly the token (eh_proj = [I ; mtp_agreement-scaled noise]),
+    its decoder layer is damped, and its head and norm are the target's. Returns the HF model."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV3Config(**dict(DEEPSEEK_V3, **overrides)),
+                                                       dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in list(hf.named_parameters()) + list(hf.named_buffers()):
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "e_score_correction_bias" in name:
+                p.normal_(0.0, 0.1)
+            elif p.is_floating_point() and "inv_freq" not in name:
+                p.normal_(0.0, 0.15 * (layer_scale if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj"))
+                                       else 1.0))
+    hf.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
+    if mtp_agreement is not None:
+        file = os.path.join(path, "model.safetensors")
+        weights = load_file(file)
+        n, hidden = hf.config.num_hidden_layers, hf.config.hidden_size
+        src, dst = f"model.layers.{n - 1}.", f"model.layers.{n}."
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name in [k for k in weights if k.startswith(src)]:
+            t = weights[name].clone()
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                t *= 0.1
+            weights[dst + name[len(src):]] = t
+        eye = torch.eye(hidden)
+        weights.update({
+            dst + "enorm.weight": torch.ones(hidden), dst + "hnorm.weight": torch.ones(hidden),
+            dst + "eh_proj.weight": torch.cat([eye, mtp_agreement * torch.randn(hidden, hidden, generator=gen)], 1),
+            dst + "shared_head.norm.weight": weights["model.norm.weight"].clone(),
+            dst + "shared_head.head.weight": weights["lm_head.weight"].clone(),
+            dst + "embed_tokens.weight": weights["model.embed_tokens.weight"].clone()})
+        save_file(weights, file, metadata={"format": "pt"})
+        cfg_file = os.path.join(path, "config.json")
+        with open(cfg_file) as f:
+            cfg = json.load(f)
+        cfg["num_nextn_predict_layers"] = 1
+        with open(cfg_file, "w") as f:
+            json.dump(cfg, f, indent=2)
+    return hf

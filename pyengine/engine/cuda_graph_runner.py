@@ -84,6 +84,8 @@ def graphs_supported(model, config, dtype: torch.dtype, device: torch.device) ->
     without attention layers (Mamba2) needs only the state kernels, in any dtype."""
     if device.type != "cuda":
         return False, "not a CUDA device"
+    if not getattr(model, "supports_cuda_graphs", True):
+        return False, f"{config.architecture} runs eagerly (data-dependent expert dispatch)"
     if getattr(model, "uses_kv_cache", True):  # attention layers: the kernels must take them
         if dtype not in (torch.float16, torch.bfloat16):
             return False, f"dtype {dtype} runs the reference attention"

@@ -9,16 +9,11 @@ CPU_KV_CACHE_BYTES = 2 << 30  # default CPU budget; LLM(cpu_kv_cache_bytes=...) 
 ACTIVATION_RESERVE_BYTES = 1 << 30  # GPU memory left for activations and workspaces
 
 
-def kv_bytes_per_token(config: ModelConfig) -> int:
-    """K and V elements one token occupies over all layers (times the element size: bytes)."""
-    return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
-
-
 def kv_bytes_per_block(configs: list[ModelConfig], block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block costs in every cache that shares the block pool (the target's, and a draft
     model's, which writes the same slots)."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    return block_size * elem * sum(kv_bytes_per_token(c) for c in configs)
+    return block_size * elem * sum(c.kv_elements_per_token() for c in configs)
 
 
 def default_num_kv_blocks(configs: list[ModelConfig], block_size: int, dtype: torch.dtype, device: torch.device,

@@ -126,7 +126,8 @@ class LLM:
                 raise ValueError("batch_invariant on CUDA needs bfloat16 or float16 (the invariant GEMM's dtypes), "
                                  "got float32")
             torch.manual_seed(seed)
-            self.model, self.model_config, self.tokenizer = load_model(model, str(self.device), self.dtype)
+            self.model, self.model_config, self.tokenizer = load_model(model, str(self.device), self.dtype,
+                                                                       load_mtp=spec is not None and spec.method == "mtp")
             draft = None  # draft model: loaded before the KV budget, which then covers both caches
             if spec is not None and spec.method == "draft_model":
                 draft_model, draft_config, _ = load_model(spec.model, str(self.device), self.dtype)

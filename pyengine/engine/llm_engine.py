@@ -71,8 +71,8 @@ class LLMEngine:
         sc.enable_prefix_caching = cfg.enable_prefix_caching
         sc.num_spec_tokens = self.k
         sc.num_state_slots = cfg.num_state_slots
-        # A draft model writes k - 1 positions past the verify tokens before the next append.
-        sc.drafter_lookahead = self.k if spec is not None and spec.method == "draft_model" else 0
+        # A draft model (or MTP layer) writes k - 1 positions past the verify tokens before the next append.
+        sc.drafter_lookahead = self.k if spec is not None and spec.method in ("draft_model", "mtp") else 0
         self.scheduler = _C.Scheduler(sc)
         self.proposer: Proposer | None = None
         if spec is not None:

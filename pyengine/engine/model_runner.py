@@ -17,11 +17,20 @@ class ModelRunner:
                  max_num_seqs: int = 256, max_query_len: int = 1, cuda_graphs: bool = False,
                  num_state_slots: int = 0) -> None:
         self.model, self.config, self.block_size = model, config, block_size
-        self.device, self.dtype = device, dtype
-        shape = (num_kv_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.device, self.dtype, self.num_kv_blocks = device, dtype, num_kv_blocks
         # Unwritten slots are never read: attention reads only positions below each row's context.
-        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-                          for _ in range(config.num_hidden_layers)]
+        self.kv_caches: list = []
+        if hasattr(model, "make_kv_caches"):  # a cache layout of its own (MLA: one latent row per token)
+            self.kv_caches = model.make_kv_caches(num_kv_blocks, block_size, device)
+        else:
+            shape = (num_kv_blocks, block_size, config.num_key_value_heads, config.head_dim)
+            self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device),
+                               torch.empty(shape, dtype=dtype, device=device)) for _ in range(config.num_hidden_layers)]
+        # A proposer that reads the target's hidden states (MTP) sets keep_hidden; execute() then
+        # leaves every token's final hidden state of the step in last_hidden.
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
+        self.last_rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         # ---- CUDA graphs (pyengine/cuda_graph_runner.py): decode/verify steps; the rest eager ----
         self.graph_runner = None
         self.last_graph_key: tuple[int, int] | None = None  # the graph the last execute() replayed
@@ -95,5 +104,8 @@ class ModelRunner:
         else:  # hybrid: per-row state slots, accepted counts and query lengths (decode rows first)
             state = self.state_cache.prepare(batch, meta.query_start_loc)
             hidden = self.model(input_ids, positions, meta, self.kv_caches, state=state)
+        if self.keep_hidden:  # with the rows they belong to: seq ids, first positions, query starts
+            self.last_hidden = hidden
+            self.last_rows = (np.array(batch.seq_ids), np.array(batch.num_computed), np.array(batch.query_start_loc))
         index = self._tensor(batch.logits_indices, torch.int64)
         return self.model.compute_logits(hidden.index_select(0, index))

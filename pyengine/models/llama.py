@@ -7,7 +7,7 @@ then gathers its columns.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,7 +17,8 @@ from torch import nn
 from pyengine import ops
 from pyengine.config import ModelConfig, architecture_of
 from pyengine.engine.attention_metadata import AttentionMetadata
-from pyengine.models.layers import KVCache, LlamaDecoderLayer, RotaryEmbedding, linear, param
+from pyengine.models.layers import (KVCache, LlamaDecoderLayer, RotaryEmbedding, cpu_linear_packer, linear,
+                                    onednn_prepack, param)
 from pyengine.ops.kernel_config import get_kernel_config
 
 if TYPE_CHECKING:
@@ -31,11 +32,6 @@ def llama_model_config(cfg: dict[str, Any]) -> ModelConfig:
     config.attention_bias = config.attention_bias or arch == "Qwen2ForCausalLM"
     config.qk_norm = arch == "Qwen3ForCausalLM"
     return config
-
-
-def _prepack(w: torch.Tensor) -> torch.Tensor:
-    """[in, out] dense -> oneDNN's blocked layout of the [out, in] weight."""
-    return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -96,7 +92,7 @@ class LlamaForCausalLM(nn.Module):
         where neither is available. The dense copies are dropped, so load_weights cannot run again."""
         if self.lm_head.device.type != "cpu":
             return False
-        pack = self._cpu_packer()
+        pack = cpu_linear_packer(self.lm_head)
         if pack is None:
             return False
         for layer in self.layers:
@@ -108,29 +104,12 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head = pack(self.lm_head.detach())
         if self.embed_tokens is not None:
             self.lm_head.data = torch.empty(0, dtype=self.dtype)
-        self.owns_cpu_threads = pack is not _prepack  # see ModelRunner.step_threads
+        self.owns_cpu_threads = pack is not onednn_prepack  # see ModelRunner.step_threads
         if self.owns_cpu_threads:  # used per step while KernelConfig.cpu_layer_stack is on
             from pyengine.models.llama_cpu_stack import CpuLlamaStack  # needs the extension's CPU ops
 
             self.cpu_stack = CpuLlamaStack.build(self.layers, self.config, self.dtype)
         return True
-
-    def _cpu_packer(self) -> Callable[[torch.Tensor], Any] | None:
-        """pyengine's PackedLinear where this CPU runs it, else oneDNN's prepack, else None."""
-        if ops.cpu_kernels_enabled():
-            try:
-                from pyengine.ops.cpu import PackedLinear
-            except ImportError:
-                PackedLinear = None
-            if PackedLinear is not None and PackedLinear.supported(self.lm_head):
-                return PackedLinear
-        if not torch.backends.mkldnn.is_available():
-            return None
-        try:
-            linear(torch.zeros(1, 2, dtype=self.dtype), _prepack(torch.zeros(2, 2, dtype=self.dtype)))
-        except (RuntimeError, NotImplementedError):
-            return None
-        return _prepack
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors ([out, in] linears) into the fused, transposed parameters; every

@@ -19,7 +19,7 @@ from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.ops import reference
 from pyengine.ops.kernel_config import get_kernel_config
 from pyengine.ops.reference import PAD
-from pyengine.ops.reference.mla import KV_LORA_RANK, ROPE_DIM
+from pyengine.ops.reference.mla import KV_LORA_RANK
 
 __all__ = ["paged_attention", "paged_attention_mla", "reshape_and_cache_mla", "rms_norm", "fused_add_rms_norm",
            "silu_and_mul", "rope_and_cache", "linear", "causal_conv1d_update", "causal_conv1d_fn",
@@ -117,24 +117,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def paged_attention_mla(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                        return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """MLA (absorbed) attention of q [T, Hq, 576] over the latent cache [blocks, block_size, 576]
-    (V = the first 512 values of each row) -> out [T, Hq, 512] (and lse [T, Hq] when return_lse).
+                        return_lse: bool = False, kv_lora_rank: int = KV_LORA_RANK
+                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """MLA (absorbed) attention of q [T, Hq, W] over the latent cache [blocks, block_size, W]
+    (W = kv_lora_rank + rope dims, DeepSeek-V3: 512 + 64; V = the first kv_lora_rank values of each
+    row) -> out [T, Hq, kv_lora_rank] (and lse [T, Hq] when return_lse).
     Semantics: pyengine/ops/reference/mla.py."""
     _check_cache("kv_cache", kv_cache, dims=3)
-    if kv_cache.shape[2] != KV_LORA_RANK + ROPE_DIM:
-        raise ValueError(f"kv_cache must be [blocks, block_size, {KV_LORA_RANK + ROPE_DIM}], got {tuple(kv_cache.shape)}")
+    if not 0 < kv_lora_rank < kv_cache.shape[2]:
+        raise ValueError(f"kv_lora_rank {kv_lora_rank} must be in (0, cache width {kv_cache.shape[2]})")
     _check_attention(q, meta, kv_cache.shape[1], kv_cache.shape[2])
     _check_same_device(q, kv_cache, meta.block_tables, meta.context_lens, meta.query_start_loc)
-    return _impl(q.device, "paged_attention_mla")(q, kv_cache, meta, scale, return_lse=return_lse)
+    return _impl(q.device, "paged_attention_mla")(q, kv_cache, meta, scale, return_lse=return_lse,
+                                                   kv_lora_rank=kv_lora_rank)
 
 
 def reshape_and_cache_mla(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                           slot_mapping: torch.Tensor) -> None:
-    """Write [c_kv [T, 512] | k_pe [T, 64]] of token t into kv_cache [blocks, block_size, 576] at
-    slot_mapping[t] (int64); slots < 0 are skipped."""
+    """Write [c_kv [T, R] | k_pe [T, P]] of token t into kv_cache [blocks, block_size, R + P] at
+    slot_mapping[t] (int64); slots < 0 are skipped (DeepSeek-V3: R = 512, P = 64)."""
     if c_kv.dim() != 2 or k_pe.dim() != 2 or c_kv.shape[0] != k_pe.shape[0]:
-        raise ValueError(f"c_kv must be [T, 512] and k_pe [T, 64], got {tuple(c_kv.shape)} / {tuple(k_pe.shape)}")
+        raise ValueError(f"c_kv must be [T, R] and k_pe [T, P], got {tuple(c_kv.shape)} / {tuple(k_pe.shape)}")
     _check_cache("kv_cache", kv_cache, dims=3)
     if kv_cache.shape[2] != c_kv.shape[1] + k_pe.shape[1]:
         raise ValueError(f"kv_cache must be [blocks, block_size, {c_kv.shape[1] + k_pe.shape[1]}], got {tuple(kv_cache.shape)}")

@@ -7,7 +7,7 @@ from typing import Any
 
 @dataclass
 class SpeculativeConfig:
-    method: str  # "ngram" or "draft_model"
+    method: str  # "ngram", "draft_model" or "mtp" (the target's own multi-token-prediction layers)
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -29,8 +29,8 @@ class SpeculativeConfig:
         method = d.get("method") or ("draft_model" if d.get("model") else None)
         if method == "draft":
             method = "draft_model"
-        if method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {method!r}")
+        if method not in ("ngram", "draft_model", "mtp"):
+            raise ValueError(f"speculative_config.method must be 'ngram', 'draft_model' or 'mtp', got {method!r}")
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an int in 1..32, got {k!r}")
@@ -52,6 +52,8 @@ class SpeculativeConfig:
                                  f"{cfg.prompt_lookup_min}..{cfg.prompt_lookup_max}")
         if method == "draft_model" and not cfg.model:
             raise ValueError("speculative_config.model (the draft model's path) is required for a draft model")
+        if method == "mtp" and cfg.model is not None:
+            raise ValueError("speculative_config.model is not used by method 'mtp' (the target's own MTP layers draft)")
         if cfg.model is not None and not isinstance(cfg.model, str):
             raise ValueError(f"speculative_config.model must be a path (str), got {cfg.model!r}")
         return cfg

@@ -39,8 +39,8 @@ import torch
 from pyengine import _C
 from pyengine.config import ModelConfig
 from pyengine.engine.model_runner import ModelRunner
-from pyengine.engine.sampler import SamplingTensors, compute_probs, derive_seed, draw_uniforms, sample_from_probs
 from pyengine.spec_decode.config import SpeculativeConfig
+from pyengine.spec_decode.draft_sampling import DraftRow, DraftSampler
 
 
 @dataclass
@@ -59,16 +59,38 @@ class _SeqState:
 
 
 @dataclass
-class _Row:
-    seq_id: int
-    n: int  # committed tokens
-    valid: int
-    catch_up: np.ndarray  # committed tokens [valid, n): forward 0's inputs
-    table: np.ndarray
-    k: int
-    params: Any
-    drafts: list[int] = field(default_factory=list)
-    q: list[torch.Tensor] = field(default_factory=list)
+class _Row(DraftRow):
+    n: int = 0  # committed tokens
+    valid: int = 0
+    catch_up: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # committed [valid, n): forward 0's inputs
+    table: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+
+def rows_batch(rows: Sequence[tuple[np.ndarray, int, Sequence[int]]], block_size: int) -> SimpleNamespace:
+    """A proposer's own forward as a ScheduledBatch-like namespace: rows of (block_table, first
+    position, input tokens), each writing its positions' slots of the target's block table and
+    attending causally to everything before; logits at each row's last token."""
+    B = block_size
+    lens = np.array([len(toks) for _, _, toks in rows], dtype=np.int64)
+    starts = np.array([s for _, s, _ in rows], dtype=np.int64)
+    ctx = starts + lens
+    qsl = np.zeros(len(rows) + 1, dtype=np.int32)
+    qsl[1:] = np.cumsum(lens)
+    input_ids = np.concatenate([np.asarray(toks, dtype=np.int64) for _, _, toks in rows])
+    positions = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, lens)])
+    used = -(-ctx // B)
+    tables = np.full((len(rows), int(used.max())), -1, dtype=np.int32)
+    slot_parts = []
+    for i, ((table, _, _), u) in enumerate(zip(rows, used)):
+        t = np.asarray(table[:u], dtype=np.int64)
+        tables[i, :u] = t
+        p = positions[qsl[i]:qsl[i + 1]]
+        slot_parts.append(t[p // B] * B + p % B)
+    return SimpleNamespace(
+        input_ids=input_ids, positions=positions, slot_mapping=np.concatenate(slot_parts),
+        block_tables=tables, query_start_loc=qsl, context_lens=ctx.astype(np.int32),
+        max_query_len=int(lens.max()), max_context_len=int(ctx.max()),
+        logits_indices=(qsl[1:] - 1).astype(np.int64))
 
 
 class DraftModelProposer:
@@ -91,21 +113,18 @@ class DraftModelProposer:
         self.config = draft_config
         self.vocab = target_runner.config.vocab_size  # draft_probs columns = the target's vocabulary
         self.block_size = target_runner.block_size
-        num_kv_blocks = target_runner.kv_caches[0][0].shape[0]
-        self.runner = ModelRunner(model, draft_config, self.block_size, num_kv_blocks, self.device, self.dtype)
+        self.runner = ModelRunner(model, draft_config, self.block_size, target_runner.num_kv_blocks, self.device, self.dtype)
         self.get_request = get_request
-        self.seed = int(seed)
+        self.sampler = DraftSampler(seed, self.vocab, self.device)
         # Draft positions must stay inside the draft's rope table too.
         self.max_model_len = min(int(max_model_len), draft_config.max_position_embeddings)
         self.state: dict[int, _SeqState] = {}
-        self.generators: dict[int, torch.Generator] = {}
-        self.pending: dict[int, tuple[list[int], Optional[torch.Tensor]]] = {}  # this step's drafts and q
         self.num_forwards = 0
 
     # ---- Proposer ----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, scheduler: _C.Scheduler, view: _C.DecodeView, max_drafts: np.ndarray) -> None:
-        self.pending.clear()
+        self.sampler.pending.clear()
         num_tokens = view.num_tokens
         # The scheduler's clamp (tokens left) and the draft's own position limit.
         useful = np.minimum(view.tokens_left, self.max_model_len - num_tokens) - 1
@@ -132,19 +151,19 @@ class DraftModelProposer:
             needed = -(-(n + k_r - 1) // B)
             assert needed <= table_lens[i], (f"request {sid}: draft positions need {needed} blocks, the table has "
                                              f"{table_lens[i]}; is SchedulerConfig.drafter_lookahead >= k?")
-            rows.append(_Row(sid, n, valid, tail[valid - start:], tables[i, :table_lens[i]], k_r,
-                             self.get_request(sid).params))
+            rows.append(_Row(sid, k_r, self.get_request(sid).params, n=n, valid=valid, catch_up=tail[valid - start:],
+                             table=tables[i, :table_lens[i]]))
 
         # Forward 0: catch up [valid, n), sample draft 1 from the last position.
         logits = self._forward([(r.table, r.valid, r.catch_up) for r in rows])
-        self._sample(rows, logits)
+        self.sampler.sample(rows, logits)
         for j in range(1, max(r.k for r in rows)):
             live = [r for r in rows if r.k > j]
             logits = self._forward([(r.table, r.n + j - 1, [r.drafts[j - 1]]) for r in live])
-            self._sample(live, logits)
+            self.sampler.sample(live, logits)
 
+        self.sampler.keep(rows)
         for r in rows:
-            self.pending[r.seq_id] = (r.drafts, torch.stack(r.q) if r.q else None)
             self.state[r.seq_id] = _SeqState(base=r.n, fed=r.drafts[:-1])
         scheduler.set_draft_tokens_batch(seq_ids, np.fromiter((t for r in rows for t in r.drafts), np.int32),
                                          np.fromiter((len(r.drafts) for r in rows), np.int32, len(rows)))
@@ -154,66 +173,17 @@ class DraftModelProposer:
         their draft generator."""
         for sid in seq_ids:
             self.state.pop(int(sid), None)
-            if finished:
-                self.generators.pop(int(sid), None)
+        self.sampler.forget(seq_ids, finished)
 
-    # ---- for the rejection sampler ------------------------------------------------------------
     def draft_probs(self, seq_ids: Sequence[int], num_draft_tokens: Sequence[int]) -> Optional[torch.Tensor]:
-        """[sum d, V] rows of q aligned with the drafts scheduled this step (row order; each row's
-        first d drafts, d <= proposed: the scheduler may trim). None when no random row has drafts
-        (greedy rows ignore q; their rows here are zeros)."""
-        parts: list[torch.Tensor] = []
-        any_random = False
-        for sid, d in zip(seq_ids, num_draft_tokens):
-            d = int(d)
-            if d == 0:
-                continue
-            drafts, q = self.pending[int(sid)]
-            assert d <= len(drafts), f"request {sid}: {d} drafts scheduled, {len(drafts)} proposed"
-            if q is None:
-                parts.append(torch.zeros(d, self.vocab, dtype=torch.float32, device=self.device))
-            else:
-                parts.append(q[:d])
-                any_random = True
-        return torch.cat(parts) if any_random else None
+        """q rows for the rejection sampler (DraftSampler.draft_probs)."""
+        return self.sampler.draft_probs(seq_ids, num_draft_tokens)
 
     # ---- internals ------------------------------------------------------------------------------
-    def _generator(self, sid: int, params: Any) -> torch.Generator:
-        gen = self.generators.get(sid)
-        if gen is None:
-            # Separate from the target's generator; deterministic in the request (or its seed).
-            seed = derive_seed(self.seed, f"draft:{sid}") if params.seed is None else derive_seed(params.seed, "draft")
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(seed)
-            self.generators[sid] = gen
-        return gen
-
     def _forward(self, rows: list[tuple[np.ndarray, int, Sequence[int]]]) -> torch.Tensor:
         """rows: (block_table, first position, input tokens). Logits [R, V] at each row's last token."""
-        B = self.block_size
-        lens = np.array([len(toks) for _, _, toks in rows], dtype=np.int64)
-        starts = np.array([s for _, s, _ in rows], dtype=np.int64)
-        ctx = starts + lens
-        qsl = np.zeros(len(rows) + 1, dtype=np.int32)
-        qsl[1:] = np.cumsum(lens)
-        input_ids = np.concatenate([np.asarray(toks, dtype=np.int64) for _, _, toks in rows])
-        positions = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, lens)])
-        used = -(-ctx // B)
-        max_blocks = int(used.max())
-        tables = np.full((len(rows), max_blocks), -1, dtype=np.int32)
-        slot_parts = []
-        for i, ((table, start, _), u) in enumerate(zip(rows, used)):
-            t = np.asarray(table[:u], dtype=np.int64)
-            tables[i, :u] = t
-            p = positions[qsl[i]:qsl[i + 1]]
-            slot_parts.append(t[p // B] * B + p % B)
-        batch = SimpleNamespace(
-            input_ids=input_ids, positions=positions, slot_mapping=np.concatenate(slot_parts),
-            block_tables=tables, query_start_loc=qsl, context_lens=ctx.astype(np.int32),
-            max_query_len=int(lens.max()), max_context_len=int(ctx.max()),
-            logits_indices=(qsl[1:] - 1).astype(np.int64))
         self.num_forwards += 1
-        return self._fit_vocab(self.runner.execute(batch))
+        return self._fit_vocab(self.runner.execute(rows_batch(rows, self.block_size)))
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary: extra draft ids are never proposed, missing
@@ -225,19 +195,3 @@ class DraftModelProposer:
             pad = torch.full((logits.shape[0], self.vocab - v), float("-inf"), dtype=logits.dtype, device=logits.device)
             return torch.cat([logits, pad], dim=1)
         return logits
-
-    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
-        """Appends one draft (and, for random rows, its q row) to every row."""
-        tokens = logits.argmax(dim=-1)
-        random_idx = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if random_idx:
-            idx = torch.tensor(random_idx, dtype=torch.long, device=logits.device)
-            sub = [rows[i] for i in random_idx]
-            tensors = SamplingTensors.from_params([r.params for r in sub], self.vocab, logits.device)
-            q = compute_probs(logits.index_select(0, idx), tensors)
-            u = draw_uniforms([self._generator(r.seq_id, r.params) for r in sub], [1] * len(sub), logits.device)
-            tokens[idx] = sample_from_probs(q, u)
-            for j, r in enumerate(sub):
-                r.q.append(q[j])
-        for r, t in zip(rows, tokens.tolist()):
-            r.drafts.append(int(t))

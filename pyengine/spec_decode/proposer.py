@@ -33,6 +33,10 @@ def build_proposer(spec: SpeculativeConfig, runner: Any, get_request: Callable[[
         from pyengine.spec_decode.ngram import NgramProposer
 
         return NgramProposer(spec)
+    if spec.method == "mtp":
+        from pyengine.spec_decode.mtp import MtpProposer
+
+        return MtpProposer(spec, runner, get_request, seed, max_model_len)
     from pyengine.spec_decode.draft_model import DraftModelProposer
 
     return DraftModelProposer(spec, runner, get_request, seed, max_model_len, draft=draft)

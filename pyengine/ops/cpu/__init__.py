@@ -1,10 +1,11 @@
 """The CPU backend: the C++ loops of pyengine._C.cpu behind the ops' signatures (attention: GQA
-paged attention; layer: norms, SwiGLU, rope_and_cache; gemm: PackedLinear). Importing it raises
+paged attention; mla: the same kernel over the latent cache; layer: norms, SwiGLU, rope_and_cache; gemm: PackedLinear). Importing it raises
 ImportError when the extension lacks the CPU ops. Validation is the facade's (pyengine.ops)."""
 from pyengine.ops.cpu.attention import paged_attention, step_tables
 from pyengine.ops.cpu.extension import kernels
 from pyengine.ops.cpu.gemm import PackedLinear
+from pyengine.ops.cpu.mla import paged_attention_mla
 from pyengine.ops.cpu.layer import fused_add_rms_norm, rms_norm, rope_and_cache, silu_and_mul
 
 __all__ = ["paged_attention", "step_tables", "kernels", "PackedLinear", "fused_add_rms_norm", "rms_norm",
-           "rope_and_cache", "silu_and_mul"]
+           "rope_and_cache", "silu_and_mul", "paged_attention_mla"]

@@ -1,6 +1,6 @@
 """CUDA paged MLA attention and latent-cache write (hipkernels/attention/mla_attention.hip,
-kv_cache_write.hip). The facade has validated shapes and devices; fp16/bf16 run the kernels,
-anything else the reference."""
+kv_cache_write.hip). The facade has validated shapes and devices; fp16/bf16 at DeepSeek-V3's
+widths (512 + 64) run the attention kernel, anything else the reference."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +9,7 @@ from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.ops import reference
 from pyengine.ops.cuda.attention import launch_paged_attention
 from pyengine.ops.cuda.launch import DTYPE_CODE, kernels, params, row_stride, slots, stream
-from pyengine.ops.reference.mla import KV_LORA_RANK
+from pyengine.ops.reference.mla import KV_LORA_RANK, ROPE_DIM
 
 
 def reshape_and_cache_mla(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -35,7 +35,9 @@ def reshape_and_cache_mla(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torc
 
 
 def paged_attention_mla(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                        return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    if q.dtype not in (torch.float16, torch.bfloat16) or kv_cache.dtype != q.dtype:
-        return reference.paged_attention_mla(q, kv_cache, meta, scale, return_lse=return_lse)
+                        return_lse: bool = False, kv_lora_rank: int = KV_LORA_RANK
+                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if (q.dtype not in (torch.float16, torch.bfloat16) or kv_cache.dtype != q.dtype
+            or (kv_lora_rank, kv_cache.shape[2]) != (KV_LORA_RANK, KV_LORA_RANK + ROPE_DIM)):
+        return reference.paged_attention_mla(q, kv_cache, meta, scale, return_lse=return_lse, kv_lora_rank=kv_lora_rank)
     return launch_paged_attention(q, kv_cache, kv_cache, meta, scale, return_lse, 1, KV_LORA_RANK, mla=True)

@@ -1,0 +1,148 @@
+"""Mixture of experts, DeepSeek-V3 style: a sigmoid router with a score-correction bias and
+group-limited top-k, routed SwiGLU experts and shared experts.
+
+Batch invariance (docs/architecture.md): a token's output must not depend on which other tokens
+chose its experts. Each expert runs its tokens through linear(), whose CPU packed GEMM (and the
+CUDA invariant GEMM) computes a row the same way for every M; the top-k outputs of a token are then
+summed in its own slot order (0..k-1), never in an order the batch decides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from pyengine import ops
+from pyengine.models.layers import WeightTargets, linear, param
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    n_shared_experts: int
+    moe_intermediate_size: int
+    scoring_func: str = "sigmoid"
+
+    def validate(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in 1..n_routed_experts ({self.num_experts})")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"n_routed_experts ({self.num_experts}) must be a multiple of n_group ({self.n_group})")
+        per_group = self.num_experts // self.n_group
+        if not 1 <= self.topk_group <= self.n_group or self.topk_group * per_group < self.top_k:
+            raise ValueError(f"topk_group ({self.topk_group}) of n_group ({self.n_group}) groups holds fewer than "
+                             f"num_experts_per_tok ({self.top_k}) experts")
+        if self.n_group > 1 and per_group < 2:
+            raise ValueError("group-limited routing scores a group by its top-2 experts: need >= 2 experts per group")
+        if self.scoring_func != "sigmoid":
+            raise ValueError(f"unsupported MoE scoring_func {self.scoring_func!r} (supported: sigmoid)")
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] fp32 -> (expert ids [T, k] int64, combine weights [T, k] fp32), per row.
+    Selection ranks sigmoid scores + bias inside the topk_group groups whose top-2 biased scores sum
+    highest; the weights are the unbiased scores of the chosen experts (normalised if
+    norm_topk_prob), times routed_scaling_factor."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    if cfg.n_group > 1:
+        t = choice.shape[0]
+        grouped = choice.view(t, cfg.n_group, -1)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
+        keep = group_scores.topk(cfg.topk_group, dim=-1)[1]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~group_mask[:, :, None], float("-inf")).view(t, -1)
+    ids = choice.topk(cfg.top_k, dim=-1, sorted=True)[1]
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * cfg.routed_scaling_factor
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate|up fused, weights [in, out]."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj: Any = param(hidden, 2 * inter, dtype=dtype)
+        self.down_proj: Any = param(inter, hidden, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(ops.silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
+
+    def weight_targets(self, prefix: str) -> WeightTargets:
+        gu = self.gate_up_proj.t()
+        return {prefix + "gate_proj.weight": (self.gate_up_proj, gu.narrow(0, 0, self.inter)),
+                prefix + "up_proj.weight": (self.gate_up_proj, gu.narrow(0, self.inter, self.inter)),
+                prefix + "down_proj.weight": (self.down_proj, self.down_proj.t())}
+
+    def pack(self, pack: Callable[[torch.Tensor], Any]) -> None:
+        for name in ("gate_up_proj", "down_proj"):
+            packed = pack(getattr(self, name).detach())
+            delattr(self, name)
+            setattr(self, name, packed)
+
+
+class MoE(nn.Module):
+    """Routed experts + shared experts over normed hidden states [T, hidden] (HF names under
+    `prefix`: gate.weight, gate.e_score_correction_bias, experts.{e}.{gate,up,down}_proj.weight,
+    shared_experts.{gate,up,down}_proj.weight)."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # The router runs in fp32, as trained: a bf16 logit flips near-equal experts.
+        self.gate: Any = param(hidden, cfg.num_experts, dtype=torch.float32)
+        self.e_score_correction_bias = param(cfg.num_experts, dtype=torch.float32)
+        self.experts = nn.ModuleList(SwiGLU(hidden, cfg.moe_intermediate_size, dtype) for _ in range(cfg.num_experts))
+        inter = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared_experts = SwiGLU(hidden, inter, dtype) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, k = x.shape[0], self.cfg.top_k
+        ids, weights = route(linear(x.float(), self.gate), self.e_score_correction_bias, self.cfg)
+        slots = ids.view(-1)  # token i's choice j at flat index i * k + j
+        order = torch.argsort(slots, stable=True)
+        counts = torch.bincount(slots, minlength=self.cfg.num_experts).tolist()
+        routed = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                flat = order[start:start + n]
+                routed[flat] = self.experts[e](x.index_select(0, flat // k))
+                start += n
+        routed = routed.view(t, k, -1).float()
+        out = routed[:, 0] * weights[:, 0:1]
+        for j in range(1, k):  # the token's own slot order: no batch-dependent summation order
+            out = out + routed[:, j] * weights[:, j:j + 1]
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x).float()
+        return out.to(x.dtype)
+
+    def weight_targets(self, prefix: str) -> WeightTargets:
+        targets: WeightTargets = {prefix + "gate.weight": (self.gate, self.gate.t()),
+                                  prefix + "gate.e_score_correction_bias": (self.e_score_correction_bias,
+                                                                            self.e_score_correction_bias)}
+        for e, expert in enumerate(self.experts):
+            targets.update(expert.weight_targets(f"{prefix}experts.{e}."))
+        if self.shared_experts is not None:
+            targets.update(self.shared_experts.weight_targets(prefix + "shared_experts."))
+        return targets
+
+    def pack(self, pack: Callable[[torch.Tensor], Any], pack_router: Callable[[torch.Tensor], Any] | None) -> None:
+        for expert in self.experts:
+            expert.pack(pack)
+        if self.shared_experts is not None:
+            self.shared_experts.pack(pack)
+        if pack_router is not None:
+            packed = pack_router(self.gate.detach())
+            delattr(self, "gate")
+            self.gate = packed
