@@ -318,10 +318,10 @@ def share_loaded_models() -> Iterator[None]:
     original = llm_module.load_model
     cache: dict = {}
 
-    def load_shared(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        key = (path, str(device), dtype, get_kernel_config())
+    def load_shared(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float32, load_mtp: bool = False):
+        key = (path, str(device), dtype, get_kernel_config(), load_mtp)
         if key not in cache:
-            cache[key] = original(path, device, dtype)
+            cache[key] = original(path, device, dtype, load_mtp=load_mtp)
         return cache[key]
 
     _shared_cache = cache

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 import shutil
 from types import SimpleNamespace
 
@@ -27,7 +26,7 @@ from pyengine.spec_decode.rejection_sampler import RejectionSampler
 from pyengine.engine.sampler import SamplingTensors, compute_probs
 from pyengine.spec_decode.config import SpeculativeConfig
 from tests.spec_harness import assert_lossless, run  # assert_lossless: divergence only at a top-2 gap < 1e-4
-from tests.tiny_models import VOCAB, make_checkpoint
+from tests.tiny_models import VOCAB, make_checkpoint, make_prompts
 from tests.utils_paged import PagedCache, make_meta
 
 
@@ -55,22 +54,6 @@ def models(tmp_path_factory) -> SimpleNamespace:
     perturbed = str(root / "perturbed")
     _perturbed_copy(target, perturbed, 0.006)  # ~50% acceptance at k = 3
     return SimpleNamespace(target=target, perturbed=perturbed, other=other)
-
-
-def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
-    """Mixed lengths 1..40; for n > 1 some share a 20-token prefix and two are identical, so prefix
-    caching hits (whole-prompt hits included) when prompts are admitted over several steps."""
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, VOCAB) for _ in range(20)]
-    prompts = []
-    for i in range(n):
-        if n > 1 and i % 3 == 1:
-            prompts.append(shared + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 12))])
-        else:
-            prompts.append([rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 40))])
-    if n > 2:
-        prompts[-1] = list(prompts[1])
-    return prompts
 
 
 @functools.lru_cache(maxsize=None)

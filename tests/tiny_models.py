@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import torch
 import transformers
@@ -23,6 +24,22 @@ CASES = {
     "qwen2_bias": (transformers.Qwen2Config, dict(_COMMON, tie_word_embeddings=False)),
     "qwen3_qk_norm": (transformers.Qwen3Config, dict(_COMMON, head_dim=16, num_key_value_heads=4, tie_word_embeddings=True)),
 }
+
+
+def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Mixed lengths 1..40; for n > 1 some share a 20-token prefix and two are identical, so prefix
+    caching hits (whole-prompt hits included) when prompts are admitted over several steps."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, VOCAB) for _ in range(20)]
+    prompts = []
+    for i in range(n):
+        if n > 1 and i % 3 == 1:
+            prompts.append(shared + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 12))])
+        else:
+            prompts.append([rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 40))])
+    if n > 2:
+        prompts[-1] = list(prompts[1])
+    return prompts
 
 
 def write_tokenizer(path: str) -> None:

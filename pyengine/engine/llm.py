@@ -128,6 +128,10 @@ class LLM:
             torch.manual_seed(seed)
             self.model, self.model_config, self.tokenizer = load_model(model, str(self.device), self.dtype,
                                                                        load_mtp=spec is not None and spec.method == "mtp")
+            if (self.kernel_config.batch_invariant and self.device.type == "cuda"
+                    and not getattr(self.model, "batch_invariant_on_cuda", True)):
+                raise ValueError(f"{self.model_config.architecture}: batch_invariant is not available on CUDA yet "
+                                 "(its per-head, router and expert GEMMs run torch's)")
             draft = None  # draft model: loaded before the KV budget, which then covers both caches
             if spec is not None and spec.method == "draft_model":
                 draft_model, draft_config, _ = load_model(spec.model, str(self.device), self.dtype)

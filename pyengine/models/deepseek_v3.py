@@ -248,6 +248,7 @@ def kv_b_transform(layers: dict[str, MlaAttention]) -> Callable[[str, torch.Tens
 
 class DeepseekV3ForCausalLM(nn.Module):
     supports_cuda_graphs = False  # the MoE dispatch reads expert counts on the host
+    batch_invariant_on_cuda = False  # per-head (bmm), router and expert GEMMs are torch's on CUDA
 
     def __init__(self, config: DeepseekV3ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pyengine import ops
@@ -50,7 +51,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg: MoEConfig) -> tuple[tor
     Selection ranks sigmoid scores + bias inside the topk_group groups whose top-2 biased scores sum
     highest; the weights are the unbiased scores of the chosen experts (normalised if
     norm_topk_prob), times routed_scaling_factor."""
-    scores = logits.sigmoid()
+    scores = rowwise_sigmoid(logits)
     choice = scores + bias
     if cfg.n_group > 1:
         t = choice.shape[0]
@@ -62,8 +63,22 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg: MoEConfig) -> tuple[tor
     ids = choice.topk(cfg.top_k, dim=-1, sorted=True)[1]
     weights = scores.gather(1, ids)
     if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        total = weights[:, 0:1]
+        for j in range(1, cfg.top_k):  # in slot order: a reduction kernel may order the adds by the batch
+            total = total + weights[:, j:j + 1]
+        weights = weights / (total + 1e-20)
     return ids, weights * cfg.routed_scaling_factor
+
+
+def rowwise_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """x.sigmoid() of [T, E] with a row's bits independent of T. torch's CPU kernel runs whole SIMD
+    chunks through a vector exp and the leftover elements through a scalar one, and the two differ
+    in the last bit; which elements are left over depends on T * E. Padding each row to 64 values
+    sends every element down the vector path."""
+    if x.device.type != "cpu" or x.shape[-1] % 64 == 0:
+        return x.sigmoid()
+    pad = -x.shape[-1] % 64
+    return F.pad(x, (0, pad)).sigmoid()[:, :x.shape[-1]]
 
 
 class SwiGLU(nn.Module):

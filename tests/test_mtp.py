@@ -1,0 +1,122 @@
+"""MTP speculation (method "mtp") on a tiny DeepSeek-V3 with an MTP layer that agrees with the
+target about half the time (tests/tiny_models.make_deepseek_checkpoint): greedy spec output equals
+plain output bit for bit - tokens and every committed token's logits - at batch 1..16 with
+heterogeneous prompts, k = 1..4, block sizes 1/16/64, prefix caching, mixed prefill/verify steps and
+preemption; random sampling keeps the target distribution (chi-square)."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from pyengine import LLM, SamplingParams
+from tests.spec_harness import RecordingScheduler, run
+
+from tests.tiny_models import make_deepseek_checkpoint, make_prompts
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("dsv3_mtp"))
+    make_deepseek_checkpoint(path, mtp_agreement=0.01, layer_scale=0.02)
+    return path
+
+
+def _record(llm: LLM) -> LLM:
+    llm.engine.cfg.record_logits = True
+    return llm
+
+
+@functools.lru_cache(maxsize=None)
+def _plain(path: str, n: int) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.Tensor, ...]]:
+    llm = _record(LLM(path, device="cpu"))
+    reqs = llm.run_requests([(None, p) for p in make_prompts(n)],
+                            [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)] * n)
+    return tuple(tuple(r.output_token_ids) for r in reqs), tuple(torch.stack(r.logits) for r in reqs)
+
+
+def _spec_equals_plain(path: str, batch: int, k: int, block_size: int, prefix: bool, **kw):
+    prompts = make_prompts(batch)
+    spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive_draft_length": False}
+    kw.setdefault("max_num_batched_tokens", 64)  # prompts admitted over several steps: prefix hits, mixed steps
+    llm = _record(LLM(path, device="cpu", speculative_config=spec, block_size=block_size,
+                      enable_prefix_caching=prefix, **kw))
+    rec = RecordingScheduler(llm.engine.scheduler)
+    llm.engine.scheduler = rec
+    reqs = llm.run_requests([(None, p) for p in prompts],
+                            [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)] * batch)
+    tokens, logits = _plain(path, batch)
+    assert [tuple(r.output_token_ids) for r in reqs] == list(tokens)
+    for r, ref in zip(reqs, logits):
+        assert torch.equal(torch.stack(r.logits), ref), f"request {r.request_id}: logits differ from plain decoding"
+    st = llm.stats()
+    assert st["num_draft_tokens"] > 0 and 0 < st["acceptance_rate"] < 1, st
+    return st, rec
+
+
+# Pairwise cover: every batch {1, 8, 16}, k {1..4}, block size {1, 16, 64} and prefix on/off.
+@pytest.mark.parametrize("batch,k,block_size,prefix", [
+    (1, 1, 16, True), (1, 4, 1, False), (8, 2, 64, True), (8, 3, 1, True), (16, 4, 16, False), (16, 1, 64, False),
+    (8, 4, 16, True), (1, 3, 64, True), (16, 2, 1, True),
+])
+def test_greedy_mtp_equals_plain(target: str, batch: int, k: int, block_size: int, prefix: bool) -> None:
+    st, rec = _spec_equals_plain(target, batch, k, block_size, prefix)
+    if k > 1:  # partial acceptance: some verify rows keep fewer drafts than they carried, some all
+        rows = rec.verify_rows()
+        assert any(c - 1 < d for _, _, d, c in rows) and any(c - 1 == d for _, _, d, c in rows)
+    if batch > 1:
+        assert rec.had_mixed_step(), "no step verified drafts next to a prefill"
+
+
+def test_preemption_and_tiny_token_budget(target: str) -> None:
+    """Few KV blocks force preemption (re-prefill, the MTP state forgotten); a token budget of 16
+    trims drafts (ragged rows)."""
+    st, rec = _spec_equals_plain(target, 8, 3, 4, True, num_kv_blocks=40, max_num_batched_tokens=16)
+    assert st["num_preemptions"] > 0 and rec.had_ragged_step()
+
+
+def test_mtp_with_adaptive_draft_length(target: str) -> None:
+    prompts = make_prompts(8)
+    outs = run(target, prompts, max_tokens=MAX_TOKENS, spec={"method": "mtp", "num_speculative_tokens": 3})[0]
+    assert [tuple(o) for o in outs] == list(_plain(target, 8)[0])
+
+
+@torch.inference_mode()
+def test_random_sampling_keeps_target_distribution(target: str) -> None:
+    """N identical requests at temperature 1: the second output token comes out of the first verify
+    step (an accepted MTP draft or the rejection sampler's resample). Among requests whose first
+    token is the most frequent one, it must follow the target's p(. | prompt, t1)."""
+    prompt, n = [5, 17, 3, 88, 41, 9], 1500
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    llm = LLM(target, device="cpu", max_num_seqs=n, max_num_batched_tokens=n * len(prompt),
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive_draft_length": False})
+    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i)
+                                       for i in range(n)], use_tqdm=False)
+    st = llm.stats()
+    assert st["num_draft_tokens"] > 0 and 0.05 < st["acceptance_rate"] < 0.95, st
+    pairs = np.array([o.outputs[0].token_ids[:2] for o in outs])
+    t1 = int(np.bincount(pairs[:, 0]).argmax())
+    second = pairs[pairs[:, 0] == t1, 1]
+    plain = LLM(target, device="cpu")
+    p = _next_token_probs(plain, prompt + [t1], params)
+    expected = p.double().numpy() * len(second)
+    observed = np.bincount(second, minlength=len(expected)).astype(np.float64)
+    assert observed[expected == 0].sum() == 0
+    big = expected >= 5
+    obs, exp = np.append(observed[big], observed[~big].sum()), np.append(expected[big], expected[~big].sum())
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    exp *= obs.sum() / exp.sum()
+    assert len(second) > 200 and stats.chisquare(obs, exp).pvalue > 1e-4
+
+
+def _next_token_probs(llm: LLM, tokens: list[int], params: SamplingParams) -> torch.Tensor:
+    """The target's processed next-token distribution after `tokens` (one plain step)."""
+    _record(llm)
+    req = llm.run_requests([(None, tokens)], [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)])[0]
+    return torch.softmax(req.logits[0] / params.temperature, dim=-1)
