@@ -23,7 +23,7 @@ REAL_MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_he
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("dsv3_gpu"))
-    make_deepseek_checkpoint(path, mtp_agreement=0.01, layer_scale=0.02, **REAL_MLA)
+    make_deepseek_checkpoint(path, mtp_agreement=0.01, layer_scale=0.003, **REAL_MLA)  # ~70% accepted
     return path
 
 
@@ -36,28 +36,48 @@ def _prefill_logits(path: str, device: str, dtype: torch.dtype, prompt: list[int
     return model.compute_logits(model(torch.tensor(prompt, device=device), positions, meta, caches)).float().cpu()
 
 
-def test_mla_kernel_in_model_matches_cpu_reference(checkpoint: str) -> None:
-    """bf16 on the GPU (MLA kernel, cuBLAS, layer-op kernels) vs fp32 on the CPU: logits within bf16
-    noise, and the same greedy argmax wherever the CPU's top-2 gap is clear of it."""
+def test_dense_model_matches_cpu_reference(tmp_path) -> None:
+    """All-dense layers (no routing, whose bf16 choices may flip an expert): bf16 on the GPU (MLA
+    kernel, cuBLAS, layer-op kernels) vs fp32 on the CPU - logits within bf16 noise, and the same
+    argmax wherever the CPU's top-2 gap is clear of it."""
+    path = str(tmp_path / "dense")
+    make_deepseek_checkpoint(path, first_k_dense_replace=3, **REAL_MLA)
     prompt = make_prompts(3, seed=5)[0] * 2
-    gpu = _prefill_logits(checkpoint, "cuda", torch.bfloat16, prompt)
-    cpu = _prefill_logits(checkpoint, "cpu", torch.float32, prompt)
-    err = (gpu - cpu).abs().max().item()
-    assert err < 0.15 * cpu.abs().max().item(), err
+    gpu = _prefill_logits(path, "cuda", torch.bfloat16, prompt)
+    cpu = _prefill_logits(path, "cpu", torch.float32, prompt)
+    assert (gpu - cpu).abs().max().item() < 0.1 * cpu.abs().max().item()
     top2 = cpu.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.3
     assert clear.any() and torch.equal(gpu.argmax(-1)[clear], cpu.argmax(-1)[clear])
 
 
-def test_mla_attention_runs_the_kernel(checkpoint: str, monkeypatch) -> None:
-    """The model's attention goes through the CUDA MLA kernel, not the reference fallback."""
+def test_mla_kernel_inside_the_model_matches_reference(checkpoint: str, monkeypatch) -> None:
+    """Every attention call of a GPU prefill and of MTP-speculative decode steps runs the CUDA MLA
+    kernel (no reference fallback), and each call's output equals the fp32 reference on the same
+    inputs within bf16 rounding."""
+    import pyengine.ops.cuda as cuda_ops
+    from pyengine.engine.attention_metadata import AttentionMetadata
     from pyengine.ops import reference
     from pyengine.ops.cuda import mla
 
-    calls = []
-    monkeypatch.setattr(mla.reference, "paged_attention_mla", lambda *a, **k: calls.append(1) or reference.paged_attention_mla(*a, **k))
-    _prefill_logits(checkpoint, "cuda", torch.bfloat16, [3, 4, 5, 6])
-    assert not calls
+    kernel, spec, fallbacks, checked = cuda_ops.paged_attention_mla, reference.paged_attention_mla, [], []
+    monkeypatch.setattr(mla.reference, "paged_attention_mla", lambda *a, **k: fallbacks.append(1) or spec(*a, **k))
+
+    def checked_kernel(q, kv_cache, meta, scale, return_lse=False, kv_lora_rank=512):
+        out = kernel(q, kv_cache, meta, scale, return_lse=return_lse, kv_lora_rank=kv_lora_rank)
+        cpu_meta = AttentionMetadata(meta.slot_mapping.cpu(), meta.block_tables.cpu(), meta.query_start_loc.cpu(),
+                                     meta.context_lens.cpu(), meta.max_query_len, meta.max_context_len, meta.block_size)
+        ref = spec(q.float().cpu(), kv_cache.float().cpu(), cpu_meta, scale, kv_lora_rank=kv_lora_rank)
+        got = out[0] if isinstance(out, tuple) else out
+        torch.testing.assert_close(got.float().cpu(), ref, atol=3e-2, rtol=3e-2)
+        checked.append(int(meta.max_query_len))
+        return out
+
+    monkeypatch.setattr(cuda_ops, "paged_attention_mla", checked_kernel)
+    llm = LLM(checkpoint, device="cuda", dtype="bfloat16", max_num_batched_tokens=32,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive_draft_length": False})
+    llm.generate(make_prompts(4, seed=1), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert not fallbacks and len(checked) > 20 and max(checked) > 1
 
 
 def test_mtp_speculation_end_to_end(checkpoint: str) -> None:
@@ -71,7 +91,7 @@ def test_mtp_speculation_end_to_end(checkpoint: str) -> None:
                   speculative_config={"method": "mtp", "num_speculative_tokens": k, "adaptive_draft_length": False})
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         st = llm.stats()
-        assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] > 0.1, st
+        assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] > 0.3, st
         same = sum(a == b for a, b in zip(outs, plain))
         assert same >= 7, f"k={k}: {same}/8 requests equal plain decoding"
         del llm

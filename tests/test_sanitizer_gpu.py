@@ -60,6 +60,21 @@ with use_kernel_config(gqa_fma=sys.argv[1] == "fma"):
     gqa_case({ROWS}, 1, 2, 8, torch.float16, head_dim=64)
 torch.cuda.synchronize()
 """,
+    # DeepSeek-V3 with MTP speculation end to end: every kernel of the model (MLA, latent cache
+    # writes, layer ops, skinny GEMM) over prefill, decode and verify steps and the MTP layer's forwards.
+    "deepseek": """
+import os, sys, tempfile
+sys.path.insert(0, os.path.dirname(os.getcwd()))
+from tests.tiny_models import make_deepseek_checkpoint, make_prompts
+from tests.test_deepseek_v3_gpu import REAL_MLA
+from pyengine import LLM, SamplingParams
+path = tempfile.mkdtemp()
+make_deepseek_checkpoint(path, mtp_agreement=0.01, layer_scale=0.003, **REAL_MLA)
+llm = LLM(path, device="cuda", dtype="bfloat16", block_size=16, max_num_batched_tokens=32, num_kv_blocks=64,
+          speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive_draft_length": False})
+llm.generate(make_prompts(4, seed=3), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+assert llm.stats()["num_accepted_tokens"] > 0
+""",
 }
 
 
@@ -73,10 +88,11 @@ def run_under(tool: str, program: str, variant: str) -> str:
     return out
 
 
-@pytest.mark.parametrize("kernel", ["mla", "gqa", "gqa_fma", "gemm"])
+@pytest.mark.parametrize("kernel", ["mla", "gqa", "gqa_fma", "gemm", "deepseek"])
 def test_memcheck_clean(kernel):
     """gqa: the tensor-core kernel NVIDIA runs; gqa_fma: the FMA kernel (AMD's), forced; gemm: the
-    batch-invariant GEMM (row and column tails, every split)."""
+    batch-invariant GEMM (row and column tails, every split); deepseek: a DeepSeek-V3 model's
+    kernels under MTP speculation."""
     family, _, variant = kernel.partition("_")
     out = run_under("memcheck", PROGRAMS[family], variant or "default")
     assert "ERROR SUMMARY: 0 errors" in out, out[-3000:]

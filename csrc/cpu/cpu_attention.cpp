@@ -31,6 +31,10 @@
 namespace pyengine::cpu {
 namespace {
 
+// The largest head_dim (a multiple of 16): the query and output accumulators of a head live in
+// fixed arrays of kMaxHeadDim / 16 vectors. MLA's latent rows (512 + 64) are the widest user.
+constexpr int32_t kMaxHeadDim = 768;
+
 // 16 fp32 lanes (GCC vector extensions): zmm in the AVX-512 clone, ymm pairs or xmm quads in the
 // others. head_dim must be a multiple of 16; every loop below runs over whole vectors, and the
 // dot product ends in a fixed reduction tree (the compiler's reduction of a plain loop spilled
@@ -134,7 +138,7 @@ PE_INLINE void attend(const PagedAttentionParams& p, const Unit& u, Scratch& s) 
   const int32_t ctx = std::max(p.context_lens[r], 0);
   const int32_t G = p.num_heads / p.num_kv_heads, D = p.head_dim, Hkv = p.num_kv_heads;
   const int32_t nv = NV > 0 ? NV : D / 16;
-  constexpr int32_t kMaxNV = NV > 0 ? NV : 16;
+  constexpr int32_t kMaxNV = NV > 0 ? NV : kMaxHeadDim / 16;  // the register arrays below
   const int32_t qi_begin = u.i0 * G, qi_end = u.i1 * G;
   // Keys any query of the chunk sees: the last one's limit (query i sees [0, ctx - (q_len - 1 - i))).
   const int32_t keys = std::max(ctx - (q_len - u.i1), 0);
@@ -581,8 +585,8 @@ void attention_units_avx2(const PagedAttentionParams&, const Unit*, int64_t, int
 std::string paged_attention(const PagedAttentionParams& p) {
   if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0)
     return concat("num_heads ", p.num_heads, " is not a multiple of num_kv_heads ", p.num_kv_heads);
-  if (p.head_dim <= 0 || p.head_dim % 16 != 0)
-    return concat("head_dim must be a positive multiple of 16, got ", p.head_dim);
+  if (p.head_dim <= 0 || p.head_dim % 16 != 0 || p.head_dim > kMaxHeadDim)
+    return concat("head_dim must be a positive multiple of 16 up to ", kMaxHeadDim, ", got ", p.head_dim);
   if (p.block_size <= 0) return "block_size must be positive";
   for (int32_t r = 0; r < p.num_rows; ++r) {  // every block read must exist, before any work starts
     const int32_t* table = p.block_tables + r * p.block_table_stride;

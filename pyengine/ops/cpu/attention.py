@@ -1,9 +1,9 @@
 """CPU paged GQA attention (csrc/cpu/cpu_attention.cpp) for fp32 and bf16 with head_dim a multiple
-of 16. It reads K/V in place and runs every step, decode, verify and long prefills alike: a row's
+of 16 up to 768. It reads K/V in place and runs every step, decode, verify and long prefills alike: a row's
 queries are cut into chunks of 32 positions per kv head, and those work units are split over the
 C++ pool by query-key work, so a long prefill uses every thread with bounded scratch. A query's
 output is the same bits whatever shares its step (alone, in a batch, inside a prefill chunk).
-Only other dtypes, mixed cache dtypes or head dims that are not multiples of 16 run the reference.
+Only other dtypes, mixed cache dtypes or other head dims run the reference.
 Work is split over the C++ pool only inside an engine step (extension.pool_threads)."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def step_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, to
 
 def runs_kernel(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the C++ kernel takes attention of these dtypes and head size (else the reference)."""
-    return q_dtype in DTYPE_CODE and cache_dtype == q_dtype and head_dim % 16 == 0
+    return q_dtype in DTYPE_CODE and cache_dtype == q_dtype and head_dim % 16 == 0 and head_dim <= 768
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
