@@ -128,3 +128,61 @@ def make_deepseek_checkpoint(path: str, seed: int = 0, mtp_agreement: float | No
         with open(cfg_file, "w") as f:
             json.dump(cfg, f, indent=2)
     return hf
+
+
+# ---------------------------------------------------------------- Qwen3-Next (Gated DeltaNet hybrid + MTP)
+
+QWEN3_NEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                  linear_value_head_dim=24, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+                  max_position_embeddings=512, full_attention_interval=2)
+
+
+def make_qwen3_next_checkpoint(path: str, seed: int = 0, mtp_agreement: float | None = None,
+                               layer_scale: float = 1.0, **overrides) -> torch.nn.Module:
+    """A random Qwen3NextForCausalLM (linear / full attention alternating, MoE every layer;
+    QWEN3_NEXT updated by overrides) saved to `path`; layer_scale and mtp_agreement as in
+    make_deepseek_checkpoint (the MTP layer: Qwen3-Next's mtp.* names). Returns the HF model."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3NextConfig(**dict(QWEN3_NEXT, **overrides)),
+                                                       dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.2 * torch.randn_like(p) + (1.0 if "linear_attn.norm" in name else 0.0))  # zero-centred
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand_like(p) * 4 + 0.5))
+            elif name.endswith("dt_bias"):
+                p.normal_(0.0, 0.5)
+            else:
+                out = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj", "out_proj.weight"))
+                p.normal_(0.0, 0.15 * (layer_scale if out else 1.0))
+    hf.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
+    if mtp_agreement is not None:
+        file = os.path.join(path, "model.safetensors")
+        weights = load_file(file)
+        hidden = hf.config.num_hidden_layers and hf.config.hidden_size
+        src = f"model.layers.{[i for i, t in enumerate(hf.config.layer_types) if t == 'full_attention'][-1]}."
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name in [k for k in weights if k.startswith(src)]:
+            t = weights[name].clone()
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                t *= 0.1
+            weights["mtp.layers.0." + name[len(src):]] = t
+        eye = torch.eye(hidden)
+        weights.update({
+            "mtp.pre_fc_norm_embedding.weight": torch.zeros(hidden), "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden),
+            "mtp.fc.weight": torch.cat([eye, mtp_agreement * torch.randn(hidden, hidden, generator=gen)], 1),
+            "mtp.norm.weight": weights["model.norm.weight"].clone()})
+        save_file(weights, file, metadata={"format": "pt"})
+        cfg_file = os.path.join(path, "config.json")
+        with open(cfg_file) as f:
+            cfg = json.load(f)
+        cfg["num_nextn_predict_layers"] = 1
+        with open(cfg_file, "w") as f:
+            json.dump(cfg, f, indent=2)
+    return hf

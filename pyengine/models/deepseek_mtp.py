@@ -20,7 +20,7 @@ from torch import nn
 
 from pyengine import ops
 from pyengine.engine.attention_metadata import AttentionMetadata
-from pyengine.models.layers import WeightTargets, linear, param
+from pyengine.models.layers import WeightTargets, linear, pack_weights, param
 
 if TYPE_CHECKING:
     from pyengine.models.deepseek_v3 import DeepseekV3ForCausalLM, MlaAttention
@@ -94,10 +94,4 @@ class DeepseekMtp(nn.Module):
 
     def pack(self, pack: Callable[[torch.Tensor], Any], pack_router: Callable[[torch.Tensor], Any] | None) -> None:
         self.layer.pack(pack, pack_router)
-        packed = pack(self.eh_proj.detach())
-        del self.eh_proj
-        self.eh_proj = packed
-        if self.head is not None:
-            packed_head = pack(self.head)
-            del self.head  # a buffer until now
-            self.head = packed_head
+        pack_weights(self, ("eh_proj", "head"), pack)

@@ -22,8 +22,8 @@ from torch import nn
 from pyengine import ops
 from pyengine.config import ModelConfig, hf_int
 from pyengine.engine.attention_metadata import AttentionMetadata
-from pyengine.models.layers import (WeightTargets, cpu_linear_packer, linear, onednn_prepack, param, rope_attention_factor,
-                                    rope_inv_freq, yarn_mscale)
+from pyengine.models.layers import (WeightTargets, cpu_linear_packer, linear, onednn_prepack, pack_weights, param,
+                                    rope_attention_factor, rope_inv_freq, yarn_mscale)
 from pyengine.models.moe import MoE, MoEConfig, SwiGLU
 from pyengine.models.weight_utils import load_named_weights
 
@@ -185,11 +185,7 @@ class MlaAttention(nn.Module):
         return per_head[:, :self.nope]
 
     def pack(self, pack: Callable[[torch.Tensor], Any]) -> None:
-        for name in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "o_proj"):
-            if hasattr(self, name):
-                packed = pack(getattr(self, name).detach())
-                delattr(self, name)
-                setattr(self, name, packed)
+        pack_weights(self, ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "o_proj"), pack)
         for name in ("w_uk", "w_uv"):
             packed_heads = [pack(w) for w in getattr(self, name).detach()]
             delattr(self, name)
@@ -325,9 +321,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         modules = list(self.layers) + ([] if self.mtp is None else [self.mtp])
         for module in modules:
             module.pack(pack, pack_router)  # type: ignore[operator]
-        packed = pack(self.lm_head.detach())
-        del self.lm_head
-        self.lm_head = packed
+        pack_weights(self, ("lm_head",), pack)
         self.owns_cpu_threads = pack is not onednn_prepack
-        self.packed_lm_head = packed
+        self.packed_lm_head = self.lm_head
         return True

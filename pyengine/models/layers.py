@@ -6,7 +6,7 @@ copy HF's [out, in] tensors through transposed views.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -45,6 +45,17 @@ def linear(x: torch.Tensor, w: torch.Tensor | Callable[[torch.Tensor, torch.Tens
     return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
 
 
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn (an elementwise transcendental: sigmoid, silu, softplus, exp) of a 2-D x with each row's
+    bits independent of the number of rows. torch's CPU kernels run whole SIMD chunks through a
+    vector exp and the leftover elements through a scalar one, which differ in the last bit, and
+    which elements are left over depends on the tensor's size; padding every row to a multiple of
+    64 values sends each element down the vector path."""
+    if x.device.type != "cpu" or x.shape[-1] % 64 == 0:
+        return fn(x)
+    return fn(F.pad(x, (0, -x.shape[-1] % 64)))[:, :x.shape[-1]]
+
+
 def onednn_prepack(w: torch.Tensor) -> torch.Tensor:
     """[in, out] dense -> oneDNN's blocked layout of the [out, in] weight."""
     return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
@@ -68,6 +79,17 @@ def cpu_linear_packer(sample: torch.Tensor) -> Callable[[torch.Tensor], Any] | N
     except (RuntimeError, NotImplementedError):
         return None
     return onednn_prepack
+
+
+def pack_weights(module: nn.Module, names: Iterable[str], pack: Callable[[torch.Tensor], Any]) -> None:
+    """Replace module's [in, out] weights `names` (those present and not None) by pack(weight); the
+    dense parameters go (prepack_for_cpu)."""
+    for name in names:
+        w = getattr(module, name, None)
+        if isinstance(w, torch.Tensor):
+            packed = pack(w.detach())
+            delattr(module, name)
+            setattr(module, name, packed)
 
 
 def rope_inv_freq(rotary_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Mixture of experts, DeepSeek-V3 style: a sigmoid router with a score-correction bias and
-group-limited top-k, routed SwiGLU experts and shared experts.
+"""Mixture of experts: DeepSeek-V3's (a sigmoid router with a score-correction bias and
+group-limited top-k, routed SwiGLU experts, shared experts) and Qwen3-Next's (a softmax router, one
+shared expert scaled by a sigmoid gate).
 
 Batch invariance (docs/architecture.md): a token's output must not depend on which other tokens
 chose its experts. Each expert runs its tokens through linear(), whose CPU packed GEMM (and the
@@ -12,11 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pyengine import ops
-from pyengine.models.layers import WeightTargets, linear, param
+from pyengine.models.layers import WeightTargets, linear, pack_weights, param, rowwise
 
 
 @dataclass
@@ -29,7 +29,11 @@ class MoEConfig:
     routed_scaling_factor: float
     n_shared_experts: int
     moe_intermediate_size: int
-    scoring_func: str = "sigmoid"
+    scoring_func: str = "sigmoid"  # or "softmax"
+    correction_bias: bool = True  # e_score_correction_bias (DeepSeek-V3)
+    shared_intermediate_size: int | None = None  # None: moe_intermediate_size * n_shared_experts
+    shared_expert_gate: bool = False  # Qwen3-Next: the shared expert's output times sigmoid(x . w)
+    hf_shared_name: str = "shared_experts"  # Qwen3-Next: "shared_expert"
 
     def validate(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -42,17 +46,17 @@ class MoEConfig:
                              f"num_experts_per_tok ({self.top_k}) experts")
         if self.n_group > 1 and per_group < 2:
             raise ValueError("group-limited routing scores a group by its top-2 experts: need >= 2 experts per group")
-        if self.scoring_func != "sigmoid":
-            raise ValueError(f"unsupported MoE scoring_func {self.scoring_func!r} (supported: sigmoid)")
+        if self.scoring_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"unsupported MoE scoring_func {self.scoring_func!r} (supported: sigmoid, softmax)")
 
 
-def route(logits: torch.Tensor, bias: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] fp32 -> (expert ids [T, k] int64, combine weights [T, k] fp32), per row.
-    Selection ranks sigmoid scores + bias inside the topk_group groups whose top-2 biased scores sum
-    highest; the weights are the unbiased scores of the chosen experts (normalised if
-    norm_topk_prob), times routed_scaling_factor."""
-    scores = rowwise_sigmoid(logits)
-    choice = scores + bias
+    Selection ranks the scores (sigmoid or softmax) + bias inside the topk_group groups whose top-2
+    biased scores sum highest; the weights are the unbiased scores of the chosen experts (normalised
+    if norm_topk_prob), times routed_scaling_factor."""
+    scores = rowwise(torch.sigmoid, logits) if cfg.scoring_func == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores if bias is None else scores + bias
     if cfg.n_group > 1:
         t = choice.shape[0]
         grouped = choice.view(t, cfg.n_group, -1)
@@ -68,17 +72,6 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg: MoEConfig) -> tuple[tor
             total = total + weights[:, j:j + 1]
         weights = weights / (total + 1e-20)
     return ids, weights * cfg.routed_scaling_factor
-
-
-def rowwise_sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """x.sigmoid() of [T, E] with a row's bits independent of T. torch's CPU kernel runs whole SIMD
-    chunks through a vector exp and the leftover elements through a scalar one, and the two differ
-    in the last bit; which elements are left over depends on T * E. Padding each row to 64 values
-    sends every element down the vector path."""
-    if x.device.type != "cpu" or x.shape[-1] % 64 == 0:
-        return x.sigmoid()
-    pad = -x.shape[-1] % 64
-    return F.pad(x, (0, pad)).sigmoid()[:, :x.shape[-1]]
 
 
 class SwiGLU(nn.Module):
@@ -100,10 +93,7 @@ class SwiGLU(nn.Module):
                 prefix + "down_proj.weight": (self.down_proj, self.down_proj.t())}
 
     def pack(self, pack: Callable[[torch.Tensor], Any]) -> None:
-        for name in ("gate_up_proj", "down_proj"):
-            packed = pack(getattr(self, name).detach())
-            delattr(self, name)
-            setattr(self, name, packed)
+        pack_weights(self, ("gate_up_proj", "down_proj"), pack)
 
 
 class MoE(nn.Module):
@@ -116,10 +106,11 @@ class MoE(nn.Module):
         self.cfg = cfg
         # The router runs in fp32, as trained: a bf16 logit flips near-equal experts.
         self.gate: Any = param(hidden, cfg.num_experts, dtype=torch.float32)
-        self.e_score_correction_bias = param(cfg.num_experts, dtype=torch.float32)
+        self.e_score_correction_bias = param(cfg.num_experts, dtype=torch.float32) if cfg.correction_bias else None
         self.experts = nn.ModuleList(SwiGLU(hidden, cfg.moe_intermediate_size, dtype) for _ in range(cfg.num_experts))
-        inter = cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.shared_experts = SwiGLU(hidden, inter, dtype) if cfg.n_shared_experts else None
+        inter = cfg.shared_intermediate_size or cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared_experts = SwiGLU(hidden, inter, dtype) if inter else None
+        self.shared_expert_gate: Any = param(hidden, 1, dtype=dtype) if cfg.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, k = x.shape[0], self.cfg.top_k
@@ -139,17 +130,23 @@ class MoE(nn.Module):
         for j in range(1, k):  # the token's own slot order: no batch-dependent summation order
             out = out + routed[:, j] * weights[:, j:j + 1]
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x).float()
+            shared = self.shared_experts(x).float()
+            if self.shared_expert_gate is not None:
+                shared = shared * rowwise(torch.sigmoid, linear(x, self.shared_expert_gate).float())
+            out = out + shared
         return out.to(x.dtype)
 
     def weight_targets(self, prefix: str) -> WeightTargets:
-        targets: WeightTargets = {prefix + "gate.weight": (self.gate, self.gate.t()),
-                                  prefix + "gate.e_score_correction_bias": (self.e_score_correction_bias,
-                                                                            self.e_score_correction_bias)}
+        targets: WeightTargets = {prefix + "gate.weight": (self.gate, self.gate.t())}
+        if self.e_score_correction_bias is not None:
+            bias = self.e_score_correction_bias
+            targets[prefix + "gate.e_score_correction_bias"] = (bias, bias)
         for e, expert in enumerate(self.experts):
             targets.update(expert.weight_targets(f"{prefix}experts.{e}."))
         if self.shared_experts is not None:
-            targets.update(self.shared_experts.weight_targets(prefix + "shared_experts."))
+            targets.update(self.shared_experts.weight_targets(f"{prefix}{self.cfg.hf_shared_name}."))
+        if self.shared_expert_gate is not None:
+            targets[prefix + "shared_expert_gate.weight"] = (self.shared_expert_gate, self.shared_expert_gate.t())
         return targets
 
     def pack(self, pack: Callable[[torch.Tensor], Any], pack_router: Callable[[torch.Tensor], Any] | None) -> None:
@@ -157,7 +154,6 @@ class MoE(nn.Module):
             expert.pack(pack)
         if self.shared_experts is not None:
             self.shared_experts.pack(pack)
+        pack_weights(self, ("shared_expert_gate",), pack)
         if pack_router is not None:
-            packed = pack_router(self.gate.detach())
-            delattr(self, "gate")
-            self.gate = packed
+            pack_weights(self, ("gate",), pack_router)

@@ -15,6 +15,7 @@ from pyengine.models.bamba import BambaForCausalLM, bamba_model_config
 from pyengine.models.deepseek_v3 import DeepseekV3ForCausalLM, deepseek_v3_model_config
 from pyengine.models.llama import LlamaForCausalLM, llama_model_config
 from pyengine.models.mamba2 import Mamba2ForCausalLM, mamba2_model_config
+from pyengine.models.qwen3_next import Qwen3NextForCausalLM, qwen3_next_model_config
 from pyengine.models.nemotron_h import NemotronHForCausalLM, nemotron_h_model_config
 
 
@@ -31,6 +32,7 @@ _MODELS: dict[str, ModelEntry] = {
     "BambaForCausalLM": ModelEntry(BambaForCausalLM, bamba_model_config),  # Mamba2 + attention hybrid
     "NemotronHForCausalLM": ModelEntry(NemotronHForCausalLM, nemotron_h_model_config),  # M / * / - blocks, no MoE
     "DeepseekV3ForCausalLM": ModelEntry(DeepseekV3ForCausalLM, deepseek_v3_model_config),  # MLA + MoE (+ MTP); Kimi-K2
+    "Qwen3NextForCausalLM": ModelEntry(Qwen3NextForCausalLM, qwen3_next_model_config),  # Gated DeltaNet hybrid (+ MTP)
 }
 
 

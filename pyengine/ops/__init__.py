@@ -23,7 +23,7 @@ from pyengine.ops.reference.mla import KV_LORA_RANK
 
 __all__ = ["paged_attention", "paged_attention_mla", "reshape_and_cache_mla", "rms_norm", "fused_add_rms_norm",
            "silu_and_mul", "rope_and_cache", "linear", "causal_conv1d_update", "causal_conv1d_fn",
-           "selective_state_update", "ssd_chunk_scan", "copy_state", "normalize_state", "PAD", "cpu_kernels_enabled"]
+           "selective_state_update", "ssd_chunk_scan", "gated_delta_rule_update", "gated_delta_rule_chunked", "copy_state", "normalize_state", "PAD", "cpu_kernels_enabled"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _backends: dict[str, ModuleType | None] = {}
@@ -272,6 +272,41 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
         raise ValueError(f"has_initial_state has {has_initial_state.shape[0]} rows, state_idx {state_idx.shape[0]}")
     return _impl(x.device, "ssd_chunk_scan")(x, dt, A, B, C, D, z, dt_bias, query_start_loc, state, state_idx,
                                              num_accepted, has_initial_state, chunk_size, dt_softplus, dt_limit)
+
+
+def _check_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor) -> None:
+    if q.dim() != 3 or q.shape != k.shape or v.dim() != 3 or state.dim() != 4:
+        raise ValueError(f"q and k must be [ntok, H, K], v [ntok, HV, V], state [slots, HV, K, V], got "
+                         f"{tuple(q.shape)} {tuple(k.shape)} {tuple(v.shape)} {tuple(state.shape)}")
+    t, h, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if v.shape[0] != t or hv % h or tuple(state.shape[1:]) != (hv, dk, dv):
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)} v {tuple(v.shape)} state {tuple(state.shape)}")
+    if tuple(g.shape) != (t, hv) or tuple(beta.shape) != (t, hv) or state.dtype != torch.float32:
+        raise ValueError(f"g and beta must be [ntok, HV] = {(t, hv)} and the state fp32, got {tuple(g.shape)} "
+                         f"{tuple(beta.shape)} {state.dtype}")
+    _check_same_device(q, k, v, g, beta, state)
+
+
+def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            state: torch.Tensor, query_start_loc: torch.Tensor, state_idx: torch.Tensor,
+                            num_accepted: torch.Tensor) -> torch.Tensor:
+    """Gated DeltaNet decode / verify rows, 1..1+k tokens each, every token's state to its own slot
+    (see reference.gated_delta_rule_update)."""
+    _check_delta_rule(q, k, v, g, beta, state)
+    return _impl(q.device, "gated_delta_rule_update")(q, k, v, g, beta, state, query_start_loc, state_idx,
+                                                      num_accepted)
+
+
+def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                             query_start_loc: torch.Tensor, state: torch.Tensor, state_idx: torch.Tensor,
+                             num_accepted: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+    """Gated DeltaNet prefill rows in chunked form, the final state to slot idx[n, 0] (see
+    reference.gated_delta_rule_chunked)."""
+    _check_delta_rule(q, k, v, g, beta, state)
+    return _impl(q.device, "gated_delta_rule_chunked")(q, k, v, g, beta, query_start_loc, state, state_idx,
+                                                       num_accepted, has_initial_state)
 
 
 def copy_state(state: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -1,0 +1,139 @@
+"""Qwen3-Next (Gated DeltaNet hybrid): tiny random HF checkpoints as the oracle, and lossless ngram
+and MTP speculation through the recurrent-state pool, tests named after the bug classes that hit
+other engines (../shared/reference/families.md): a row with no drafts right after an accepted run,
+mixed batches where rows with and without drafts share a step, prefill rows next to verify rows,
+partial acceptance at every position, preemption; block sizes 1/4/16; batch 1, 8 and 32."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from pyengine import LLM, SamplingParams
+from pyengine.loader import load_model
+from tests.hybrid_spec_checks import SCRIPTED_CASES, check_greedy_matches_hf_generate, check_ngram_ragged, check_scripted
+from tests.spec_harness import assert_lossless, run
+from tests.tiny_models import make_prompts, make_qwen3_next_checkpoint
+from tests.utils_paged import make_meta
+
+PROMPT = [5, 17, 3, 88, 41, 41, 9, 60, 2, 33, 71, 12, 7, 50, 29, 94, 18, 3, 66, 40, 21] * 4  # 84: > one chunk of 64
+CASES = {
+    "moe_every_layer": {},
+    "dense_layers_and_tied": dict(mlp_only_layers=[0, 2], tie_word_embeddings=True, linear_num_value_heads=2),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(request.param))
+    return request.param, path, make_qwen3_next_checkpoint(path, **CASES[request.param])
+
+
+@pytest.fixture(scope="module")
+def spec_model(tmp_path_factory) -> str:
+    """Small layer outputs (greedy runs fall into loops ngram finds) and an MTP layer that agrees
+    with the target about half the time."""
+    path = str(tmp_path_factory.mktemp("qwen3_next_mtp"))
+    make_qwen3_next_checkpoint(path, mtp_agreement=0.01, layer_scale=0.01)
+    return path
+
+
+def test_prefill_logits_match_hf(pair) -> None:
+    case, path, hf = pair
+    model, config, _ = load_model(path, "cpu", torch.float32)
+    meta, positions = make_meta([(list(range(3, 25)), 0, len(PROMPT))], 4)
+    caches = model.make_kv_caches(32, 4, torch.device("cpu"))
+    logits = model.compute_logits(model(torch.tensor(PROMPT), positions, meta, caches))
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].float()
+    torch.testing.assert_close(logits, ref, atol=2e-4, rtol=2e-4)
+    assert config.layer_types.count("full_attention") == 2
+
+
+def test_greedy_matches_hf_generate(pair) -> None:
+    check_greedy_matches_hf_generate(pair[1], pair[2])
+
+
+def test_state_and_kv_only_where_used(pair) -> None:
+    """Delta-rule layers get state slots and no KV cache; attention layers the reverse."""
+    llm = LLM(pair[1], device="cpu", max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    runner = llm.engine.runner
+    kinds = llm.model_config.layer_types
+    assert [c is None for c in runner.kv_caches] == [t == "linear_attention" for t in kinds]
+    assert [s is None for s in runner.state_cache.ssm] == [t == "full_attention" for t in kinds]
+    assert runner.state_cache.num_slots == 4 * 3 and not llm.engine.cfg.enable_prefix_caching
+
+
+def test_ngram_ragged_batch8(spec_model: str) -> None:
+    check_ngram_ragged(spec_model)
+
+
+@pytest.mark.parametrize("name,pattern,budget", SCRIPTED_CASES, ids=[c[0] for c in SCRIPTED_CASES])
+def test_scripted_acceptance_patterns(spec_model: str, name: str, pattern: list[int], budget: int) -> None:
+    check_scripted(spec_model, name, pattern, budget)
+
+
+@pytest.mark.parametrize("batch,k,block_size", [(1, 3, 16), (8, 2, 1), (8, 4, 4), (32, 3, 16)])
+def test_mtp_greedy_equals_plain(spec_model: str, batch: int, k: int, block_size: int) -> None:
+    prompts = make_prompts(batch, seed=4)
+    kw = dict(max_tokens=20, block_size=block_size, max_model_len=128, max_num_batched_tokens=48)
+    plain = run(spec_model, prompts, **kw)[0]
+    spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive_draft_length": False}
+    outs, st, rec, llm = run(spec_model, prompts, spec=spec, **kw)
+    assert_lossless(llm, prompts, plain, outs)
+    assert 0 < st["acceptance_rate"] < 1, st
+    if batch > 1:
+        assert rec.had_mixed_step(), "no step verified drafts next to a prefill"
+    rows = rec.verify_rows()
+    assert any(c - 1 < d for _, _, d, c in rows) and any(c - 1 == d for _, _, d, c in rows)
+
+
+def test_mtp_preemption(spec_model: str) -> None:
+    """Few KV blocks: requests are preempted and re-prefilled (their state slots and MTP positions
+    start over)."""
+    prompts = make_prompts(8, seed=6)
+    kw = dict(max_tokens=20, block_size=4, max_model_len=128, max_num_batched_tokens=32)
+    plain = run(spec_model, prompts, **kw)[0]
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive_draft_length": False}
+    outs, st, _, llm = run(spec_model, prompts, spec=spec, num_kv_blocks=36, **kw)
+    assert_lossless(llm, prompts, plain, outs)
+    assert st["num_preemptions"] > 0
+
+
+def _second_token_follows_target(path: str, spec: dict, prompt: list[int]) -> None:
+    """N identical temperature-1 requests: the second output token comes out of the first verify
+    step. Among requests whose first token is the most frequent, it must follow the target's
+    p(. | prompt, t1) (chi-square)."""
+    n = 1500
+    llm = LLM(path, device="cpu", max_num_seqs=n, max_num_batched_tokens=n * len(prompt), speculative_config=spec)
+    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i)
+                                       for i in range(n)], use_tqdm=False)
+    assert llm.stats()["num_accepted_tokens"] > 0, llm.stats()
+    pairs = np.array([o.outputs[0].token_ids[:2] for o in outs])
+    t1 = int(np.bincount(pairs[:, 0]).argmax())
+    second = pairs[pairs[:, 0] == t1, 1]
+    plain = LLM(path, device="cpu")
+    plain.engine.cfg.record_logits = True
+    req = plain.run_requests([(None, prompt + [t1])], [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)])[0]
+    expected = torch.softmax(req.logits[0], dim=-1).double().numpy() * len(second)
+    observed = np.bincount(second, minlength=len(expected)).astype(np.float64)
+    assert observed[expected == 0].sum() == 0
+    big = expected >= 5
+    obs, exp = np.append(observed[big], observed[~big].sum()), np.append(expected[big], expected[~big].sum())
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    exp *= obs.sum() / exp.sum()
+    assert len(second) > 100 and stats.chisquare(obs, exp).pvalue > 1e-4
+
+
+def test_random_sampling_with_mtp_keeps_target_distribution(spec_model: str) -> None:
+    _second_token_follows_target(spec_model, {"method": "mtp", "num_speculative_tokens": 2,
+                                              "adaptive_draft_length": False}, [5, 17, 3, 88, 41, 9])
+
+
+def test_random_sampling_with_ngram_keeps_target_distribution(spec_model: str) -> None:
+    prompt = torch.randperm(96, generator=torch.Generator().manual_seed(0)).tolist()  # every token once: any
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "adaptive_draft_length": False,  # first token gets a
+            "prompt_lookup_min": 1, "prompt_lookup_max": 2}  # prompt-lookup draft
+    _second_token_follows_target(spec_model, spec, prompt)
