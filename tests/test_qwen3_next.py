@@ -14,7 +14,7 @@ from pyengine import LLM, SamplingParams
 from pyengine.loader import load_model
 from tests.hybrid_spec_checks import SCRIPTED_CASES, check_greedy_matches_hf_generate, check_ngram_ragged, check_scripted
 from tests.spec_harness import assert_lossless, run
-from tests.tiny_models import make_prompts, make_qwen3_next_checkpoint
+from tests.tiny_models import make_prompts, make_qwen3_5_checkpoint, make_qwen3_next_checkpoint
 from tests.utils_paged import make_meta
 
 PROMPT = [5, 17, 3, 88, 41, 41, 9, 60, 2, 33, 71, 12, 7, 50, 29, 94, 18, 3, 66, 40, 21] * 4  # 84: > one chunk of 64
@@ -49,6 +49,22 @@ def test_prefill_logits_match_hf(pair) -> None:
         ref = hf(torch.tensor([PROMPT])).logits[0].float()
     torch.testing.assert_close(logits, ref, atol=2e-4, rtol=2e-4)
     assert config.layer_types.count("full_attention") == 2
+
+
+@pytest.mark.parametrize("moe,multimodal", [(False, False), (True, True), (False, True)],
+                         ids=["qwen3_5_text", "qwen3_5_moe_multimodal", "qwen3_5_multimodal"])
+def test_qwen3_5_text_part_matches_hf(tmp_path, moe: bool, multimodal: bool) -> None:
+    """Qwen3.5: delta-rule projections stored apart; a multimodal checkpoint's text part loads
+    (vision tower skipped) and its logits equal the HF model's on a text-only prompt."""
+    path = str(tmp_path / "q35")
+    hf = make_qwen3_5_checkpoint(path, moe=moe, multimodal=multimodal)
+    model, config, _ = load_model(path, "cpu", torch.float32)
+    meta, positions = make_meta([(list(range(3, 25)), 0, len(PROMPT))], 4)
+    logits = model.compute_logits(model(torch.tensor(PROMPT), positions, meta, model.make_kv_caches(32, 4, torch.device("cpu"))))
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([PROMPT])).logits[0].float()
+    torch.testing.assert_close(logits, ref, atol=2e-4, rtol=2e-4)
+    assert config.split_projections and (config.moe is not None) == moe
 
 
 def test_greedy_matches_hf_generate(pair) -> None:

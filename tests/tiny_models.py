@@ -149,17 +149,7 @@ def make_qwen3_next_checkpoint(path: str, seed: int = 0, mtp_agreement: float | 
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3NextConfig(**dict(QWEN3_NEXT, **overrides)),
                                                        dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(0.2 * torch.randn_like(p) + (1.0 if "linear_attn.norm" in name else 0.0))  # zero-centred
-            elif name.endswith("A_log"):
-                p.copy_(torch.log(torch.rand_like(p) * 4 + 0.5))
-            elif name.endswith("dt_bias"):
-                p.normal_(0.0, 0.5)
-            else:
-                out = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj", "out_proj.weight"))
-                p.normal_(0.0, 0.15 * (layer_scale if out else 1.0))
+    _init_qwen_hybrid(hf, layer_scale)
     hf.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)
     if mtp_agreement is not None:
@@ -185,4 +175,47 @@ def make_qwen3_next_checkpoint(path: str, seed: int = 0, mtp_agreement: float | 
         cfg["num_nextn_predict_layers"] = 1
         with open(cfg_file, "w") as f:
             json.dump(cfg, f, indent=2)
+    return hf
+
+
+@torch.no_grad()
+def _init_qwen_hybrid(hf: torch.nn.Module, layer_scale: float) -> None:
+    """Qwen3-Next / Qwen3.5 random weights: zero-centred norms near 0 (the gated norm near 1),
+    decays in a realistic range, output projections scaled by layer_scale."""
+    for name, p in hf.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(0.2 * torch.randn_like(p) + (1.0 if "linear_attn.norm" in name else 0.0))
+        elif name.endswith("A_log"):
+            p.copy_(torch.log(torch.rand_like(p) * 4 + 0.5))
+        elif name.endswith("dt_bias"):
+            p.normal_(0.0, 0.5)
+        else:
+            out = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj", "out_proj.weight"))
+            p.normal_(0.0, 0.15 * (layer_scale if out else 1.0))
+
+
+QWEN3_5 = {k: v for k, v in QWEN3_NEXT.items() if k != "full_attention_interval"}
+QWEN3_5_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64, patch_size=4,
+                      spatial_merge_size=2, temporal_patch_size=2)
+
+
+def make_qwen3_5_checkpoint(path: str, moe: bool, multimodal: bool, seed: int = 0) -> torch.nn.Module:
+    """A random Qwen3.5 text model (Qwen3_5[Moe]ForCausalLM) or a multimodal one with a tiny vision
+    tower (Qwen3_5[Moe]ForConditionalGeneration), saved to path. Returns the HF model."""
+    text = dict(QWEN3_5) if moe else {k: v for k, v in QWEN3_5.items()
+                                      if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                   "shared_expert_intermediate_size")}
+    torch.manual_seed(seed)
+    if multimodal:
+        cfg_cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+        model_cls = transformers.Qwen3_5MoeForConditionalGeneration if moe else transformers.Qwen3_5ForConditionalGeneration
+        hf = model_cls(cfg_cls(text_config=text, vision_config=QWEN3_5_VISION))
+    else:
+        cfg_cls = transformers.Qwen3_5MoeTextConfig if moe else transformers.Qwen3_5TextConfig
+        model_cls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
+        hf = model_cls(cfg_cls(**text))
+    hf = hf.float().eval()
+    _init_qwen_hybrid(hf, 1.0)
+    hf.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
     return hf

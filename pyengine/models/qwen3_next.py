@@ -19,6 +19,7 @@ become [q | k | v | z] and [b | a]; q/k rows (and their norms) are permuted into
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,8 @@ class Qwen3NextModelConfig(ModelConfig):
     moe_layers: list[bool] = field(default_factory=list)
     num_nextn_predict_layers: int = 0
     load_mtp: bool = False
+    split_projections: bool = False  # Qwen3.5: in_proj_qkv / _z / _b / _a instead of in_proj_qkvz / _ba
+    checkpoint_prefix: str = "model."  # Qwen3.5 ...ForConditionalGeneration: "model.language_model."
 
     def kv_elements_per_token(self) -> int:
         full = sum(t == "full_attention" for t in self.layer_types) + int(self.load_mtp)
@@ -95,6 +98,22 @@ def qwen3_next_model_config(cfg: dict[str, Any]) -> Qwen3NextModelConfig:
         num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0))
 
 
+def qwen3_5_model_config(cfg: dict[str, Any]) -> Qwen3NextModelConfig:
+    """Qwen3.5 (Qwen3_5[Moe]ForCausalLM, or the text part of Qwen3_5[Moe]ForConditionalGeneration,
+    whose vision tower is not loaded): Qwen3-Next's layers with the delta-rule projections stored
+    apart; a multimodal checkpoint nests the text config and prefixes its tensors."""
+    nested = "text_config" in cfg
+    text = dict(cfg["text_config"]) if nested else dict(cfg)
+    text["architectures"] = cfg.get("architectures")
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+        if key in cfg and text.get(key) is None:
+            text[key] = cfg[key]
+    config = qwen3_next_model_config(text)
+    config.split_projections = True
+    config.checkpoint_prefix = "model.language_model." if nested else "model."
+    return config
+
+
 def zero_centred(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """Qwen3-Next RMSNorms scale by 1 + w (the gated norm of the delta rule by w itself)."""
     norm = name.endswith(("norm.weight", "norm_embedding.weight", "norm_hidden.weight"))
@@ -108,7 +127,7 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv, self.width = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
         self.key_dim, self.value_dim = self.h * self.dk, self.hv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.eps = cfg.rms_norm_eps
+        self.eps, self.split = cfg.rms_norm_eps, cfg.split_projections
         self.in_proj_qkvz: Any = param(cfg.hidden_size, self.conv_dim + self.value_dim, dtype=dtype)  # [q|k|v|z]
         self.in_proj_ba: Any = param(cfg.hidden_size, 2 * self.hv, dtype=dtype)  # [b|a]
         self.conv_weight = param(self.conv_dim, self.width, dtype=dtype)
@@ -121,8 +140,17 @@ class GatedDeltaNet(nn.Module):
         return (self.width - 1 + k, self.conv_dim), (self.hv, self.dk, self.dv)
 
     def weight_targets(self, prefix: str) -> WeightTargets:
-        return {prefix + "in_proj_qkvz.weight": (self.in_proj_qkvz, self.in_proj_qkvz.t()),
-                prefix + "in_proj_ba.weight": (self.in_proj_ba, self.in_proj_ba.t()),
+        qkvz, ba = self.in_proj_qkvz.t(), self.in_proj_ba.t()
+        if self.split:  # Qwen3.5: stored apart, q|k|v already in order
+            proj: WeightTargets = {
+                prefix + "in_proj_qkv.weight": (self.in_proj_qkvz, qkvz.narrow(0, 0, self.conv_dim)),
+                prefix + "in_proj_z.weight": (self.in_proj_qkvz, qkvz.narrow(0, self.conv_dim, self.value_dim)),
+                prefix + "in_proj_b.weight": (self.in_proj_ba, ba.narrow(0, 0, self.hv)),
+                prefix + "in_proj_a.weight": (self.in_proj_ba, ba.narrow(0, self.hv, self.hv))}
+        else:
+            proj = {prefix + "in_proj_qkvz.weight": (self.in_proj_qkvz, qkvz),
+                    prefix + "in_proj_ba.weight": (self.in_proj_ba, ba)}
+        return {**proj,
                 prefix + "conv1d.weight": (self.conv_weight, self.conv_weight),
                 prefix + "dt_bias": (self.dt_bias, self.dt_bias), prefix + "A_log": (self.A_log, self.A_log),
                 prefix + "norm.weight": (self.norm, self.norm),
@@ -338,7 +366,7 @@ class Qwen3NextForCausalLM(nn.Module):
             t.update(self.mtp.weight_targets())  # type: ignore[operator]
         return t
 
-    def load_weights(self, weights) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names, rearranged (module docstring); mtp.* tensors only with load_mtp."""
         owners = {}
         for i, layer in enumerate(self.layers):
@@ -353,5 +381,12 @@ class Qwen3NextForCausalLM(nn.Module):
                     return mixer.regroup(name, w) if isinstance(mixer, GatedDeltaNet) else mixer.rearrange(name, w)
             return w
 
-        wanted = ((n, w) for n, w in weights if self.mtp is not None or not n.startswith("mtp."))
-        load_named_weights(self, self.weight_targets(), wanted, self.lm_head is None, transform)
+        prefix = self.config.checkpoint_prefix
+
+        def wanted(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, w in items:
+                if name.startswith("model.visual.") or (self.mtp is None and name.startswith("mtp.")):
+                    continue  # a multimodal checkpoint's vision tower; MTP layers unless speculating with them
+                yield ("model." + name[len(prefix):] if name.startswith(prefix) else name), w
+
+        load_named_weights(self, self.weight_targets(), wanted(weights), self.lm_head is None, transform)

@@ -15,7 +15,7 @@ from pyengine.models.bamba import BambaForCausalLM, bamba_model_config
 from pyengine.models.deepseek_v3 import DeepseekV3ForCausalLM, deepseek_v3_model_config
 from pyengine.models.llama import LlamaForCausalLM, llama_model_config
 from pyengine.models.mamba2 import Mamba2ForCausalLM, mamba2_model_config
-from pyengine.models.qwen3_next import Qwen3NextForCausalLM, qwen3_next_model_config
+from pyengine.models.qwen3_next import Qwen3NextForCausalLM, qwen3_5_model_config, qwen3_next_model_config
 from pyengine.models.nemotron_h import NemotronHForCausalLM, nemotron_h_model_config
 
 
@@ -33,6 +33,11 @@ _MODELS: dict[str, ModelEntry] = {
     "NemotronHForCausalLM": ModelEntry(NemotronHForCausalLM, nemotron_h_model_config),  # M / * / - blocks, no MoE
     "DeepseekV3ForCausalLM": ModelEntry(DeepseekV3ForCausalLM, deepseek_v3_model_config),  # MLA + MoE (+ MTP); Kimi-K2
     "Qwen3NextForCausalLM": ModelEntry(Qwen3NextForCausalLM, qwen3_next_model_config),  # Gated DeltaNet hybrid (+ MTP)
+    # Qwen3.5: the same layers, projections stored apart; the multimodal ones load their text part
+    "Qwen3_5ForCausalLM": ModelEntry(Qwen3NextForCausalLM, qwen3_5_model_config),
+    "Qwen3_5MoeForCausalLM": ModelEntry(Qwen3NextForCausalLM, qwen3_5_model_config),
+    "Qwen3_5ForConditionalGeneration": ModelEntry(Qwen3NextForCausalLM, qwen3_5_model_config),
+    "Qwen3_5MoeForConditionalGeneration": ModelEntry(Qwen3NextForCausalLM, qwen3_5_model_config),
 }
 
 
