@@ -87,7 +87,9 @@ def test_registry_and_config_layering():
     from pyengine.models import model_config_from_hf, supported_architectures
 
     assert supported_architectures() == ["BambaForCausalLM", "DeepseekV3ForCausalLM", "LlamaForCausalLM", "Mamba2ForCausalLM",
-                                         "NemotronHForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3NextForCausalLM"]
+                                         "NemotronHForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3NextForCausalLM",
+                                         "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                                         "Qwen3_5MoeForConditionalGeneration"]
     with pytest.raises(ValueError, match="no 'architectures'"):
         model_config_from_hf(dict(_COMMON))
     code = "import sys, pyengine.config; print(sorted(m for m in sys.modules if m.startswith('pyengine.models')))"
