@@ -28,7 +28,7 @@ def inputs(ntok: int, gen: torch.Generator, dtype: torch.dtype = torch.float32) 
 
 
 def pool(num_slots: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(num_slots, HV, DK, DV, generator=gen)
+    return torch.randn(num_slots, HV, DV, DK, generator=gen)  # the pool's [HV, V, K] layout
 
 
 def qsl_of(lengths: list[int]) -> torch.Tensor:
@@ -50,10 +50,12 @@ def chunked(x: dict, state, lengths, idx, acc, init, chunk_size) -> torch.Tensor
 
 
 def hf_row(fn, x: dict, s: int, e: int, init: torch.Tensor | None, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row through an HF oracle: [T, ...] -> [1, T, ...]; returns (o [T, HV, V], final state)."""
+    """One row through an HF oracle: [T, ...] -> [1, T, ...]; returns (o [T, HV, V], final state in
+    the pool's [HV, V, K] layout; HF's is [HV, K, V])."""
     o, fin = fn(*(x[n][s:e][None] for n in ("q", "k", "v", "g", "beta")), initial_state=None if init is None
-                else init[None].clone(), output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
-    return o[0], fin[0]
+                else init.transpose(-1, -2)[None].contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                **kw)
+    return o[0], fin[0].transpose(-1, -2)
 
 
 def close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-4) -> None:

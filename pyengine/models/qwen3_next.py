@@ -3,7 +3,7 @@
 
 Gated DeltaNet (linear_attention) layer, per token: in_proj_qkvz -> q, k (H key heads), v, z (HV
 value heads); a causal depthwise conv (SiLU) over q|k|v; beta = sigmoid(b), g = -exp(A_log) *
-softplus(a + dt_bias); the gated delta rule over the recurrent state [HV, K, V] (fp32; pyengine/ops/
+softplus(a + dt_bias); the gated delta rule over the recurrent state (fp32, stored [HV, V, K]; pyengine/ops/
 reference/gdn.py is the spec); a gated RMSNorm per value head (norm(o) * silu(z)); out_proj.
 Conv and recurrent state live in the runner's StateCache with the Mamba2 conventions (each row
 reads slot / conv offset a - 1, writes every token's state to its own slot), so a row with no
@@ -137,7 +137,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj: Any = param(self.value_dim, cfg.hidden_size, dtype=dtype)
 
     def state_shape(self, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return (self.width - 1 + k, self.conv_dim), (self.hv, self.dk, self.dv)
+        return (self.width - 1 + k, self.conv_dim), (self.hv, self.dv, self.dk)  # recurrent state S^T per head
 
     def weight_targets(self, prefix: str) -> WeightTargets:
         qkvz, ba = self.in_proj_qkvz.t(), self.in_proj_ba.t()

@@ -277,11 +277,11 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
 def _check_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       state: torch.Tensor) -> None:
     if q.dim() != 3 or q.shape != k.shape or v.dim() != 3 or state.dim() != 4:
-        raise ValueError(f"q and k must be [ntok, H, K], v [ntok, HV, V], state [slots, HV, K, V], got "
+        raise ValueError(f"q and k must be [ntok, H, K], v [ntok, HV, V], state [slots, HV, V, K], got "
                          f"{tuple(q.shape)} {tuple(k.shape)} {tuple(v.shape)} {tuple(state.shape)}")
     t, h, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
-    if v.shape[0] != t or hv % h or tuple(state.shape[1:]) != (hv, dk, dv):
+    if v.shape[0] != t or hv % h or tuple(state.shape[1:]) != (hv, dv, dk):
         raise ValueError(f"shape mismatch: q {tuple(q.shape)} v {tuple(v.shape)} state {tuple(state.shape)}")
     if tuple(g.shape) != (t, hv) or tuple(beta.shape) != (t, hv) or state.dtype != torch.float32:
         raise ValueError(f"g and beta must be [ntok, HV] = {(t, hv)} and the state fp32, got {tuple(g.shape)} "

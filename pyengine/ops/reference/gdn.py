@@ -9,7 +9,8 @@ i.e. S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T. g (log-dec
 arrive precomputed in fp32: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b).
 
 Slots and offsets under speculative decoding (as ssm.py)
-    The pool is [L, HV, K, V] fp32 (HF's layout). Each request holds a slot row ``state_idx[n, 0..k]``
+    The pool is [L, HV, V, K] fp32: S transposed, one value row's K entries contiguous (the
+    layout the GPU kernel streams; HF keeps [K, V]). Each request holds a slot row ``state_idx[n, 0..k]``
     (PAD = -1); ``num_accepted[n]`` = a (1..1+k, clamped to >= 1) is the number of tokens the row's
     previous step committed. The valid state is ``state[idx[n, a-1]]`` (zeros if that slot is PAD).
     Decode / verify rows write the state after token t to slot ``idx[n, t]``; prefill rows write their
@@ -48,9 +49,14 @@ def _qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, scale: float, use_qk
 
 
 def _initial(state: torch.Tensor, slot: int, use: bool) -> torch.Tensor:
+    """S [HV, K, V] fp32 from pool slot `slot` ([HV, V, K]), or zeros."""
     if use and slot != PAD:
-        return state[slot].float()
-    return state.new_zeros(state.shape[1:], dtype=torch.float32)
+        return state[slot].float().transpose(-1, -2)
+    return state.new_zeros(state.shape[1:], dtype=torch.float32).transpose(-1, -2)
+
+
+def _store(state: torch.Tensor, slot: int, S: torch.Tensor) -> None:
+    state[slot] = S.transpose(-1, -2).to(state.dtype)
 
 
 def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -58,7 +64,7 @@ def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             num_accepted: torch.Tensor, scale: float | None = None,
                             use_qk_l2norm: bool = True) -> torch.Tensor:
     """Decode / verify rows, 1..1+k tokens each. q, k [ntok, H, K]; v [ntok, HV, V]; g, beta [ntok, HV]
-    fp32; state [L, HV, K, V]. Per row: S = state[idx[n, a-1]]; for each token t the recurrence of
+    fp32; state [L, HV, V, K]. Per row: S = state[idx[n, a-1]]; for each token t the recurrence of
     the module docstring, then state[idx[n, t]] = S (skipped if PAD). The state is rounded to the pool
     dtype after every token (a no-op for fp32), so a row of T tokens equals T single-token calls bit
     for bit. Returns o [ntok, HV, V] in v's dtype (zeros for PAD rows)."""
@@ -80,7 +86,7 @@ def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
             delta = beta[i].float()[:, None] * (v[i].float() - kv_mem)
             S = (S + kt[:, :, None] * delta[:, None, :]).to(state.dtype).float()
             if idx[n][t] != PAD:
-                state[idx[n][t]] = S.to(state.dtype)
+                _store(state, idx[n][t], S)
             out[i] = (S * qt[:, :, None]).sum(-2).to(v.dtype)
     return out
 
@@ -134,6 +140,6 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         qh, kh = _qk(q[s0:e], k[s0:e], num_v_heads, scale, use_qk_l2norm)  # [T, HV, K]
         heads_first = [x.transpose(0, 1) for x in (qh, kh, v[s0:e].float(), g[s0:e].float(), beta[s0:e].float())]
         o, S = _chunk_scan(*heads_first, S, chunk_size)
-        state[idx[n][0]] = S.to(state.dtype)
+        _store(state, idx[n][0], S)
         out[s0:e] = o.transpose(0, 1).to(v.dtype)
     return out
