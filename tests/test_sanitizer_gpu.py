@@ -60,6 +60,22 @@ with use_kernel_config(gqa_fma=sys.argv[1] == "fma"):
     gqa_case({ROWS}, 1, 2, 8, torch.float16, head_dim=64)
 torch.cuda.synchronize()
 """,
+    # The Gated DeltaNet kernel: verify rows of every length, a PAD row, a row starting from a PAD slot,
+    # grouped heads, K below one warp's 128, and prefill rows (final state only).
+    "gdn": """
+import torch
+from test_gdn_gpu import inputs, run_update, i32, qsl
+from pyengine.ops import cuda as cuda_ops
+for h, hv, dk, dv in [(2, 4, 16, 24), (16, 32, 128, 128), (1, 2, 256, 8)]:
+    x = inputs(11, h, hv, dk, dv, torch.bfloat16)
+    state = torch.randn(16, hv, dv, dk, device="cuda")
+    run_update(cuda_ops.gated_delta_rule_update, x, state, [1, 4, 2, 3, 1], [[0, 1, 2, 3], [4, 5, 6, 7],
+               [-1, -1, -1, -1], [8, 9, 10, 11], [12, -1, 13, 14]], [1, 4, 2, 3, 2])
+    cuda_ops.gated_delta_rule_chunked(x["q"], x["k"], x["v"], x["g"], x["beta"], qsl([7, 0, 4]), state,
+                                      i32([[0, 1], [2, 3], [4, 5]]), i32([2, 1, 1]),
+                                      torch.tensor([True, False, False], device="cuda"))
+torch.cuda.synchronize()
+""",
     # DeepSeek-V3 with MTP speculation end to end: every kernel of the model (MLA, latent cache
     # writes, layer ops, skinny GEMM) over prefill, decode and verify steps and the MTP layer's forwards.
     "deepseek": """
@@ -88,10 +104,11 @@ def run_under(tool: str, program: str, variant: str) -> str:
     return out
 
 
-@pytest.mark.parametrize("kernel", ["mla", "gqa", "gqa_fma", "gemm", "deepseek"])
+@pytest.mark.parametrize("kernel", ["mla", "gqa", "gqa_fma", "gemm", "gdn", "deepseek"])
 def test_memcheck_clean(kernel):
     """gqa: the tensor-core kernel NVIDIA runs; gqa_fma: the FMA kernel (AMD's), forced; gemm: the
-    batch-invariant GEMM (row and column tails, every split); deepseek: a DeepSeek-V3 model's
+    batch-invariant GEMM (row and column tails, every split); gdn: the Gated DeltaNet update and
+    prefill; deepseek: a DeepSeek-V3 model's
     kernels under MTP speculation."""
     family, _, variant = kernel.partition("_")
     out = run_under("memcheck", PROGRAMS[family], variant or "default")

@@ -1,7 +1,8 @@
-// Python bindings of the recurrent-state kernels (ssm_state.h): each params struct as a class
+// Python bindings of the recurrent-state kernels (ssm_state.h, gated_delta_rule.h): each params struct as a class
 // (pointers as integers), each launcher as name(params, stream); pyengine/ops/cuda/ssm.py fills them.
 #include "common/binding_utils.h"
 #include "common/register_kernels.h"
+#include "ssm/gated_delta_rule.h"
 #include "ssm/ssm_state.h"
 
 using namespace pyengine_bindings;  // ParamsClass, def_launch
@@ -27,4 +28,14 @@ void register_ssm_kernels(py::module_& k) {
       .PE_FIELD(S, dtype).PE_FIELD(S, has_initial_state);
   def_launch(k, "selective_state_update", &launch_selective_state_update);
   def_launch(k, "selective_scan_prefill", &launch_selective_scan_prefill);
+
+  using G = GatedDeltaRuleParams;
+  ParamsClass<G>(k, "GatedDeltaRuleParams")
+      .PE_FIELD(G, state).PE_FIELD(G, q).PE_FIELD(G, k).PE_FIELD(G, v).PE_FIELD(G, g).PE_FIELD(G, beta).PE_FIELD(G, out)
+      .PE_FIELD(G, query_start_loc).PE_FIELD(G, state_idx).PE_FIELD(G, num_accepted).PE_FIELD(G, has_initial_state)
+      .PE_FIELD(G, num_rows).PE_FIELD(G, num_k_heads).PE_FIELD(G, num_v_heads).PE_FIELD(G, key_dim)
+      .PE_FIELD(G, value_dim).PE_FIELD(G, slots_per_row).PE_FIELD(G, q_stride_token).PE_FIELD(G, k_stride_token)
+      .PE_FIELD(G, v_stride_token).PE_FIELD(G, scale).PE_FIELD(G, l2norm).PE_FIELD(G, dtype);
+  def_launch(k, "gated_delta_rule_update", &launch_gated_delta_rule_update);
+  def_launch(k, "gated_delta_rule_prefill", &launch_gated_delta_rule_prefill);
 }

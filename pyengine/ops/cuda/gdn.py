@@ -1,0 +1,63 @@
+"""CUDA Gated DeltaNet ops (hipkernels/ssm/gated_delta_rule.hip): fill the params struct.
+
+The facade has validated the shapes. Here: the kernel's own limits (else the reference runs), fp32
+g / beta, int32 row metadata and rows with a contiguous last dim. Prefill rows run the same kernel
+token after token with only the final state written; the reference's chunked form gives the same
+values within fp32 rounding (the chunked tensor-core form is future work)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pyengine.ops import reference
+from pyengine.ops.cuda.launch import DTYPE_CODE, kernels, params, ptr, stream
+
+MAX_KEY_DIM = 256
+MAX_TOKENS_PER_ROW = 16
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[ntok, heads, dim] with dim and heads dense (any token stride)."""
+    return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
+
+
+def runs_kernel(q: torch.Tensor, state: torch.Tensor, slots_per_row: int | None) -> bool:
+    key_dim = q.shape[-1]
+    return (q.dtype in DTYPE_CODE and state.dtype == torch.float32 and state.is_contiguous()
+            and key_dim % 4 == 0 and key_dim <= MAX_KEY_DIM and state.data_ptr() % 16 == 0
+            and (slots_per_row is None or slots_per_row <= MAX_TOKENS_PER_ROW))
+
+
+def _launch(launch: Any, q, k, v, g, beta, state, query_start_loc, state_idx, num_accepted, init) -> torch.Tensor:
+    q, k = _rows(q), _rows(k.to(q.dtype))
+    v = _rows(v.to(q.dtype))
+    g32, b32 = g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous()
+    out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    # every temporary stays referenced until the launch (a freed block could be reused first)
+    idx, qsl, acc = (t.to(torch.int32).contiguous() for t in (state_idx, query_start_loc, num_accepted))
+    init = None if init is None else init.to(torch.bool).contiguous()
+    p = params(kernels.GatedDeltaRuleParams, state=ptr(state), q=ptr(q), k=ptr(k), v=ptr(v), g=ptr(g32),
+               beta=ptr(b32), out=ptr(out), query_start_loc=ptr(qsl), state_idx=ptr(idx), num_accepted=ptr(acc),
+               has_initial_state=ptr(init), num_rows=idx.shape[0], num_k_heads=q.shape[1], num_v_heads=v.shape[1],
+               key_dim=q.shape[2], value_dim=v.shape[2], slots_per_row=idx.shape[1], q_stride_token=q.stride(0),
+               k_stride_token=k.stride(0), v_stride_token=v.stride(0), scale=q.shape[2] ** -0.5, l2norm=True,
+               dtype=DTYPE_CODE[q.dtype])
+    launch(p, stream(q.device))
+    return out
+
+
+def gated_delta_rule_update(q, k, v, g, beta, state, query_start_loc, state_idx, num_accepted) -> torch.Tensor:
+    if not runs_kernel(q, state, state_idx.shape[1]):
+        return reference.gated_delta_rule_update(q, k, v, g, beta, state, query_start_loc, state_idx, num_accepted)
+    return _launch(kernels.gated_delta_rule_update, q, k, v, g, beta, state, query_start_loc, state_idx,
+                   num_accepted, None)
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, query_start_loc, state, state_idx, num_accepted,
+                             has_initial_state) -> torch.Tensor:
+    if not runs_kernel(q, state, None):
+        return reference.gated_delta_rule_chunked(q, k, v, g, beta, query_start_loc, state, state_idx, num_accepted,
+                                                  has_initial_state)
+    return _launch(kernels.gated_delta_rule_prefill, q, k, v, g, beta, state, query_start_loc, state_idx,
+                   num_accepted, has_initial_state)
