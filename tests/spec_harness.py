@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from scipy import stats
 import torch
 
 from pyengine import LLM, SamplingParams
@@ -98,3 +99,40 @@ def assert_lossless(llm: LLM, prompts: list[list[int]], plain: list[list[int]], 
         i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         gap = top2_gap(llm, prompt + a[:i])
         assert gap < NEAR_TIE, f"spec diverged from plain at output {i} with top-2 gap {gap:.3g}: {a} vs {b}"
+
+
+def assert_follows(samples: np.ndarray, probs: torch.Tensor, what: str) -> None:
+    """Chi-square goodness of fit; bins with expected count < 5 are merged."""
+    n = len(samples)
+    expected = probs.double().numpy() * n
+    observed = np.bincount(samples, minlength=len(expected)).astype(np.float64)
+    assert observed[expected == 0].sum() == 0, f"{what}: a zero-probability token was emitted"
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    exp *= obs.sum() / exp.sum()
+    p_value = stats.chisquare(obs, exp).pvalue
+    assert p_value > 1e-4, f"{what}: chi-square p = {p_value:.2e}"
+
+
+def check_second_token_follows_target(path: str, spec: dict, prompt: list[int], n: int = 1500) -> dict:
+    """n identical temperature-1 requests with speculation: the second output token comes out of
+    the first verify step (an accepted draft or the rejection sampler's resample). Among requests
+    whose first token is the most frequent, it must follow the target's p(. | prompt, t1). Returns
+    the speculative run's stats."""
+    llm = LLM(path, device="cpu", max_num_seqs=n, max_num_batched_tokens=n * len(prompt), speculative_config=spec)
+    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i)
+                                       for i in range(n)], use_tqdm=False)
+    st = llm.stats()
+    assert st["num_accepted_tokens"] > 0, st
+    pairs = np.array([o.outputs[0].token_ids[:2] for o in outs])
+    t1 = int(np.bincount(pairs[:, 0]).argmax())
+    second = pairs[pairs[:, 0] == t1, 1]
+    plain = LLM(path, device="cpu")
+    plain.engine.cfg.record_logits = True
+    req = plain.run_requests([(None, prompt + [t1])], [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)])[0]
+    assert len(second) > 100, f"only {len(second)} requests share the first token"
+    assert_follows(second, torch.softmax(req.logits[0], dim=-1), "second token ~ p")
+    return st

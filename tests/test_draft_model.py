@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from scipy import stats
 
 from pyengine import LLM, SamplingParams, _C
 from pyengine.spec_decode.draft_model import DraftModelProposer
@@ -25,7 +24,7 @@ from pyengine.engine.model_runner import ModelRunner
 from pyengine.spec_decode.rejection_sampler import RejectionSampler
 from pyengine.engine.sampler import SamplingTensors, compute_probs
 from pyengine.spec_decode.config import SpeculativeConfig
-from tests.spec_harness import assert_lossless, run  # assert_lossless: divergence only at a top-2 gap < 1e-4
+from tests.spec_harness import assert_follows, assert_lossless, run  # assert_lossless: divergence only at a top-2 gap < 1e-4
 from tests.tiny_models import VOCAB, make_checkpoint, make_prompts
 from tests.utils_paged import PagedCache, make_meta
 
@@ -164,22 +163,6 @@ def _next_logits(model, config, tokens: list[int]) -> torch.Tensor:
     return model.compute_logits(hidden[-1:])[0]
 
 
-def _assert_follows(samples: np.ndarray, probs: torch.Tensor, what: str) -> None:
-    """Chi-square goodness of fit; bins with expected count < 5 are merged."""
-    n = len(samples)
-    expected = probs.double().numpy() * n
-    observed = np.bincount(samples, minlength=len(expected)).astype(np.float64)
-    assert observed[expected == 0].sum() == 0, f"{what}: a zero-probability token was emitted"
-    big = expected >= 5
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] < 5:
-        obs, exp = obs[:-1], exp[:-1]
-    exp *= obs.sum() / exp.sum()
-    p_value = stats.chisquare(obs, exp).pvalue
-    assert p_value > 1e-4, f"{what}: chi-square p = {p_value:.2e}"
-
-
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True),
                                     SamplingParams(temperature=0.7, top_k=12, top_p=0.9, max_tokens=8, ignore_eos=True)],
                          ids=["t1", "t07_topk_topp"])
@@ -224,9 +207,9 @@ def test_first_token_after_verify_follows_target(models, params: SamplingParams)
     # q handed to the verifier is the processed draft distribution, row-aligned with the drafts
     torch.testing.assert_close(q_rows.view(n, k, VOCAB)[:, 0], q.expand(n, VOCAB), atol=1e-5, rtol=1e-4)
     drafts1 = draft_ids.view(n, k)[:, 0].numpy()
-    _assert_follows(drafts1, q, "draft token 1 ~ q")
+    assert_follows(drafts1, q, "draft token 1 ~ q")
     first = out.flat_tokens[torch.cumsum(out.num_tokens, 0) - out.num_tokens].numpy()
-    _assert_follows(first, p, "first emitted token ~ p")
+    assert_follows(first, p, "first emitted token ~ p")
     expected = float(torch.minimum(p, q).sum())
     accepted = float((out.num_accepted >= 1).double().mean())
     assert 0.2 < expected < 0.98  # the test has teeth: drafts are neither always nor never accepted

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from pyengine import LLM, SamplingParams
-from tests.spec_harness import RecordingScheduler, run
+from tests.spec_harness import RecordingScheduler, check_second_token_follows_target, run
 
 from tests.tiny_models import make_deepseek_checkpoint, make_prompts
 
@@ -86,37 +84,7 @@ def test_mtp_with_adaptive_draft_length(target: str) -> None:
     assert [tuple(o) for o in outs] == list(_plain(target, 8)[0])
 
 
-@torch.inference_mode()
 def test_random_sampling_keeps_target_distribution(target: str) -> None:
-    """N identical requests at temperature 1: the second output token comes out of the first verify
-    step (an accepted MTP draft or the rejection sampler's resample). Among requests whose first
-    token is the most frequent one, it must follow the target's p(. | prompt, t1)."""
-    prompt, n = [5, 17, 3, 88, 41, 9], 1500
-    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
-    llm = LLM(target, device="cpu", max_num_seqs=n, max_num_batched_tokens=n * len(prompt),
-              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive_draft_length": False})
-    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i)
-                                       for i in range(n)], use_tqdm=False)
-    st = llm.stats()
-    assert st["num_draft_tokens"] > 0 and 0.05 < st["acceptance_rate"] < 0.95, st
-    pairs = np.array([o.outputs[0].token_ids[:2] for o in outs])
-    t1 = int(np.bincount(pairs[:, 0]).argmax())
-    second = pairs[pairs[:, 0] == t1, 1]
-    plain = LLM(target, device="cpu")
-    p = _next_token_probs(plain, prompt + [t1], params)
-    expected = p.double().numpy() * len(second)
-    observed = np.bincount(second, minlength=len(expected)).astype(np.float64)
-    assert observed[expected == 0].sum() == 0
-    big = expected >= 5
-    obs, exp = np.append(observed[big], observed[~big].sum()), np.append(expected[big], expected[~big].sum())
-    if exp[-1] < 5:
-        obs, exp = obs[:-1], exp[:-1]
-    exp *= obs.sum() / exp.sum()
-    assert len(second) > 200 and stats.chisquare(obs, exp).pvalue > 1e-4
-
-
-def _next_token_probs(llm: LLM, tokens: list[int], params: SamplingParams) -> torch.Tensor:
-    """The target's processed next-token distribution after `tokens` (one plain step)."""
-    _record(llm)
-    req = llm.run_requests([(None, tokens)], [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)])[0]
-    return torch.softmax(req.logits[0] / params.temperature, dim=-1)
+    st = check_second_token_follows_target(target, {"method": "mtp", "num_speculative_tokens": 2,
+                                                    "adaptive_draft_length": False}, [5, 17, 3, 88, 41, 9])
+    assert 0.05 < st["acceptance_rate"] < 0.95, st

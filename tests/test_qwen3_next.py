@@ -5,15 +5,13 @@ mixed batches where rows with and without drafts share a step, prefill rows next
 partial acceptance at every position, preemption; block sizes 1/4/16; batch 1, 8 and 32."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from pyengine import LLM, SamplingParams
 from pyengine.loader import load_model
 from tests.hybrid_spec_checks import SCRIPTED_CASES, check_greedy_matches_hf_generate, check_ngram_ragged, check_scripted
-from tests.spec_harness import assert_lossless, run
+from tests.spec_harness import assert_lossless, check_second_token_follows_target, run
 from tests.tiny_models import make_prompts, make_qwen3_5_checkpoint, make_qwen3_next_checkpoint
 from tests.utils_paged import make_meta
 
@@ -117,34 +115,8 @@ def test_mtp_preemption(spec_model: str) -> None:
     assert st["num_preemptions"] > 0
 
 
-def _second_token_follows_target(path: str, spec: dict, prompt: list[int]) -> None:
-    """N identical temperature-1 requests: the second output token comes out of the first verify
-    step. Among requests whose first token is the most frequent, it must follow the target's
-    p(. | prompt, t1) (chi-square)."""
-    n = 1500
-    llm = LLM(path, device="cpu", max_num_seqs=n, max_num_batched_tokens=n * len(prompt), speculative_config=spec)
-    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i)
-                                       for i in range(n)], use_tqdm=False)
-    assert llm.stats()["num_accepted_tokens"] > 0, llm.stats()
-    pairs = np.array([o.outputs[0].token_ids[:2] for o in outs])
-    t1 = int(np.bincount(pairs[:, 0]).argmax())
-    second = pairs[pairs[:, 0] == t1, 1]
-    plain = LLM(path, device="cpu")
-    plain.engine.cfg.record_logits = True
-    req = plain.run_requests([(None, prompt + [t1])], [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)])[0]
-    expected = torch.softmax(req.logits[0], dim=-1).double().numpy() * len(second)
-    observed = np.bincount(second, minlength=len(expected)).astype(np.float64)
-    assert observed[expected == 0].sum() == 0
-    big = expected >= 5
-    obs, exp = np.append(observed[big], observed[~big].sum()), np.append(expected[big], expected[~big].sum())
-    if exp[-1] < 5:
-        obs, exp = obs[:-1], exp[:-1]
-    exp *= obs.sum() / exp.sum()
-    assert len(second) > 100 and stats.chisquare(obs, exp).pvalue > 1e-4
-
-
 def test_random_sampling_with_mtp_keeps_target_distribution(spec_model: str) -> None:
-    _second_token_follows_target(spec_model, {"method": "mtp", "num_speculative_tokens": 2,
+    check_second_token_follows_target(spec_model, {"method": "mtp", "num_speculative_tokens": 2,
                                               "adaptive_draft_length": False}, [5, 17, 3, 88, 41, 9])
 
 
@@ -152,4 +124,4 @@ def test_random_sampling_with_ngram_keeps_target_distribution(spec_model: str) -
     prompt = torch.randperm(96, generator=torch.Generator().manual_seed(0)).tolist()  # every token once: any
     spec = {"method": "ngram", "num_speculative_tokens": 2, "adaptive_draft_length": False,  # first token gets a
             "prompt_lookup_min": 1, "prompt_lookup_max": 2}  # prompt-lookup draft
-    _second_token_follows_target(spec_model, spec, prompt)
+    check_second_token_follows_target(spec_model, spec, prompt)

@@ -67,6 +67,19 @@ def make_checkpoint(case: str, path: str, seed: int = 0) -> torch.nn.Module:
     return hf
 
 
+def _save_with_mtp(path: str, weights: dict[str, torch.Tensor]) -> None:
+    """Rewrite the checkpoint with its MTP layer's tensors and num_nextn_predict_layers = 1."""
+    from safetensors.torch import save_file
+
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    cfg_file = os.path.join(path, "config.json")
+    with open(cfg_file) as f:
+        cfg = json.load(f)
+    cfg["num_nextn_predict_layers"] = 1
+    with open(cfg_file, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
 # ---------------------------------------------------------------- DeepSeek-V3 (MLA + MoE + MTP)
 
 DEEPSEEK_V3 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -86,7 +99,7 @@ def make_deepseek_checkpoint(path: str, seed: int = 0, mtp_agreement: float | No
     depends mostly on the current one. mtp_agreement: also store an MTP layer (model.layers.{N}.*) built to agree with
     the target that often-ish: it reads mostly the token (eh_proj = [I ; mtp_agreement-scaled noise]),
     its decoder layer is damped, and its head and norm are the target's. Returns the HF model."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV3Config(**dict(DEEPSEEK_V3, **overrides)),
@@ -120,13 +133,7 @@ def make_deepseek_checkpoint(path: str, seed: int = 0, mtp_agreement: float | No
             dst + "shared_head.norm.weight": weights["model.norm.weight"].clone(),
             dst + "shared_head.head.weight": weights["lm_head.weight"].clone(),
             dst + "embed_tokens.weight": weights["model.embed_tokens.weight"].clone()})
-        save_file(weights, file, metadata={"format": "pt"})
-        cfg_file = os.path.join(path, "config.json")
-        with open(cfg_file) as f:
-            cfg = json.load(f)
-        cfg["num_nextn_predict_layers"] = 1
-        with open(cfg_file, "w") as f:
-            json.dump(cfg, f, indent=2)
+        _save_with_mtp(path, weights)
     return hf
 
 
@@ -144,7 +151,7 @@ def make_qwen3_next_checkpoint(path: str, seed: int = 0, mtp_agreement: float | 
     """A random Qwen3NextForCausalLM (linear / full attention alternating, MoE every layer;
     QWEN3_NEXT updated by overrides) saved to `path`; layer_scale and mtp_agreement as in
     make_deepseek_checkpoint (the MTP layer: Qwen3-Next's mtp.* names). Returns the HF model."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3NextConfig(**dict(QWEN3_NEXT, **overrides)),
@@ -155,7 +162,7 @@ def make_qwen3_next_checkpoint(path: str, seed: int = 0, mtp_agreement: float | 
     if mtp_agreement is not None:
         file = os.path.join(path, "model.safetensors")
         weights = load_file(file)
-        hidden = hf.config.num_hidden_layers and hf.config.hidden_size
+        hidden = hf.config.hidden_size
         src = f"model.layers.{[i for i, t in enumerate(hf.config.layer_types) if t == 'full_attention'][-1]}."
         gen = torch.Generator().manual_seed(seed + 1)
         for name in [k for k in weights if k.startswith(src)]:
@@ -168,13 +175,7 @@ def make_qwen3_next_checkpoint(path: str, seed: int = 0, mtp_agreement: float | 
             "mtp.pre_fc_norm_embedding.weight": torch.zeros(hidden), "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden),
             "mtp.fc.weight": torch.cat([eye, mtp_agreement * torch.randn(hidden, hidden, generator=gen)], 1),
             "mtp.norm.weight": weights["model.norm.weight"].clone()})
-        save_file(weights, file, metadata={"format": "pt"})
-        cfg_file = os.path.join(path, "config.json")
-        with open(cfg_file) as f:
-            cfg = json.load(f)
-        cfg["num_nextn_predict_layers"] = 1
-        with open(cfg_file, "w") as f:
-            json.dump(cfg, f, indent=2)
+        _save_with_mtp(path, weights)
     return hf
 
 
