@@ -45,7 +45,7 @@ def build(moe_layers: int) -> DeepseekV3ForCausalLM:
     return model.eval()
 
 
-def step_inputs(batch: int, context: int, q_len: int, block_size: int = 64) -> tuple:
+def step_inputs(batch: int, context: int, q_len: int, vocab: int = DSV3["vocab_size"], block_size: int = 64) -> tuple:
     """Rows of q_len new tokens at the end of `context` tokens, each with its own blocks."""
     blocks = -(-(context + q_len) // block_size)
     tables = torch.arange(batch * blocks, dtype=torch.int32, device="cuda").view(batch, blocks)
@@ -56,7 +56,7 @@ def step_inputs(batch: int, context: int, q_len: int, block_size: int = 64) -> t
                              query_start_loc=torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device="cuda"),
                              context_lens=torch.full((batch,), context + q_len, dtype=torch.int32, device="cuda"),
                              max_query_len=q_len, max_context_len=context + q_len, block_size=block_size)
-    ids = torch.randint(0, DSV3["vocab_size"], (batch * q_len,), device="cuda")
+    ids = torch.randint(0, vocab, (batch * q_len,), device="cuda")
     return ids, pos, meta, batch * blocks
 
 
@@ -79,10 +79,11 @@ def experts_hit(model: DeepseekV3ForCausalLM, ids, pos, meta, caches) -> list[in
 def weight_bytes(model: DeepseekV3ForCausalLM, hits: list[int]) -> int:
     total = 0
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if ".experts." in name or name.startswith("embed_tokens") or name.startswith("rope"):
-            continue
+        if name.endswith(("w_gate_up", "w_down")) or name.startswith(("embed_tokens", "rope")):
+            continue  # routed experts: counted per hit below; embedding: only the step's rows
         total += p.numel() * p.element_size()
-    expert = sum(p.numel() * p.element_size() for p in next(m for m in model.modules() if isinstance(m, MoE)).experts[0].parameters())
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    expert = (moe.w_gate_up[0].numel() + moe.w_down[0].numel()) * moe.w_down.element_size()
     return total + sum(hits) * expert
 
 

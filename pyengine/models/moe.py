@@ -3,9 +3,12 @@ group-limited top-k, routed SwiGLU experts, shared experts) and Qwen3-Next's (a 
 shared expert scaled by a sigmoid gate).
 
 Batch invariance (docs/architecture.md): a token's output must not depend on which other tokens
-chose its experts. Each expert runs its tokens through linear(), whose CPU packed GEMM (and the
-CUDA invariant GEMM) computes a row the same way for every M; the top-k outputs of a token are then
-summed in its own slot order (0..k-1), never in an order the batch decides.
+chose its experts. On the CPU each expert runs its tokens through linear(), whose packed GEMM
+computes a row the same way for every M; the top-k outputs of a token are then summed in its own
+slot order (0..k-1), never in an order the batch decides. On CUDA (bf16) the routed experts run as
+two grouped GEMMs (torch._grouped_mm, one group per expert, no host synchronisation); that
+kernel's row invariance is not established, and LLM(batch_invariant=True) refuses these models on
+CUDA.
 """
 from __future__ import annotations
 
@@ -99,7 +102,8 @@ class SwiGLU(nn.Module):
 class MoE(nn.Module):
     """Routed experts + shared experts over normed hidden states [T, hidden] (HF names under
     `prefix`: gate.weight, gate.e_score_correction_bias, experts.{e}.{gate,up,down}_proj.weight,
-    shared_experts.{gate,up,down}_proj.weight)."""
+    shared_experts.{gate,up,down}_proj.weight). Routed experts run as two grouped GEMMs on CUDA
+    (bf16), else one expert at a time through linear()."""
 
     def __init__(self, hidden: int, cfg: MoEConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -107,7 +111,11 @@ class MoE(nn.Module):
         # The router runs in fp32, as trained: a bf16 logit flips near-equal experts.
         self.gate: Any = param(hidden, cfg.num_experts, dtype=torch.float32)
         self.e_score_correction_bias = param(cfg.num_experts, dtype=torch.float32) if cfg.correction_bias else None
-        self.experts = nn.ModuleList(SwiGLU(hidden, cfg.moe_intermediate_size, dtype) for _ in range(cfg.num_experts))
+        # Routed experts stacked, [in, out] per expert: the GPU runs them as one grouped GEMM each.
+        e, i = cfg.num_experts, cfg.moe_intermediate_size
+        self.w_gate_up: Any = param(e, hidden, 2 * i, dtype=dtype)
+        self.w_down: Any = param(e, i, hidden, dtype=dtype)
+        self.packed_experts: list[tuple[Any, Any]] | None = None  # CPU: (gate_up, down) packed per expert
         inter = cfg.shared_intermediate_size or cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = SwiGLU(hidden, inter, dtype) if inter else None
         self.shared_expert_gate: Any = param(hidden, 1, dtype=dtype) if cfg.shared_expert_gate else None
@@ -115,16 +123,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, k = x.shape[0], self.cfg.top_k
         ids, weights = route(linear(x.float(), self.gate), self.e_score_correction_bias, self.cfg)
-        slots = ids.view(-1)  # token i's choice j at flat index i * k + j
-        order = torch.argsort(slots, stable=True)
-        counts = torch.bincount(slots, minlength=self.cfg.num_experts).tolist()
-        routed = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                flat = order[start:start + n]
-                routed[flat] = self.experts[e](x.index_select(0, flat // k))
-                start += n
+        routed = self._grouped(x, ids) if self._runs_grouped(x) else self._per_expert(x, ids)
         routed = routed.view(t, k, -1).float()
         out = routed[:, 0] * weights[:, 0:1]
         for j in range(1, k):  # the token's own slot order: no batch-dependent summation order
@@ -136,13 +135,53 @@ class MoE(nn.Module):
             out = out + shared
         return out.to(x.dtype)
 
+    def _runs_grouped(self, x: torch.Tensor) -> bool:
+        """CUDA bf16 with 16-aligned widths: torch's grouped GEMM (sm_90) over the stacked experts."""
+        return (x.is_cuda and x.dtype == torch.bfloat16 and isinstance(self.w_gate_up, torch.Tensor)
+                and hasattr(torch, "_grouped_mm") and x.shape[1] % 16 == 0 and self.w_down.shape[1] % 16 == 0)
+
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every (token, choice) row sorted by expert, each expert's rows one group of two grouped
+        GEMMs; no host synchronisation (counts stay on the device)."""
+        k, e = self.cfg.top_k, self.cfg.num_experts
+        slots = ids.view(-1)  # token i's choice j at flat index i * k + j
+        order = torch.argsort(slots, stable=True)
+        counts = torch.zeros(e, dtype=torch.int32, device=x.device).index_add_(
+            0, slots, torch.ones_like(slots, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = torch._grouped_mm(x.index_select(0, order // k), self.w_gate_up, offs=offs)
+        y = torch._grouped_mm(ops.silu_and_mul(h), self.w_down, offs=offs)
+        return torch.empty_like(y).index_copy_(0, order, y)
+
+    def _per_expert(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each hit expert over its tokens through linear() (the CPU's packed GEMM: a row's bits do
+        not depend on how many tokens chose the expert)."""
+        k = self.cfg.top_k
+        slots = ids.view(-1)
+        order = torch.argsort(slots, stable=True)
+        counts = torch.bincount(slots, minlength=self.cfg.num_experts).tolist()
+        routed = torch.empty(slots.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                flat = order[start:start + n]
+                gate_up, down = (self.packed_experts[e] if self.packed_experts is not None
+                                 else (self.w_gate_up[e], self.w_down[e]))
+                routed[flat] = linear(ops.silu_and_mul(linear(x.index_select(0, flat // k), gate_up)), down)
+                start += n
+        return routed
+
     def weight_targets(self, prefix: str) -> WeightTargets:
         targets: WeightTargets = {prefix + "gate.weight": (self.gate, self.gate.t())}
         if self.e_score_correction_bias is not None:
             bias = self.e_score_correction_bias
             targets[prefix + "gate.e_score_correction_bias"] = (bias, bias)
-        for e, expert in enumerate(self.experts):
-            targets.update(expert.weight_targets(f"{prefix}experts.{e}."))
+        i = self.cfg.moe_intermediate_size
+        for e in range(self.cfg.num_experts):
+            gu, p = self.w_gate_up[e].t(), f"{prefix}experts.{e}."  # HF [out, in] views of expert e
+            targets[p + "gate_proj.weight"] = (self.w_gate_up, gu.narrow(0, 0, i))
+            targets[p + "up_proj.weight"] = (self.w_gate_up, gu.narrow(0, i, i))
+            targets[p + "down_proj.weight"] = (self.w_down, self.w_down[e].t())
         if self.shared_experts is not None:
             targets.update(self.shared_experts.weight_targets(f"{prefix}{self.cfg.hf_shared_name}."))
         if self.shared_expert_gate is not None:
@@ -150,8 +189,9 @@ class MoE(nn.Module):
         return targets
 
     def pack(self, pack: Callable[[torch.Tensor], Any], pack_router: Callable[[torch.Tensor], Any] | None) -> None:
-        for expert in self.experts:
-            expert.pack(pack)
+        self.packed_experts = [(pack(gu), pack(d)) for gu, d in zip(self.w_gate_up.detach(), self.w_down.detach())]
+        del self.w_gate_up, self.w_down  # the packed copies replace them
+        self.w_gate_up = self.w_down = None
         if self.shared_experts is not None:
             self.shared_experts.pack(pack)
         pack_weights(self, ("shared_expert_gate",), pack)
