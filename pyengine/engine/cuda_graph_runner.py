@@ -133,7 +133,9 @@ class CudaGraphRunner:
         self.dev_state = torch.zeros(self.max_rows, S + 1, dtype=torch.int32, device=device)
         self.dev_init = torch.ones(self.max_rows, dtype=torch.bool, device=device)
         self.copy_done = torch.cuda.Event() if self.use_graphs else None
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        # key -> (graph, its static (logits, hidden) outputs)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.last_hidden: torch.Tensor | None = None  # the last step's final hidden states (MTP reads them)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.num_replays = 0
         self.num_eager = 0
@@ -200,9 +202,9 @@ class CudaGraphRunner:
                                   has_initial_state=self.dev_init[:b], query_start_loc=meta.query_start_loc,
                                   num_decode_rows=b, num_decode_tokens=b * q)
             hidden = self.model(ids, pos, meta, self.kv_caches, state=state)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden), hidden
 
-    def _capture(self, b: int, q: int) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
+    def _capture(self, b: int, q: int) -> tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor]]:
         # Inputs as they are now: padding only (slot -1, context 0, PAD state slots): the warm-up
         # and the capture write no KV or state and read none.
         self._fill_padding(0, b, q)
@@ -308,10 +310,11 @@ class CudaGraphRunner:
         if token_ids is not None:
             self.dev64[0:len(token_ids)].copy_(token_ids)
         if self.use_graphs:
-            graph, out = self.graphs[key]
+            graph, (out, hidden) = self.graphs[key]
             graph.replay()
             self.num_replays += 1
         else:
             self.num_eager += 1
-            out = self._forward(b, q)
+            out, hidden = self._forward(b, q)
+        self.last_hidden = hidden[:n]  # static buffers: valid until the next replay
         return out if n == len(out) else out[:n]

@@ -87,6 +87,12 @@ class ModelRunner:
             block_size=self.block_size,
         )
 
+    def _keep(self, batch, hidden: torch.Tensor | None) -> None:
+        """The step's final hidden states with the rows they belong to: seq ids, first positions,
+        query starts (a proposer that reads them: MTP)."""
+        self.last_hidden = hidden
+        self.last_rows = (np.array(batch.seq_ids), np.array(batch.num_computed), np.array(batch.query_start_loc))
+
     @torch.inference_mode()
     def execute(self, batch) -> torch.Tensor:
         """Forward over every scheduled token; returns logits [len(logits_indices), vocab] fp32."""
@@ -95,7 +101,10 @@ class ModelRunner:
             key = self.graph_runner.bucket_for(batch)
             if key is not None:
                 self.last_graph_key = key
-                return self.graph_runner.execute(batch, key)
+                logits = self.graph_runner.execute(batch, key)
+                if self.keep_hidden:
+                    self._keep(batch, self.graph_runner.last_hidden)
+                return logits
         meta = self.build_metadata(batch)
         input_ids = self._tensor(batch.input_ids)
         positions = self._tensor(batch.positions)
@@ -104,8 +113,7 @@ class ModelRunner:
         else:  # hybrid: per-row state slots, accepted counts and query lengths (decode rows first)
             state = self.state_cache.prepare(batch, meta.query_start_loc)
             hidden = self.model(input_ids, positions, meta, self.kv_caches, state=state)
-        if self.keep_hidden:  # with the rows they belong to: seq ids, first positions, query starts
-            self.last_hidden = hidden
-            self.last_rows = (np.array(batch.seq_ids), np.array(batch.num_computed), np.array(batch.query_start_loc))
+        if self.keep_hidden:
+            self._keep(batch, hidden)
         index = self._tensor(batch.logits_indices, torch.int64)
         return self.model.compute_logits(hidden.index_select(0, index))

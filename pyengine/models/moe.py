@@ -135,10 +135,13 @@ class MoE(nn.Module):
             out = out + shared
         return out.to(x.dtype)
 
+    def runs_grouped_on_cuda(self, dtype: torch.dtype) -> bool:
+        """bf16 with 16-aligned widths: torch's grouped GEMM (sm_90) over the stacked experts."""
+        return (dtype == torch.bfloat16 and isinstance(self.w_gate_up, torch.Tensor) and hasattr(torch, "_grouped_mm")
+                and self.w_gate_up.shape[1] % 16 == 0 and self.w_down.shape[1] % 16 == 0)
+
     def _runs_grouped(self, x: torch.Tensor) -> bool:
-        """CUDA bf16 with 16-aligned widths: torch's grouped GEMM (sm_90) over the stacked experts."""
-        return (x.is_cuda and x.dtype == torch.bfloat16 and isinstance(self.w_gate_up, torch.Tensor)
-                and hasattr(torch, "_grouped_mm") and x.shape[1] % 16 == 0 and self.w_down.shape[1] % 16 == 0)
+        return x.is_cuda and self.runs_grouped_on_cuda(x.dtype)
 
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every (token, choice) row sorted by expert, each expert's rows one group of two grouped

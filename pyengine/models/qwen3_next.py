@@ -289,7 +289,11 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 
 class Qwen3NextForCausalLM(nn.Module):
-    supports_cuda_graphs = False  # the MoE dispatch reads expert counts on the host
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Decode/verify steps replay CUDA graphs where every layer is capturable: the MoE layers'
+        grouped path (bf16) reads no expert count on the host."""
+        return all(layer.mlp.runs_grouped_on_cuda(self.dtype) for layer in self.layers if isinstance(layer.mlp, MoE))
 
     def __init__(self, config: Qwen3NextModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
