@@ -74,7 +74,7 @@ def test_mla_kernel_inside_the_model_matches_reference(checkpoint: str, monkeypa
         return out
 
     monkeypatch.setattr(cuda_ops, "paged_attention_mla", checked_kernel)
-    llm = LLM(checkpoint, device="cuda", dtype="bfloat16", max_num_batched_tokens=32,
+    llm = LLM(checkpoint, device="cuda", dtype="bfloat16", max_num_batched_tokens=32, enforce_eager=True,  # host copies
               speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive_draft_length": False})
     llm.generate(make_prompts(4, seed=1), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert not fallbacks and len(checked) > 20 and max(checked) > 1
@@ -85,7 +85,13 @@ def test_mtp_speculation_end_to_end(checkpoint: str) -> None:
     plain decoding's (on this model the top-2 gaps stay clear of bf16 noise)."""
     prompts = make_prompts(8, seed=2)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = [o.outputs[0].token_ids for o in LLM(checkpoint, device="cuda", dtype="bfloat16").generate(prompts, params, use_tqdm=False)]
+    graphed = LLM(checkpoint, device="cuda", dtype="bfloat16")
+    plain = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
+    eager = LLM(checkpoint, device="cuda", dtype="bfloat16", enforce_eager=True)
+    # decode steps replay CUDA graphs (MLA kernel, grouped MoE) with the eager steps' tokens
+    assert graphed.engine.runner.graph_runner.num_replays > 0
+    assert [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)] == plain
+    del graphed, eager
     for k in (1, 3):
         llm = LLM(checkpoint, device="cuda", dtype="bfloat16", block_size=16, max_num_batched_tokens=64,
                   speculative_config={"method": "mtp", "num_speculative_tokens": k, "adaptive_draft_length": False})

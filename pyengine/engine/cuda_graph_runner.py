@@ -89,7 +89,10 @@ def graphs_supported(model, config, dtype: torch.dtype, device: torch.device) ->
     if getattr(model, "uses_kv_cache", True):  # attention layers: the kernels must take them
         if dtype not in (torch.float16, torch.bfloat16):
             return False, f"dtype {dtype} runs the reference attention"
-        if config.head_dim not in (64, 128, 256):
+        mla_ok = getattr(model, "mla_kernel_widths", None)
+        if mla_ok is False:
+            return False, "MLA widths other than 512 + 64 run the reference attention"
+        if mla_ok is None and config.head_dim not in (64, 128, 256):
             return False, f"head_dim {config.head_dim} runs the reference attention"
     try:
         from pyengine.ops import cuda as _  # noqa: F401

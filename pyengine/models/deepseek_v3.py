@@ -243,8 +243,18 @@ def kv_b_transform(layers: dict[str, MlaAttention]) -> Callable[[str, torch.Tens
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    supports_cuda_graphs = False  # the MoE dispatch reads expert counts on the host
     batch_invariant_on_cuda = False  # per-head (bmm), router and expert GEMMs are torch's on CUDA
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Decode/verify steps replay CUDA graphs where the MoE layers run the grouped path (bf16:
+        no expert count read on the host)."""
+        return all(layer.mlp.runs_grouped_on_cuda(self.dtype) for layer in self.layers if isinstance(layer.mlp, MoE))
+
+    @property
+    def mla_kernel_widths(self) -> bool:
+        """Whether the latent rows have the CUDA MLA kernel's widths (else the reference runs)."""
+        return (self.config.kv_lora_rank, self.config.qk_rope_head_dim) == (512, 64)
 
     def __init__(self, config: DeepseekV3ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
