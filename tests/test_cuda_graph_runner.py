@@ -1,6 +1,7 @@
 """The CUDA-graph runner's padded static-buffer path, run eagerly on the CPU (a CPU device captures nothing):
 bucketing, padding rows (slot -1, context 0, never sampled) and step eligibility give the same
-greedy tokens as the plain eager runner, for decode (q = 1) and uniform verify steps (q = 1 + k)."""
+greedy tokens as the plain eager runner, for decode (q = 1), uniform verify steps (q = 1 + k) and
+ragged ones (rows with different draft counts, packed at the front of the bucket's token slots)."""
 from __future__ import annotations
 
 import types
@@ -74,6 +75,29 @@ def test_padded_verify_equals_plain(tiny: str, n: int) -> None:
     assert any(q > 1 for _, q in seen), "no uniform verify step took the padded path"
 
 
+def test_ragged_verify_steps_equal_plain(tiny: str) -> None:
+    """Adaptive ngram: rows carry 0..k drafts in the same step; those steps replay the graph of the
+    longest row (CPU: the same static-buffer path, eagerly) and give plain decoding's tokens."""
+    prompts = make_prompts(6)
+    plain, _, _, _ = run(tiny, prompts, max_tokens=24, max_num_seqs=8)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "adaptive_draft_length": False}
+    _, _, _, llm = run(tiny, prompts[:1], max_tokens=1, spec=spec, max_num_seqs=8)
+    g = _attach(llm, 4)
+    ragged = []
+    orig = g.execute
+
+    def spy(batch, key):
+        lens = np.diff(batch.query_start_loc)
+        if len(set(lens.tolist())) > 1:
+            ragged.append(key)
+        return orig(batch, key)
+
+    g.execute = spy
+    assert _generate(llm, prompts, 24) == plain
+    assert ragged, "no ragged verify step took the padded path"
+
+
 def test_ineligible_steps() -> None:
     g = CudaGraphRunner(None, [], 16, __import__("torch").device("cpu"), 8, 4, 256)
 
@@ -86,7 +110,8 @@ def test_ineligible_steps() -> None:
 
     assert g.bucket_for(batch([1, 1, 1], [5, 6, 7])) == (4, 1)
     assert g.bucket_for(batch([3, 3], [5, 6])) == (2, 3)
-    assert g.bucket_for(batch([1, 3], [5, 6])) is None          # ragged
+    assert g.bucket_for(batch([1, 3], [5, 6])) == (2, 3)         # ragged: the longest row's q
+    assert g.bucket_for(batch([2, 0, 1], [5, 6, 7])) is None      # a row without tokens
     assert g.bucket_for(batch([5, 5], [9, 9])) is None          # q above the captured maximum
     assert g.bucket_for(batch([7], [7], li=[6])) is None        # prefill: only the last position
     assert g.bucket_for(batch([1] * 9, [3] * 9)) is None        # more rows than the largest bucket

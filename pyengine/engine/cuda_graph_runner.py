@@ -1,16 +1,19 @@
 """CUDA graphs for decode and verify steps (one graph per (batch bucket, query length)).
 
-A step qualifies when every row has the same query length q (decode: q = 1; verify: q = 1 + d with
-the same d drafts in every row) and every token wants logits (true of decode and verify rows), the
-rows fit the largest bucket, and their block tables fit the static width. Such a step is padded to
-the next bucket size (1, 2, 4, 8, 16, 32, 64, 128, ...): padding rows have context length 0, write
-no KV (slot -1) and their logits are dropped, so they are never sampled. Prefill and mixed steps
-run eagerly (the caller's path).
+A step qualifies when every row is a decode or verify row of at most q tokens (decode: 1; verify:
+1 + its own draft count, ragged across rows) and every token wants logits (true of decode and
+verify rows), the rows fit the largest bucket, and their block tables fit the static width. It
+replays the graph of (bucket, q = its longest row): the rows' tokens sit packed at the front of
+the graph's b * q token slots, as query_start_loc says; the graph has 2b rows, and the rows after
+the step's own (padding up to the bucket size 1, 2, 4, 8, ..., then as many more) own the token
+slots after its tokens, at most q each, with context length 0 and no KV write (slot -1). The kernels read each row's tokens through query_start_loc, so a row's
+arithmetic is what an eager step gives it; the logits of the unowned slots are dropped. Prefill and
+mixed steps run eagerly (the caller's path).
 
 Graph safety:
 - Every input lives in one static device byte buffer, refreshed by a single host-to-device copy
   from a pinned staging buffer of the same layout: an int64 part [input_ids | positions | slots |
-  context_lens] then the int32 block tables of fixed width W = ceil(graph_max_context / block_size),
+  context_lens | query_start_loc] then the int32 block tables of fixed width W = ceil(graph_max_context / block_size),
   so a bucket of b rows copies one prefix (through the first b table rows): host time before the
   replay is GPU idle time. The int32 conversions of the attention plan run inside the graph
   (pyengine.ops.cuda.attention.plan is called during capture on a fresh AttentionMetadata).
@@ -39,6 +42,7 @@ import torch
 
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.state_cache import StateMetadata
+from pyengine.ops.kernel_config import get_kernel_config
 
 _PLAN_KEY = "cuda_paged_attention"
 
@@ -117,10 +121,14 @@ class CudaGraphRunner:
         self.use_graphs = device.type == "cuda"
         T = self.max_rows * self.max_q
         self.T = T
-        # int64 layout: [input_ids T | positions T | slots T | context_lens R], then int32 [R, W] tables
-        self.n64 = 3 * T + self.max_rows
+        # A graph of bucket b has 2b rows: the step's rows, then padding rows that own the token
+        # slots after the step's tokens (at most q each: the rows' shape limits hold) or none.
+        self.row_cap = 2 * self.max_rows
+        # int64 layout: [input_ids T | positions T | slots T | context_lens 2R | query_start_loc 2R + 1],
+        # then int32 [2R, W] tables
+        self.n64 = 3 * T + 2 * self.row_cap + 1
         pin = self.use_graphs
-        nbytes = 8 * self.n64 + 4 * self.max_rows * self.width
+        nbytes = 8 * self.n64 + 4 * self.row_cap * self.width
         self.host_bytes = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
         self.dev_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.host64, self.host32 = self._split(self.host_bytes)
@@ -131,10 +139,10 @@ class CudaGraphRunner:
                        for b in self.buckets}
         # hybrid models: per row [state slots (1 + k) | accepted count]; decode rows always have a state
         S = self.max_q
-        self.host_state = torch.zeros(self.max_rows, S + 1, dtype=torch.int32, pin_memory=pin)
+        self.host_state = torch.zeros(self.row_cap, S + 1, dtype=torch.int32, pin_memory=pin)
         self.np_state = self.host_state.numpy()
-        self.dev_state = torch.zeros(self.max_rows, S + 1, dtype=torch.int32, device=device)
-        self.dev_init = torch.ones(self.max_rows, dtype=torch.bool, device=device)
+        self.dev_state = torch.zeros(self.row_cap, S + 1, dtype=torch.int32, device=device)
+        self.dev_init = torch.ones(self.row_cap, dtype=torch.bool, device=device)
         self.copy_done = torch.cuda.Event() if self.use_graphs else None
         # key -> (graph, its static (logits, hidden) outputs)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -146,10 +154,10 @@ class CudaGraphRunner:
     def _split(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The int64 and int32 views of a staging/device byte buffer."""
         off = 8 * self.n64
-        return buf[:off].view(torch.int64), buf[off:].view(torch.int32).view(self.max_rows, self.width)
+        return buf[:off].view(torch.int64), buf[off:].view(torch.int32).view(self.row_cap, self.width)
 
     def _prefix_bytes(self, b: int) -> int:
-        return 8 * self.n64 + 4 * b * self.width
+        return 8 * self.n64 + 4 * 2 * b * self.width
 
     # ---- eligibility ------------------------------------------------------------------------
     def bucket_for(self, batch) -> tuple[int, int] | None:
@@ -159,12 +167,11 @@ class CudaGraphRunner:
             return None
         qsl = np.asarray(batch.query_start_loc)
         n = int(qsl[-1])
-        if n % rows:
+        lens = np.diff(qsl)
+        q = int(lens.max())
+        if int(lens.min()) < 1 or q > self.max_q:
             return None
-        q = n // rows
-        if q < 1 or q > self.max_q:
-            return None
-        if not np.all(np.diff(qsl) == q):
+        if int(lens.min()) != q and not get_kernel_config().graph_ragged_verify:
             return None
         li = np.asarray(batch.logits_indices)
         if len(li) != n or (n and (li[0] != 0 or li[-1] != n - 1)):
@@ -181,14 +188,15 @@ class CudaGraphRunner:
 
     # ---- one step -------------------------------------------------------------------------------
     def _views(self, b: int, q: int):
-        T = self.T
+        T, R, r = self.T, self.row_cap, 2 * b
         n = b * q
         d = self.dev64
-        return d[0:n], d[T:T + n], d[2 * T:2 * T + n], d[3 * T:3 * T + b], self.dev32[:b]
+        return (d[0:n], d[T:T + n], d[2 * T:2 * T + n], d[3 * T:3 * T + r], d[3 * T + R:3 * T + R + r + 1],
+                self.dev32[:r])
 
     def _meta(self, b: int, q: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-        ids, pos, slots, ctx, tables = self._views(b, q)
-        qsl = torch.arange(0, b * q + 1, q, dtype=torch.int32, device=self.device)
+        ids, pos, slots, ctx, qsl64, tables = self._views(b, q)
+        qsl = qsl64.to(torch.int32)  # inside the graph: the step's own (ragged) row starts
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_start_loc=qsl,
                                  context_lens=ctx.to(torch.int32), max_query_len=q,
                                  max_context_len=self.width * self.block_size, block_size=self.block_size)
@@ -201,16 +209,17 @@ class CudaGraphRunner:
         else:
             S = self.max_q
             state = StateMetadata(conv=self.state_cache.conv, ssm=self.state_cache.ssm,
-                                  state_idx=self.dev_state[:b, :S], num_accepted=self.dev_state[:b, S],
-                                  has_initial_state=self.dev_init[:b], query_start_loc=meta.query_start_loc,
-                                  num_decode_rows=b, num_decode_tokens=b * q)
+                                  state_idx=self.dev_state[:2 * b, :S], num_accepted=self.dev_state[:2 * b, S],
+                                  has_initial_state=self.dev_init[:2 * b], query_start_loc=meta.query_start_loc,
+                                  num_decode_rows=2 * b, num_decode_tokens=b * q)
             hidden = self.model(ids, pos, meta, self.kv_caches, state=state)
         return self.model.compute_logits(hidden), hidden
 
     def _capture(self, b: int, q: int) -> tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor]]:
         # Inputs as they are now: padding only (slot -1, context 0, PAD state slots): the warm-up
         # and the capture write no KV or state and read none.
-        self._fill_padding(0, b, q)
+        self.np64[3 * self.T + self.row_cap] = 0  # query_start_loc[0]
+        self._fill_padding(0, 0, b, q)
         self.dev_bytes.copy_(self.host_bytes)
         if self.state_cache is not None:
             self.dev_state.copy_(self.host_state)  # PAD slots: the warm-up must not touch live state
@@ -226,17 +235,18 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         return graph, out
 
-    def _fill_padding(self, rows: int, b: int, q: int) -> None:
-        if rows == b:
-            return
-        T, h = self.T, self.np64
-        lo, hi = rows * q, b * q
+    def _fill_padding(self, rows: int, n: int, b: int, q: int) -> None:
+        """Padding rows [rows, 2b) own the token slots [n, b * q), q at most each (then none)."""
+        T, R, h = self.T, self.row_cap, self.np64
+        lo, hi, r = n, b * q, 2 * b
         h[lo:hi] = 0                      # input ids
         h[T + lo:T + hi] = 0              # positions
         h[2 * T + lo:2 * T + hi] = -1     # slots: no KV write
-        h[3 * T + rows:3 * T + b] = 0     # context 0: no keys read
-        self.np_state[rows:b, :-1] = -1   # PAD state slots: no state read or written
-        self.np_state[rows:b, -1] = 1
+        h[3 * T + rows:3 * T + r] = 0     # context 0: no keys read
+        ends = np.minimum(n + q * np.arange(1, r - rows + 1), hi)
+        h[3 * T + R + rows + 1:3 * T + R + r + 1] = ends  # query_start_loc of the padding rows
+        self.np_state[rows:r, :-1] = -1   # PAD state slots: no state read or written
+        self.np_state[rows:r, -1] = 1
 
     @torch.inference_mode()
     def launch_next(self, batch, key: tuple[int, int], token_ids: torch.Tensor) -> PendingStep | None:
@@ -261,7 +271,7 @@ class CudaGraphRunner:
         seq_ids = np.array(batch.seq_ids)
         if self.use_graphs and key not in self.graphs:
             return None
-        self._stage(key, rows, None, pos, slots, ctx, table)
+        self._stage(key, rows, np.arange(rows + 1), None, pos, slots, ctx, table)
         logits = self._run(key, rows, token_ids)
         return PendingStep(key, logits, seq_ids, pos, slots, ctx, table)
 
@@ -269,31 +279,32 @@ class CudaGraphRunner:
     def execute(self, batch, key: tuple[int, int]) -> torch.Tensor:
         b, q = key
         rows = len(batch.context_lens)
-        self._stage(key, rows, batch.input_ids, batch.positions, batch.slot_mapping, batch.context_lens,
-                    batch.block_tables)
+        self._stage(key, rows, batch.query_start_loc, batch.input_ids, batch.positions, batch.slot_mapping,
+                    batch.context_lens, batch.block_tables)
         if self.state_cache is not None:
             self.np_state[:rows, :-1] = np.asarray(batch.state_slots, dtype=np.int32).reshape(rows, -1)
             self.np_state[:rows, -1] = np.maximum(np.asarray(batch.num_accepted_prev, dtype=np.int32), 1)
         if self.use_graphs and key not in self.graphs:
             self.graphs[key] = self._capture(b, q)
             return self.execute(batch, key)  # _capture overwrote the staging padding: stage again
-        return self._run(key, rows * q)
+        return self._run(key, int(batch.query_start_loc[rows]))
 
-    def _stage(self, key: tuple[int, int], rows: int, input_ids, positions, slot_mapping, context_lens,
-               block_tables) -> None:
+    def _stage(self, key: tuple[int, int], rows: int, query_start_loc, input_ids, positions, slot_mapping,
+               context_lens, block_tables) -> None:
         """A step's inputs into the host staging buffers (input_ids None: left as they are, the
-        device copy of launch_next replaces them), padding rows up to the bucket."""
+        device copy of launch_next replaces them), padding up to the bucket."""
         b, q = key
-        n = rows * q
+        n = int(query_start_loc[rows])
         if self.copy_done is not None:
             self.copy_done.synchronize()  # the previous step's copy has left the staging buffers
-        T, h = self.T, self.np64
+        T, R, h = self.T, self.row_cap, self.np64
         if input_ids is not None:
             h[0:n] = input_ids
         h[T:T + n] = positions
         h[2 * T:2 * T + n] = slot_mapping
         h[3 * T:3 * T + rows] = context_lens
-        self._fill_padding(rows, b, q)
+        h[3 * T + R:3 * T + R + rows + 1] = query_start_loc
+        self._fill_padding(rows, n, b, q)
         self.np32[:rows, :block_tables.shape[1]] = block_tables
 
     def _run(self, key: tuple[int, int], n: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -304,7 +315,7 @@ class CudaGraphRunner:
             host, dev = self.staged[b]
             dev.copy_(host, non_blocking=True)
             if self.state_cache is not None:
-                self.dev_state[:b].copy_(self.host_state[:b], non_blocking=True)
+                self.dev_state[:2 * b].copy_(self.host_state[:2 * b], non_blocking=True)
             self.copy_done.record()
         else:
             self.dev_bytes.copy_(self.host_bytes)

@@ -20,6 +20,9 @@ class KernelConfig:
     gqa_fma: bool = False  # NVIDIA: the CUDA-core (FMA) GQA kernel instead of the tensor-core one
     gqa_pairs_per_block: int = 0  # GQA FMA kernel: query-head pairs per block, 0 = chosen per launch (else 1, 2, 4, 8)
     mla_small_tile: bool = False  # NVIDIA: the small MLA tile (the one AMD builds) instead of the fast one
+    # CUDA graphs: verify steps whose rows carry different draft counts replay the graph of the
+    # longest row (False: they run eagerly, as before; benchmarks compare the two)
+    graph_ragged_verify: bool = True
     # Every op computes a row's result from that row alone, whatever shares the step (docs/
     # architecture.md, "Batch invariance"): CUDA projections of every size run one GEMM family.
     batch_invariant: bool = False

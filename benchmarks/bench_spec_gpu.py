@@ -1,0 +1,82 @@
+"""Speculation on the GPU with and without ragged verify steps on CUDA graphs: SmolLM2 (the default
+GGUF), Spec-Bench prompts (first turn, chat template), greedy, plain decoding vs ngram (k = 4,
+adaptive and fixed), each speculative method with KernelConfig.graph_ragged_verify on (a verify
+step whose rows carry different draft counts replays the graph of its longest row) and off (such
+steps run eagerly, as before), all in one run. Reports tokens/s, the ratio to plain decoding,
+steps replayed vs eager, and whether every output equals plain decoding's.
+
+    python3 benchmarks/bench_spec_gpu.py --gguf PATH --prompts spec_bench.jsonl --out results.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.gpu_timing import run_header  # noqa: E402
+from pyengine import LLM, SamplingParams  # noqa: E402
+
+METHODS = {
+    "plain": (None, True),
+    "ngram_adaptive": ({"method": "ngram", "num_speculative_tokens": 4}, True),
+    "ngram_adaptive_ragged_eager": ({"method": "ngram", "num_speculative_tokens": 4}, False),
+    "ngram_fixed": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, True),
+    "ngram_fixed_ragged_eager": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, False),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--prompts", required=True, help="Spec-Bench jsonl (turns[0] of each line)")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    with open(args.prompts) as f:
+        questions = [json.loads(line)["turns"][0] for line in f if line.strip()][:args.num_prompts]
+    result = dict(run_header(), prompts=len(questions), max_tokens=args.max_tokens, rows=[])
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = questions[:max(batch, min(len(questions), 4 * batch))] if batch > 1 else questions[:8]
+        row: dict = {"batch": batch, "num_prompts": len(prompts)}
+        reference = None
+        for name, (spec, ragged) in METHODS.items():
+            llm = LLM(args.gguf, device="cuda", dtype="bfloat16", max_num_seqs=batch, max_model_len=2048,
+                      speculative_config=spec, kernel_config={"graph_ragged_verify": ragged})
+            conversations = [[{"role": "user", "content": q}] for q in prompts]
+            llm.chat(conversations[:batch], params, use_tqdm=False)  # warm-up: graphs captured
+            g = llm.engine.runner.graph_runner
+            replays0, steps0 = g.num_replays, llm.stats()["num_steps"]
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            outs = llm.chat(conversations, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            tokens = [o.outputs[0].token_ids for o in outs]
+            reference = tokens if reference is None else reference
+            stats = llm.stats()
+            row[name] = {"tokens_per_s": round(sum(map(len, tokens)) / seconds, 1),
+                         "graph_steps": g.num_replays - replays0, "steps": stats["num_steps"] - steps0,
+                         "acceptance_rate": stats.get("acceptance_rate"),
+                         "identical_to_plain": tokens == reference}
+            del llm
+            torch.cuda.empty_cache()
+        plain = row["plain"]["tokens_per_s"]
+        for name in METHODS:
+            row[name]["vs_plain"] = round(row[name]["tokens_per_s"] / plain, 3)
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
