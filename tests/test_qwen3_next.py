@@ -65,6 +65,19 @@ def test_qwen3_5_text_part_matches_hf(tmp_path, moe: bool, multimodal: bool) -> 
     assert config.split_projections and (config.moe is not None) == moe
 
 
+def test_qwen3_5_mtp_greedy_equals_plain(tmp_path) -> None:
+    """Qwen3.5 (delta-rule projections apart, dense MLP) speculates with its own mtp.* layer."""
+    path = str(tmp_path / "q35_mtp")
+    make_qwen3_5_checkpoint(path, moe=False, multimodal=False, layer_scale=0.01, mtp_agreement=0.01)
+    prompts = make_prompts(8, seed=5)
+    kw = dict(max_tokens=20, block_size=4, max_model_len=128, max_num_batched_tokens=48)
+    plain = run(path, prompts, **kw)[0]
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive_draft_length": False}
+    outs, st, _, llm = run(path, prompts, spec=spec, **kw)
+    assert_lossless(llm, prompts, plain, outs)
+    assert 0 < st["acceptance_rate"] < 1, st
+
+
 def test_greedy_matches_hf_generate(pair) -> None:
     check_greedy_matches_hf_generate(pair[1], pair[2])
 

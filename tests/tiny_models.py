@@ -151,8 +151,6 @@ def make_qwen3_next_checkpoint(path: str, seed: int = 0, mtp_agreement: float | 
     """A random Qwen3NextForCausalLM (linear / full attention alternating, MoE every layer;
     QWEN3_NEXT updated by overrides) saved to `path`; layer_scale and mtp_agreement as in
     make_deepseek_checkpoint (the MTP layer: Qwen3-Next's mtp.* names). Returns the HF model."""
-    from safetensors.torch import load_file
-
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3NextConfig(**dict(QWEN3_NEXT, **overrides)),
                                                        dtype=torch.float32).eval()
@@ -160,22 +158,7 @@ def make_qwen3_next_checkpoint(path: str, seed: int = 0, mtp_agreement: float | 
     hf.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)
     if mtp_agreement is not None:
-        file = os.path.join(path, "model.safetensors")
-        weights = load_file(file)
-        hidden = hf.config.hidden_size
-        src = f"model.layers.{[i for i, t in enumerate(hf.config.layer_types) if t == 'full_attention'][-1]}."
-        gen = torch.Generator().manual_seed(seed + 1)
-        for name in [k for k in weights if k.startswith(src)]:
-            t = weights[name].clone()
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                t *= 0.1
-            weights["mtp.layers.0." + name[len(src):]] = t
-        eye = torch.eye(hidden)
-        weights.update({
-            "mtp.pre_fc_norm_embedding.weight": torch.zeros(hidden), "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden),
-            "mtp.fc.weight": torch.cat([eye, mtp_agreement * torch.randn(hidden, hidden, generator=gen)], 1),
-            "mtp.norm.weight": weights["model.norm.weight"].clone()})
-        _save_with_mtp(path, weights)
+        _add_qwen_mtp(path, hf.config, mtp_agreement, seed)
     return hf
 
 
@@ -200,9 +183,11 @@ QWEN3_5_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32
                       spatial_merge_size=2, temporal_patch_size=2)
 
 
-def make_qwen3_5_checkpoint(path: str, moe: bool, multimodal: bool, seed: int = 0) -> torch.nn.Module:
+def make_qwen3_5_checkpoint(path: str, moe: bool, multimodal: bool, seed: int = 0, layer_scale: float = 1.0,
+                            mtp_agreement: float | None = None) -> torch.nn.Module:
     """A random Qwen3.5 text model (Qwen3_5[Moe]ForCausalLM) or a multimodal one with a tiny vision
-    tower (Qwen3_5[Moe]ForConditionalGeneration), saved to path. Returns the HF model."""
+    tower (Qwen3_5[Moe]ForConditionalGeneration), saved to path; a text model may get an MTP layer
+    (mtp_agreement, as make_qwen3_next_checkpoint). Returns the HF model."""
     text = dict(QWEN3_5) if moe else {k: v for k, v in QWEN3_5.items()
                                       if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                                                    "shared_expert_intermediate_size")}
@@ -216,7 +201,32 @@ def make_qwen3_5_checkpoint(path: str, moe: bool, multimodal: bool, seed: int = 
         model_cls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
         hf = model_cls(cfg_cls(**text))
     hf = hf.float().eval()
-    _init_qwen_hybrid(hf, 1.0)
+    _init_qwen_hybrid(hf, layer_scale)
     hf.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)
+    if mtp_agreement is not None:
+        assert not multimodal, "the MTP helper writes a text checkpoint's names"
+        _add_qwen_mtp(path, hf.config, mtp_agreement, seed)
     return hf
+
+
+def _add_qwen_mtp(path: str, config, mtp_agreement: float, seed: int) -> None:
+    """Store a Qwen3-Next-style MTP layer (mtp.*) in a text checkpoint: a copy of its last
+    full-attention layer (output projections damped), fc = [I ; mtp_agreement-scaled noise], the
+    target's final norm."""
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    hidden = config.hidden_size
+    src = f"model.layers.{[i for i, t in enumerate(config.layer_types) if t == 'full_attention'][-1]}."
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name in [k for k in weights if k.startswith(src)]:
+        t = weights[name].clone()
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            t *= 0.1
+        weights["mtp.layers.0." + name[len(src):]] = t
+    weights.update({
+        "mtp.pre_fc_norm_embedding.weight": torch.zeros(hidden), "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden),
+        "mtp.fc.weight": torch.cat([torch.eye(hidden), mtp_agreement * torch.randn(hidden, hidden, generator=gen)], 1),
+        "mtp.norm.weight": weights["model.norm.weight"].clone()})
+    _save_with_mtp(path, weights)
