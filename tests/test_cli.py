@@ -165,9 +165,12 @@ def test_unknown_architecture(tmp_path: Path) -> None:
     (["--device", "tpu"], ["--device", "tpu"]),
     (["--spec", "ngram", "--num-spec-tokens", "0"], ["num_speculative_tokens"]),
     (["--spec", "draft"], ["--draft-model"]),
+    (["--spec", "mtp", "--draft-model", "x"], ["--draft-model", "--spec mtp"]),
+    (["--spec", "mtp"], ["MTP speculation needs"]),  # the default GGUF model has no MTP layers
     (["--no-such-flag"], ["--no-such-flag"]),
 ], ids=["blank_prompt", "empty_second_prompt", "max_tokens_0", "max_tokens_nan", "temperature_neg", "top_p_0",
-        "device_tpu", "num_spec_tokens_0", "draft_without_model", "unknown_flag"])
+        "device_tpu", "num_spec_tokens_0", "draft_without_model", "mtp_with_draft_model", "mtp_without_mtp_layers",
+        "unknown_flag"])
 def test_bad_arguments(args: list[str], words: list[str]) -> None:
     assert_usage_error(cli(*args), *words)
 
