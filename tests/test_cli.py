@@ -249,3 +249,10 @@ def test_a_request_refused_at_admission_is_bad_input(smollm2_path: str) -> None:
     """A request that can never run (a KV pool of one block) is still bad input: exit 2."""
     assert_usage_error(cli("--num-kv-blocks", "1", "--max-tokens", str(MAX_TOKENS), "--prompt", HAPPY_PROMPT),
                        "request 0")
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal() -> None:
+    """Several prompts to a pipe (a log file, CI): the answers, and no progress-bar redraws."""
+    r = cli("--max-tokens", "4", "--prompt", "Say hi.", "--prompt", "Say bye.")
+    assert r.returncode == 0, r.stderr
+    assert "Generating" not in r.stderr and "\r" not in r.stderr, r.stderr

@@ -289,3 +289,8 @@ def test_streamed_requests_equal_requests_filled_at_finish(llm: LLM) -> None:
     for (ids, text, reason), p in zip(outs[False], params):
         assert len(ids) == p.max_tokens and reason == "length"
         assert text == llm.tokenizer.decode(ids)
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(llm: LLM, capsys) -> None:
+    llm.generate(PROMPTS[:2], GREEDY)  # use_tqdm defaults to True; pytest's captured stderr is no terminal
+    assert "Generating" not in capsys.readouterr().err

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -229,7 +230,7 @@ class LLM:
 
     def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         bar = None
-        if use_tqdm and len(encoded) > 1:
+        if use_tqdm and len(encoded) > 1 and sys.stderr.isatty():  # a bar's redraws would flood a log file
             from tqdm import tqdm
 
             bar = tqdm(total=len(encoded), desc="Generating", unit="req")

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
             fail(f"prompt {i} is too long: {len(ids)} tokens + --max-tokens {args.max_tokens} exceeds max_model_len {limit}")
     stream = len(prompts) == 1 and not args.json
     bar = None
-    if len(prompts) > 1 and not args.json:
+    if len(prompts) > 1 and not args.json and sys.stderr.isatty():  # redraws would flood a log file
         from tqdm import tqdm
 
         bar = tqdm(total=len(prompts), desc="Generating", unit="req", file=sys.stderr)
