@@ -47,6 +47,7 @@ class _Choice:
     text: str = ""
     num_tokens: int = 0
     finish_reason: str | None = None
+    error: str | None = None  # why the engine ended this choice, if it failed while running
 
 
 class OpenAIServing:
@@ -134,6 +135,7 @@ class OpenAIServing:
                 c.text += out.outputs[0].text
                 c.num_tokens += len(out.outputs[0].token_ids)
                 c.finish_reason = _finish_reason(out)
+                c.error = out.error or c.error
 
         tasks = [asyncio.ensure_future(run(c)) for c in choices]
         try:
@@ -149,6 +151,9 @@ class OpenAIServing:
                 t.cancel()
             for c in choices:
                 c.stream.abort()
+        failed = next((c for c in choices if c.error), None)
+        if failed is not None:  # a generation the engine could not finish: the server's failure, not the client's
+            raise RequestError(f"generation failed: {failed.error}", None, status=500, type_="server_error")
 
     async def _stream(self, meta: dict[str, Any], choices: list[_Choice], include_usage: bool,
                       chat: bool) -> AsyncIterator[str]:
