@@ -203,10 +203,15 @@ def invariance_main(args: argparse.Namespace) -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", "benchmarks/bench_cpu.py", *sys.argv[1:]]),
     })
+    emit(result, args.out)
+
+
+def emit(result: dict, out: str | None) -> None:
+    """The JSON report on stdout, and at `out` when given."""
     text = json.dumps(result, indent=1)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
             f.write(text + "\n")
     print(text)
 
@@ -308,12 +313,7 @@ def main() -> None:
         "command": " ".join(["python", "benchmarks/bench_cpu.py", *sys.argv[1:]]),
         "transformers": transformers.__version__,
     })
-    text = json.dumps(result, indent=1)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    print(text)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.gpu_timing import copy_bandwidth_gbps, run_header, time_ms, time_ms_graph  # noqa: E402
+from benchmarks.gpu_timing import copy_bandwidth_gbps, run_header, time_ms, time_ms_graph, write_result  # noqa: E402
 from pyengine.engine.attention_metadata import AttentionMetadata  # noqa: E402
 from pyengine.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3ModelConfig  # noqa: E402
 from pyengine.models.moe import MoE, MoEConfig, route  # noqa: E402
@@ -58,6 +58,20 @@ def step_inputs(batch: int, context: int, q_len: int, vocab: int = DSV3["vocab_s
                              max_query_len=q_len, max_context_len=context + q_len, block_size=block_size)
     ids = torch.randint(0, vocab, (batch * q_len,), device="cuda")
     return ids, pos, meta, batch * blocks
+
+
+def record_step(row: dict, k: int, batch: int, ms: float, graph_ms: float, **extra) -> None:
+    """A step's eager and graph-replayed times into row: "decode" (k = 0, with tokens/s) or
+    "verify_k{k}" (with its cost relative to the row's decode step)."""
+    entry = {"step_ms": round(ms, 3), "graph_step_ms": round(graph_ms, 3), **extra}
+    if k == 0:
+        entry["tokens_per_s"] = round(batch / (ms * 1e-3), 1)
+        entry["graph_tokens_per_s"] = round(batch / (graph_ms * 1e-3), 1)
+        row["decode"] = entry
+    else:
+        entry["vs_decode"] = round(ms / row["decode"]["step_ms"], 3)
+        entry["graph_vs_decode"] = round(graph_ms / row["decode"]["graph_step_ms"], 3)
+        row[f"verify_k{k}"] = entry
 
 
 def experts_hit(model: DeepseekV3ForCausalLM, ids, pos, meta, caches) -> list[int]:
@@ -115,25 +129,15 @@ def main() -> None:
                 graph_ms = time_ms_graph(step, inner=5, reps=5)  # what the engine's CUDA graphs replay
             kv = cfg.num_hidden_layers * batch * (args.context + 1 + k) * 576 * 2
             nbytes = weight_bytes(model, hits) + kv
-            entry = {"step_ms": round(ms, 3), "graph_step_ms": round(graph_ms, 3), "experts_hit_per_layer": hits,
-                     "bytes_read": nbytes, "bandwidth_utilisation": round(nbytes / (ms * 1e-3) / (copy * 1e9), 3),
-                     "graph_bandwidth_utilisation": round(nbytes / (graph_ms * 1e-3) / (copy * 1e9), 3)}
-            if k == 0:
-                entry["tokens_per_s"] = round(batch / (ms * 1e-3), 1)
-                entry["graph_tokens_per_s"] = round(batch / (graph_ms * 1e-3), 1)
-                row["decode"] = entry
-            else:
-                entry["vs_decode"] = round(ms / row["decode"]["step_ms"], 3)
-                entry["graph_vs_decode"] = round(graph_ms / row["decode"]["graph_step_ms"], 3)
-                row[f"verify_k{k}"] = entry
+            record_step(row, k, batch, ms, graph_ms, experts_hit_per_layer=hits, bytes_read=nbytes,
+                        bandwidth_utilisation=round(nbytes / (ms * 1e-3) / (copy * 1e9), 3),
+                        graph_bandwidth_utilisation=round(nbytes / (graph_ms * 1e-3) / (copy * 1e9), 3))
             del caches
             torch.cuda.empty_cache()
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
     if args.out:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.gpu_timing import copy_bandwidth_gbps, run_header, time_ms_graph  # noqa: E402
+from benchmarks.gpu_timing import copy_bandwidth_gbps, run_header, time_ms_graph, write_result  # noqa: E402
 from pyengine.ops import cuda as cuda_ops  # noqa: E402
 
 H, HV, DK, DV = 16, 32, 128, 128
@@ -61,8 +61,7 @@ def main() -> None:
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_result(args.out, result)
 
 
 if __name__ == "__main__":

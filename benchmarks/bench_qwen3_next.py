@@ -17,8 +17,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_deepseek_v3 import step_inputs  # noqa: E402
-from benchmarks.gpu_timing import copy_bandwidth_gbps, run_header, time_ms, time_ms_graph  # noqa: E402
+from benchmarks.bench_deepseek_v3 import record_step, step_inputs  # noqa: E402
+from benchmarks.gpu_timing import copy_bandwidth_gbps, run_header, time_ms, time_ms_graph, write_result  # noqa: E402
 from pyengine.engine.state_cache import StateCache, StateMetadata  # noqa: E402
 from pyengine.models.qwen3_next import Qwen3NextForCausalLM, qwen3_next_model_config  # noqa: E402
 
@@ -78,22 +78,13 @@ def main() -> None:
                 step = lambda: model.compute_logits(model(ids, pos, meta, caches, state=state)[-batch:])  # noqa: E731
                 ms = time_ms(step, reps=10)
                 graph_ms = time_ms_graph(step, inner=5, reps=5)  # what the engine's CUDA graphs replay
-            entry = {"step_ms": round(ms, 3), "graph_step_ms": round(graph_ms, 3)}
-            if k == 0:
-                entry["tokens_per_s"] = round(batch / (ms * 1e-3), 1)
-                entry["graph_tokens_per_s"] = round(batch / (graph_ms * 1e-3), 1)
-                row["decode"] = entry
-            else:
-                entry["vs_decode"] = round(ms / row["decode"]["step_ms"], 3)
-                entry["graph_vs_decode"] = round(graph_ms / row["decode"]["graph_step_ms"], 3)
-                row[f"verify_k{k}"] = entry
+            record_step(row, k, batch, ms, graph_ms)
             del caches
             torch.cuda.empty_cache()
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.gpu_timing import run_header  # noqa: E402
+from benchmarks.gpu_timing import run_header, write_result  # noqa: E402
 from pyengine import LLM, SamplingParams  # noqa: E402
 
 METHODS = {
@@ -74,8 +74,7 @@ def main() -> None:
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_result(args.out, result)
 
 
 if __name__ == "__main__":

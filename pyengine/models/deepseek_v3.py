@@ -24,8 +24,8 @@ from pyengine.config import ModelConfig, hf_int
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.models.layers import (WeightTargets, cpu_linear_packer, linear, onednn_prepack, pack_weights, param,
                                     rope_attention_factor, rope_inv_freq, yarn_mscale)
-from pyengine.models.moe import MoE, MoEConfig, SwiGLU
-from pyengine.models.weight_utils import load_named_weights
+from pyengine.models.moe import MoE, MoEConfig, SwiGLU, moe_graphable
+from pyengine.models.weight_utils import decoder_weight_targets, load_named_weights
 
 
 @dataclass
@@ -247,9 +247,7 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @property
     def supports_cuda_graphs(self) -> bool:
-        """Decode/verify steps replay CUDA graphs where the MoE layers run the grouped path (bf16:
-        no expert count read on the host)."""
-        return all(layer.mlp.runs_grouped_on_cuda(self.dtype) for layer in self.layers if isinstance(layer.mlp, MoE))
+        return moe_graphable(self.layers, self.dtype)
 
     @property
     def mla_kernel_widths(self) -> bool:
@@ -291,16 +289,6 @@ class DeepseekV3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head).float()
 
-    def weight_targets(self) -> WeightTargets:
-        targets: WeightTargets = {"model.embed_tokens.weight": (self.embed_tokens, self.embed_tokens),
-                                  "model.norm.weight": (self.norm, self.norm),
-                                  "lm_head.weight": (self.lm_head, self.lm_head.t())}
-        for i, layer in enumerate(self.layers):
-            targets.update(layer.weight_targets(f"model.layers.{i}."))
-        if self.mtp is not None:
-            targets.update(self.mtp.weight_targets())  # type: ignore[operator]
-        return targets
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF-named tensors (fp8 ones already dequantised by the loader) into the parameters; with
         load_mtp off, the MTP layers' tensors are skipped. Every parameter must be covered."""
@@ -317,7 +305,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                         continue  # MTP layers: unused without MTP speculation, the first one only, or kept as is
                 yield name, tensor
 
-        load_named_weights(self, self.weight_targets(), wanted(weights), tied=False, transform=kv_b_transform(attn))
+        load_named_weights(self, decoder_weight_targets(self), wanted(weights), tied=False,
+                           transform=kv_b_transform(attn))
 
     def prepack_for_cpu(self) -> bool:
         """Every linear on the CPU's packed GEMM (PackedLinear where this CPU runs it: batch-invariant;

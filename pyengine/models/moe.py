@@ -13,6 +13,7 @@ CUDA.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch
@@ -75,6 +76,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConfig) -> tu
             total = total + weights[:, j:j + 1]
         weights = weights / (total + 1e-20)
     return ids, weights * cfg.routed_scaling_factor
+
+
+def moe_graphable(layers: Iterable[nn.Module], dtype: torch.dtype) -> bool:
+    """Whether a model's decode/verify steps can replay CUDA graphs: every MoE layer (layer.mlp)
+    runs the grouped path, which reads no expert count on the host."""
+    return all(layer.mlp.runs_grouped_on_cuda(dtype) for layer in layers if isinstance(layer.mlp, MoE))
 
 
 class SwiGLU(nn.Module):

@@ -34,8 +34,8 @@ from pyengine.engine.state_cache import StateCache, StateMetadata
 from pyengine.models.bamba import rope_permutation
 from pyengine.models.layers import (KVCache, RotaryEmbedding, WeightTargets, cpu_linear_packer, linear, onednn_prepack,
                                     pack_weights, param, rowwise)
-from pyengine.models.moe import MoE, MoEConfig, SwiGLU
-from pyengine.models.weight_utils import load_named_weights
+from pyengine.models.moe import MoE, MoEConfig, SwiGLU, moe_graphable
+from pyengine.models.weight_utils import decoder_weight_targets, load_named_weights
 
 
 @dataclass
@@ -291,9 +291,7 @@ class Qwen3NextDecoderLayer(nn.Module):
 class Qwen3NextForCausalLM(nn.Module):
     @property
     def supports_cuda_graphs(self) -> bool:
-        """Decode/verify steps replay CUDA graphs where every layer is capturable: the MoE layers'
-        grouped path (bf16) reads no expert count on the host."""
-        return all(layer.mlp.runs_grouped_on_cuda(self.dtype) for layer in self.layers if isinstance(layer.mlp, MoE))
+        return moe_graphable(self.layers, self.dtype)
 
     def __init__(self, config: Qwen3NextModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -359,17 +357,6 @@ class Qwen3NextForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.embed_tokens.t() if self.lm_head is None else self.lm_head).float()
 
-    def weight_targets(self) -> WeightTargets:
-        t: WeightTargets = {"model.embed_tokens.weight": (self.embed_tokens, self.embed_tokens),
-                            "model.norm.weight": (self.norm, self.norm)}
-        if self.lm_head is not None:
-            t["lm_head.weight"] = (self.lm_head, self.lm_head.t())
-        for i, layer in enumerate(self.layers):
-            t.update(layer.weight_targets(f"model.layers.{i}."))
-        if self.mtp is not None:
-            t.update(self.mtp.weight_targets())  # type: ignore[operator]
-        return t
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names, rearranged (module docstring); mtp.* tensors only with load_mtp."""
         owners = {}
@@ -393,4 +380,4 @@ class Qwen3NextForCausalLM(nn.Module):
                     continue  # a multimodal checkpoint's vision tower; MTP layers unless speculating with them
                 yield ("model." + name[len(prefix):] if name.startswith(prefix) else name), w
 
-        load_named_weights(self, self.weight_targets(), wanted(weights), self.lm_head is None, transform)
+        load_named_weights(self, decoder_weight_targets(self), wanted(weights), self.lm_head is None, transform)

@@ -37,3 +37,18 @@ def load_named_weights(model: nn.Module, targets: WeightTargets, weights: Iterab
     for pname, p in model.named_parameters():
         if id(p) not in covered and p.numel():
             raise ValueError(f"checkpoint does not cover parameter {pname}")
+
+
+def decoder_weight_targets(model: nn.Module) -> WeightTargets:
+    """The HF targets of a decoder whose layers name their own tensors (layer.weight_targets(prefix)):
+    model.embed_tokens, model.norm, lm_head.weight ([out, in]; absent when model.lm_head is None:
+    tied), model.layers.{i}.*, and the MTP layer's (model.mtp, when loaded)."""
+    targets: WeightTargets = {"model.embed_tokens.weight": (model.embed_tokens, model.embed_tokens),
+                              "model.norm.weight": (model.norm, model.norm)}
+    if model.lm_head is not None:
+        targets["lm_head.weight"] = (model.lm_head, model.lm_head.t())
+    for i, layer in enumerate(model.layers):
+        targets.update(layer.weight_targets(f"model.layers.{i}."))
+    if model.mtp is not None:
+        targets.update(model.mtp.weight_targets())
+    return targets
