@@ -28,14 +28,16 @@ def make_hybrid_checkpoint(path: str, hf_class: type, hf_config: Any, seed: int,
 
 
 def state_pool_llm(path: str) -> tuple[LLM, StateCache]:
-    """An ngram (k = 3) LLM over a hybrid model with 4 sequences: prefix caching is forced off and
-    the state pool holds 1 + k slots per sequence."""
+    """An ngram (k = 3) LLM over a hybrid model with 4 sequences and prefix caching: the state pool
+    holds 1 + k slots per sequence, then 8 checkpoint slots (slots 16..23)."""
     llm = LLM(model=path, device="cpu", max_model_len=64, max_num_seqs=4, enable_prefix_caching=True,
+              num_state_checkpoints=8,
               speculative_config={"method": "ngram", "adaptive_draft_length": False, "num_speculative_tokens": 3})
-    assert llm.engine.cfg.enable_prefix_caching is False
-    assert llm.engine.cfg.num_state_slots == 4 * (1 + 3)
+    assert llm.engine.cfg.enable_prefix_caching is True
+    assert llm.engine.cfg.num_state_slots == 4 * (1 + 3) and llm.engine.cfg.num_state_checkpoints == 8
+    assert llm.engine.cfg.state_checkpoint_interval == 256  # the default, in whole 16-token blocks
     cache = llm.engine.runner.state_cache
-    assert isinstance(cache, StateCache) and cache.num_slots == 16
+    assert isinstance(cache, StateCache) and (cache.num_running_slots, cache.num_checkpoints, cache.num_slots) == (16, 8, 24)
     return llm, cache
 
 

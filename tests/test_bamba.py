@@ -84,7 +84,7 @@ def test_greedy_tokens_match_hf_generate(tiny_bamba) -> None:
 def test_state_pool_only_for_mamba_layers(tiny_bamba) -> None:
     llm, cache = state_pool_llm(tiny_bamba[0])
     assert cache.conv[1] is None and cache.ssm[3] is None  # attention layers
-    assert cache.conv[0].shape == (16, 4 - 1 + 3, 128 + 2 * 2 * 16) and cache.ssm[2].shape == (16, 8, 16, 16)
+    assert cache.conv[0].shape == (24, 4 - 1 + 3, 128 + 2 * 2 * 16) and cache.ssm[2].shape == (24, 8, 16, 16)
     # The runner allocates KV for every layer (the Mamba layers' pairs are unused): see bamba.py.
     assert len(llm.engine.runner.kv_caches) == 4 and llm.engine.runner.kv_caches[1][0].shape[2:] == (2, 16)
 

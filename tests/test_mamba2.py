@@ -50,9 +50,9 @@ def test_greedy_tokens_match_hf_generate(tiny_mamba2) -> None:
     check_greedy_matches_hf_generate(*tiny_mamba2)
 
 
-def test_hybrid_model_gets_a_state_pool_and_no_prefix_caching(tiny_mamba2) -> None:
+def test_hybrid_model_gets_a_state_pool_and_checkpoints(tiny_mamba2) -> None:
     _, cache = state_pool_llm(tiny_mamba2[0])
-    assert cache.conv[0].shape == (16, 4 - 1 + 3, 128 + 2 * 2 * 16) and cache.ssm[0].shape == (16, 8, 16, 16)
+    assert cache.conv[0].shape == (24, 4 - 1 + 3, 128 + 2 * 2 * 16) and cache.ssm[0].shape == (24, 8, 16, 16)
     assert cache.ssm[0].dtype == torch.float32
 
 

@@ -49,9 +49,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("allocated", &KVAllocation::allocated);
 
   py::class_<BlockManager>(m, "BlockManager")
-      .def(py::init<int32_t, int32_t, bool, int32_t, int32_t>(), py::arg("num_blocks"), py::arg("block_size"),
+      .def(py::init<int32_t, int32_t, bool, int32_t, int32_t, int32_t>(), py::arg("num_blocks"), py::arg("block_size"),
            py::arg("enable_prefix_caching") = true, py::arg("num_state_slots") = 0,
-           py::arg("state_slots_per_seq") = 0)
+           py::arg("state_slots_per_seq") = 0, py::arg("num_state_checkpoints") = 0)
       .def("can_allocate", [](const BlockManager& b, IntArray t, int64_t lookahead, int64_t salt) {
              return b.can_allocate(nonempty(t), t.size(), lookahead, salt);
            }, py::arg("token_ids"), py::arg("lookahead") = 0, py::arg("cache_salt") = 0)
@@ -73,7 +73,8 @@ PYBIND11_MODULE(_C, m) {
 #define PE_PROPERTY(name) .def_property_readonly(#name, &BlockManager::name)
 #define PE_METHOD(name) .def(#name, &BlockManager::name)
       PE_PROPERTY(num_free_blocks) PE_PROPERTY(num_blocks) PE_PROPERTY(block_size) PE_PROPERTY(num_free_state_slots)
-      PE_METHOD(ref_count) PE_METHOD(block_has_hash) PE_METHOD(block_tokens) PE_METHOD(hashed_block_ids);
+      PE_PROPERTY(num_state_checkpoints) PE_PROPERTY(num_used_state_checkpoints)
+      PE_METHOD(checkpoint_slot_of_block) PE_METHOD(ref_count) PE_METHOD(block_has_hash) PE_METHOD(block_tokens) PE_METHOD(hashed_block_ids);
 #undef PE_METHOD
 #undef PE_PROPERTY
 
@@ -82,7 +83,8 @@ PYBIND11_MODULE(_C, m) {
 #define PE_FIELD(name) .def_readwrite(#name, &SchedulerConfig::name)
       PE_FIELD(max_num_seqs) PE_FIELD(max_num_batched_tokens) PE_FIELD(max_model_len) PE_FIELD(block_size)
       PE_FIELD(num_kv_blocks) PE_FIELD(enable_prefix_caching) PE_FIELD(enable_chunked_prefill)
-      PE_FIELD(num_spec_tokens) PE_FIELD(drafter_lookahead) PE_FIELD(num_state_slots);
+      PE_FIELD(num_spec_tokens) PE_FIELD(drafter_lookahead) PE_FIELD(num_state_slots)
+      PE_FIELD(num_state_checkpoints) PE_FIELD(state_checkpoint_interval);
 #undef PE_FIELD
 
   py::class_<ScheduledBatch, std::shared_ptr<ScheduledBatch>>(m, "ScheduledBatch")
@@ -92,6 +94,11 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("max_query_len", &ScheduledBatch::max_query_len)
       .def_readonly("max_context_len", &ScheduledBatch::max_context_len)
       .def_readonly("preempted_seq_ids", &ScheduledBatch::preempted_seq_ids)
+      .def_readonly("num_state_saves", &ScheduledBatch::num_state_saves)
+      .def_property_readonly("state_copies", [](py::object self) {
+        const auto& b = self.cast<const ScheduledBatch&>();
+        return view(b.state_copies, self, {static_cast<py::ssize_t>(b.state_copies.size() / 4), 4});
+      })
 #define PE_VIEW(name) .def_property_readonly(#name, [](py::object self) { \
         return view(self.cast<const ScheduledBatch&>().name, self); })
       PE_VIEW(seq_ids) PE_VIEW(input_ids) PE_VIEW(positions) PE_VIEW(slot_mapping) PE_VIEW(query_start_loc)
@@ -180,6 +187,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_running", &Scheduler::num_running)
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
       .def_property_readonly("num_free_blocks", [](const Scheduler& s) { return s.block_manager().num_free_blocks(); })
+      .def_property_readonly("num_used_state_checkpoints",
+                             [](const Scheduler& s) { return s.block_manager().num_used_state_checkpoints(); })
       .def("running_ids", &Scheduler::running_ids)
       .def("token_ids", [](const Scheduler& s, int64_t id) { return s.sequence(id).token_ids; })
       .def("num_computed", [](const Scheduler& s, int64_t id) { return s.sequence(id).num_computed; })
@@ -191,6 +200,9 @@ PYBIND11_MODULE(_C, m) {
         d["num_steps"] = st.num_steps;
         d["num_preemptions"] = st.num_preemptions;
         d["prefix_cache_hit_tokens"] = st.prefix_cache_hit_tokens;
+        d["prefix_cache_query_tokens"] = st.prefix_cache_query_tokens;
+        d["num_state_checkpoints_saved"] = st.num_state_checkpoints_saved;
+        d["num_state_restores"] = st.num_state_restores;
         d["num_draft_tokens"] = st.num_draft_tokens;
         d["num_accepted_tokens"] = st.num_accepted_tokens;
         d["num_verify_rows"] = st.num_verify_rows;

@@ -17,13 +17,15 @@ inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser: a cheap, well-dist
 }  // namespace
 
 BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching,
-                           int32_t num_state_slots, int32_t state_slots_per_seq)
+                           int32_t num_state_slots, int32_t state_slots_per_seq, int32_t num_state_checkpoints)
     : block_size_(block_size),
       enable_prefix_caching_(enable_prefix_caching),
       state_slots_per_seq_(state_slots_per_seq),
       blocks_(num_blocks > 0 ? num_blocks : 0),
       hash_to_block_(num_blocks > 0 ? num_blocks : 0),
-      num_state_slots_(num_state_slots) {
+      num_state_slots_(num_state_slots),
+      checkpoints_(num_blocks > 0 ? num_blocks : 0, num_state_slots > 0 ? num_state_slots : 0,
+                   enable_prefix_caching && state_slots_per_seq > 0 ? num_state_checkpoints : 0) {
   PE_CHECK(num_blocks > 0, "num_blocks must be positive, got ", num_blocks);
   PE_CHECK(block_size > 0, "block_size must be positive, got ", block_size);
   PE_CHECK(num_state_slots >= 0 && state_slots_per_seq >= 0, "state slot counts must be >= 0");
@@ -66,10 +68,14 @@ PrefixMatch BlockManager::match_prefix(const int32_t* tokens, int64_t num_tokens
         std::memcmp(tokens_of(id), blk, sizeof(int32_t) * block_size_) != 0)
       break;
     m.hit_blocks.push_back(id);
-    if (b.ref_count == 0) ++m.num_hits_on_free;
     parent = h;
   }
-  m.last_hash = parent;
+  // A hybrid model resumes from the recurrent state at the end of the last hit block: the hit
+  // ends at the last block that has a checkpoint.
+  if (state_slots_per_seq_ > 0)
+    while (!m.hit_blocks.empty() && checkpoints_.slot_of(m.hit_blocks.back()) < 0) m.hit_blocks.pop_back();
+  for (int32_t id : m.hit_blocks) m.num_hits_on_free += blocks_[id].ref_count == 0;
+  m.last_hash = m.hit_blocks.empty() ? 0 : blocks_[m.hit_blocks.back()].hash;
   return m;
 }
 
@@ -100,6 +106,10 @@ int64_t BlockManager::allocate(KVAllocation& alloc, const int32_t* tokens, int64
   }
   alloc.block_table = m.hit_blocks;
   alloc.num_hashed_blocks = static_cast<int32_t>(m.hit_blocks.size());
+  if (checkpoints_.enabled()) {
+    for (int32_t id : m.hit_blocks) alloc.block_hashes.push_back(blocks_[id].hash);
+    if (!m.hit_blocks.empty()) checkpoints_.touch(m.hit_blocks.back());
+  }
   alloc.last_block_hash = m.last_hash;
   alloc.cache_salt = salt;
   int64_t total = ceil_div(num_tokens + lookahead, block_size_);
@@ -144,6 +154,7 @@ void BlockManager::hash_full_blocks(KVAllocation& alloc, const int32_t* tokens, 
     __builtin_prefetch(&blocks_[id], 1);
     __builtin_prefetch(tokens_of(id), 1);
     pending_hashes_.push_back({id, h, alloc.last_block_hash, alloc.cache_salt, blk});
+    if (checkpoints_.enabled()) alloc.block_hashes.push_back(h);
     alloc.last_block_hash = h;
   }
   alloc.num_hashed_blocks = static_cast<int32_t>(full);
@@ -186,6 +197,7 @@ int32_t BlockManager::take_free_block() {
     Block& b = blocks_[id];
     hash_to_block_.erase(b.hash, id);
     b.has_hash = false;
+    checkpoints_.drop(id);
   }
   Block& b = blocks_[id];
   PE_ASSERT(b.ref_count == 0);
@@ -221,6 +233,25 @@ void BlockManager::lru_remove(int32_t id) {
   b.lru_prev = b.lru_next = -1;
   b.in_lru = false;
   --lru_size_;
+}
+
+int32_t BlockManager::assign_checkpoint(const KVAllocation& alloc, int64_t index) {
+  PE_CHECK(index >= 0 && index < static_cast<int64_t>(alloc.block_hashes.size()), "block ", index,
+           " of the request has no published hash to checkpoint");
+  // The block holding this hash: the request's own, or an earlier request's with the same content
+  // (publish_hashes keeps the first).
+  const int32_t id = hash_to_block_.find(alloc.block_hashes[index]);
+  if (id < 0) return -1;
+  if (checkpoints_.slot_of(id) >= 0) {
+    checkpoints_.touch(id);
+    return -1;
+  }
+  return checkpoints_.assign(id);
+}
+
+int32_t BlockManager::checkpoint_slot_of_block(int32_t id) const {
+  PE_CHECK(id >= 0 && id < num_blocks(), "unknown block id ", id);
+  return checkpoints_.slot_of(id);
 }
 
 int32_t BlockManager::ref_count(int32_t id) const {
@@ -281,6 +312,7 @@ void BlockManager::check_invariants(const std::vector<const KVAllocation*>& tabl
     PE_ASSERT(b.has_hash && b.hash == h);
     PE_ASSERT(hash_block(b.parent_hash, tokens_of(id), b.salt) == h);
   });
+  checkpoints_.check_invariants([&](int32_t id) { return blocks_[id].has_hash; });
   for (int32_t s : free_state_slots_) ++slot_owner[s];
   for (int32_t c : slot_owner) PE_ASSERT(c == 1);  // each slot: exactly one owner or the free pool
 }

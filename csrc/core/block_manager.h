@@ -13,6 +13,7 @@
 
 #include "block_hash_table.h"
 #include "common/common.h"
+#include "state_checkpoints.h"
 #include "common/huge_page_allocator.h"
 
 namespace pyengine {
@@ -25,6 +26,8 @@ struct KVAllocation {
   uint64_t last_block_hash = 0;   // chain parent for block num_hashed_blocks
   int64_t cache_salt = 0;         // extra key mixed into every hash of this request
   std::vector<int32_t> state_slots;  // recurrent-state slots (hybrid models), 1 + k of them
+  std::vector<uint64_t> block_hashes;  // chain hash of each block below the watermark (kept only
+                                       // with state checkpoints: they are keyed by these hashes)
 };
 
 struct PrefixMatch {
@@ -35,8 +38,10 @@ struct PrefixMatch {
 
 class BlockManager {
  public:
+  // num_state_checkpoints: the checkpoint pool of a hybrid model with prefix caching (slot ids
+  // num_state_slots ..); with state slots but no checkpoints a prefix never hits.
   BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching,
-               int32_t num_state_slots, int32_t state_slots_per_seq);
+               int32_t num_state_slots, int32_t state_slots_per_seq, int32_t num_state_checkpoints = 0);
 
   // The one allocation formula: new blocks needed so that positions [0, end) are covered.
   // ceil(end / B) - len(block_table), never negative; the common case (already covered) divides
@@ -80,12 +85,25 @@ class BlockManager {
 
   void free(KVAllocation& alloc);
 
+  // Recurrent-state checkpoints (state_checkpoints.h). The slot to restore a request's state from
+  // after a prefix hit of num_hit_blocks blocks (allocate only hits blocks that have one).
+  int32_t restore_slot(const KVAllocation& alloc, int64_t num_hit_blocks) const {
+    return checkpoints_.slot_of(alloc.block_table[num_hit_blocks - 1]);
+  }
+  // A new checkpoint slot for the state at the end of the request's hashed block `index`, or -1
+  // when the block holding that hash has one already (it becomes the most recent) or the pool is
+  // empty. The caller copies the state in before anything can hit it.
+  int32_t assign_checkpoint(const KVAllocation& alloc, int64_t index);
+
   int32_t num_free_blocks() const {
     return static_cast<int32_t>(free_uncached_.size()) + lru_size_;
   }
   int32_t num_blocks() const { return static_cast<int32_t>(blocks_.size()); }
   int32_t block_size() const { return block_size_; }
   int32_t num_free_state_slots() const { return static_cast<int32_t>(free_state_slots_.size()); }
+  int32_t num_state_checkpoints() const { return checkpoints_.num_slots(); }
+  int32_t num_used_state_checkpoints() const { return checkpoints_.num_used(); }
+  int32_t checkpoint_slot_of_block(int32_t block_id) const;
   int32_t state_slots_per_seq() const { return state_slots_per_seq_; }
   bool prefix_caching() const { return enable_prefix_caching_; }
 
@@ -137,6 +155,7 @@ class BlockManager {
   std::vector<PendingHash> pending_hashes_;  // empty outside a hash_full_blocks/publish_hashes pair
   std::vector<int32_t> free_state_slots_;
   int32_t num_state_slots_;
+  StateCheckpointPool checkpoints_;
 };
 
 }  // namespace pyengine

@@ -47,6 +47,12 @@ struct ScheduledBatch {
   int32_t max_blocks = 0;
   BatchArray<int32_t> state_slots;        // rows x slots_per_seq (hybrid models)
   BatchArray<int32_t> num_accepted_prev;  // tokens committed by each row's previous step
+  // Recurrent-state copies the forward runs first, rows of (ssm slot, conv line, conv offset,
+  // destination slot): state[dst] = state[ssm slot], conv[dst][0, W-1) = conv[line][offset, +W-1).
+  // The first num_state_saves save the last step's states into checkpoints; the rest restore a
+  // checkpoint into an admitted request's first slot (after its prefix hit). Saves run first.
+  std::vector<int32_t> state_copies;
+  int32_t num_state_saves = 0;
   BatchArray<int32_t> request_slots;      // Sequence::slot of each row (a dense request index)
   BatchArray<int64_t> tokens_left;        // tokens each row may still commit, before this step
   std::vector<int64_t> preempted_seq_ids;

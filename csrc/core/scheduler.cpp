@@ -9,7 +9,7 @@ namespace pyengine {
 Scheduler::Scheduler(const SchedulerConfig& c)
     : config_(c),
       block_manager_(c.num_kv_blocks, c.block_size, c.enable_prefix_caching, c.num_state_slots,
-                     c.num_state_slots > 0 ? 1 + c.num_spec_tokens : 0) {
+                     c.num_state_slots > 0 ? 1 + c.num_spec_tokens : 0, c.num_state_checkpoints) {
   PE_CHECK(c.max_num_seqs > 0, "max_num_seqs must be positive, got ", c.max_num_seqs);
   PE_CHECK(c.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive, got ",
            c.max_num_batched_tokens);
@@ -18,6 +18,10 @@ Scheduler::Scheduler(const SchedulerConfig& c)
   PE_CHECK(c.enable_chunked_prefill || c.max_num_batched_tokens >= c.max_model_len,
            "without chunked prefill max_num_batched_tokens (", c.max_num_batched_tokens,
            ") must be >= max_model_len (", c.max_model_len, ")");
+  PE_CHECK(c.num_state_checkpoints >= 0, "num_state_checkpoints must be >= 0, got ", c.num_state_checkpoints);
+  PE_CHECK(!checkpoints_states() || (c.state_checkpoint_interval > 0 && c.state_checkpoint_interval % c.block_size == 0),
+           "state_checkpoint_interval (", c.state_checkpoint_interval, ") must be a positive multiple of block_size (",
+           c.block_size, ")");
   verify_rows_by_drafts_.assign(c.num_spec_tokens + 1, 0);
   verify_rows_by_accepted_.assign(c.num_spec_tokens + 1, 0);
   draft_matrix_.assign(static_cast<size_t>(c.max_num_seqs) * c.num_spec_tokens, 0);
@@ -169,6 +173,9 @@ std::shared_ptr<ScheduledBatch> Scheduler::schedule() {
   rows.clear();
   std::vector<int64_t>& preempted = batch->preempted_seq_ids;
   preempted.clear();
+  batch->state_copies.swap(pending_state_saves_);  // the last update()'s checkpoint saves run first
+  pending_state_saves_.clear();
+  batch->num_state_saves = static_cast<int32_t>(batch->state_copies.size() / 4);
   int64_t budget = config_.max_num_batched_tokens;
   int64_t num_decode = 0;
   for (const Sequence* s : running_) num_decode += s->is_decode();
@@ -210,8 +217,8 @@ std::shared_ptr<ScheduledBatch> Scheduler::schedule() {
   for (size_t i = 0; has_prefills && i < running_.size() && budget > 0; ++i) {
     Sequence* seq = running_[i];
     if (seq->is_decode()) continue;
-    int64_t remaining = seq->num_tokens() - seq->num_computed;
-    int64_t chunk = std::min(remaining, budget);
+    const int64_t remaining = seq->num_tokens() - seq->num_computed;
+    const int64_t chunk = prefill_chunk(*seq, budget);
     if (!config_.enable_chunked_prefill && chunk < remaining) continue;
     PE_ASSERT(block_manager_.blocks_needed(seq->kv, seq->num_computed + chunk) == 0);
     rows.push_back({seq, static_cast<int32_t>(chunk), 0, chunk == remaining, seq->slot, false});
@@ -232,6 +239,12 @@ std::shared_ptr<ScheduledBatch> Scheduler::schedule() {
     const int64_t max_len = seq->num_prompt_tokens + seq->max_tokens + lookahead - 1;
     seq->kv.block_table.reserve(ceil_div(max_len, config_.block_size));
     stats_.prefix_cache_hit_tokens += cached;
+    stats_.prefix_cache_query_tokens += seq->num_tokens();
+    if (cached > 0 && checkpoints_states()) {  // resume from the state at the end of the last hit block
+      const int32_t src = block_manager_.restore_slot(seq->kv, cached / config_.block_size);
+      batch->state_copies.insert(batch->state_copies.end(), {src, src, 0, seq->kv.state_slots[0]});
+      ++stats_.num_state_restores;
+    }
     seq->num_computed = cached;
     seq->num_accepted_last = 1;
     seq->status = SeqStatus::kRunning;
@@ -240,8 +253,8 @@ std::shared_ptr<ScheduledBatch> Scheduler::schedule() {
     free_slots_.pop_back();
     waiting_.pop_front();
     running_.push_back(seq);
-    int64_t remaining = seq->num_tokens() - cached;
-    int64_t chunk = std::min(remaining, budget);
+    const int64_t remaining = seq->num_tokens() - cached;
+    const int64_t chunk = prefill_chunk(*seq, budget);
     rows.push_back({seq, static_cast<int32_t>(chunk), 0, chunk == remaining, seq->slot, false});
     budget -= chunk;
   }
@@ -251,6 +264,34 @@ std::shared_ptr<ScheduledBatch> Scheduler::schedule() {
   step_in_flight_ = true;
   ++stats_.num_steps;
   return batch;
+}
+
+int64_t Scheduler::prefill_chunk(const Sequence& seq, int64_t budget) const {
+  const int64_t remaining = seq.num_tokens() - seq.num_computed;
+  int64_t chunk = std::min(remaining, budget);
+  if (checkpoints_states() && config_.enable_chunked_prefill) {
+    const int64_t interval = config_.state_checkpoint_interval;
+    const int64_t next = (seq.num_computed / interval + 1) * interval;
+    if (next < seq.num_tokens()) chunk = std::min(chunk, next - seq.num_computed);
+  }
+  return chunk;
+}
+
+void Scheduler::queue_checkpoints(const Row& row, int64_t old_num_computed) {
+  // The step computed the inputs at [old_num_computed, num_computed): the state after input p is
+  // the state at position p + 1. A verify row wrote the state after its input t to slot t (conv
+  // window at offset t); a prefill chunk only its final state, to slot 0 at offset 0.
+  Sequence& seq = *row.seq;
+  const int64_t interval = config_.state_checkpoint_interval, B = config_.block_size;
+  const std::vector<int32_t>& slots = seq.kv.state_slots;
+  if (row.is_decode) {
+    for (int64_t p = (old_num_computed / interval + 1) * interval; p <= seq.num_computed; p += interval) {
+      const auto t = static_cast<int32_t>(p - 1 - old_num_computed);
+      checkpoint_candidates_.push_back({&seq, p / B - 1, slots[t], slots[0], t});
+    }
+  } else if (seq.num_computed % interval == 0) {
+    checkpoint_candidates_.push_back({&seq, seq.num_computed / B - 1, slots[0], slots[0], 0});
+  }
 }
 
 int32_t Scheduler::commit_tokens(Sequence& seq, const int32_t* tokens, int32_t n) {
@@ -329,6 +370,7 @@ UpdateResult Scheduler::update(const int32_t* tokens, int64_t num_tokens, const 
     }
     // KV is valid for the inputs that were committed tokens: a prefill chunk entirely, a verify
     // row's last committed token plus its accepted drafts. Rejected slots are overwritten later.
+    const int64_t old_num_computed = seq.num_computed;
     seq.num_computed += r.is_decode ? c : r.num_scheduled;
     seq.num_accepted_last = r.is_decode ? c : 1;
     seq.num_drafts = 0;
@@ -345,6 +387,7 @@ UpdateResult Scheduler::update(const int32_t* tokens, int64_t num_tokens, const 
     }
     if (block_manager_.has_new_full_block(seq.kv, std::min(seq.num_computed, seq.num_tokens())))
       filled_.push_back(&seq);
+    if (checkpoints_states()) queue_checkpoints(r, old_num_computed);
   }
   // Prefix caching, in a loop of its own: the hash chains of different requests and their block
   // table reads are independent, so they overlap here instead of stalling the loop above.
@@ -358,6 +401,14 @@ UpdateResult Scheduler::update(const int32_t* tokens, int64_t num_tokens, const 
   }
   block_manager_.publish_hashes();
   filled_.clear();
+  // Checkpoints attach to published hashes, so they are assigned after publishing.
+  for (const CheckpointCandidate& c : checkpoint_candidates_) {
+    const int32_t dst = block_manager_.assign_checkpoint(c.seq->kv, c.block_index);
+    if (dst < 0) continue;
+    pending_state_saves_.insert(pending_state_saves_.end(), {c.ssm_slot, c.conv_line, c.conv_offset, dst});
+    ++stats_.num_state_checkpoints_saved;
+  }
+  checkpoint_candidates_.clear();
   in_flight_.clear();
   return res;
 }

@@ -28,6 +28,12 @@ struct SchedulerConfig {
   int32_t num_spec_tokens = 0;    // k: the most drafts a row may carry
   int32_t drafter_lookahead = 0;  // KV positions a draft model writes past the verify tokens
   int32_t num_state_slots = 0;    // > 0 for hybrid models: each request holds 1 + k slots
+  // Hybrid models with prefix caching: the recurrent state at every position that is a multiple of
+  // state_checkpoint_interval (a multiple of block_size) is kept, in a pool of
+  // num_state_checkpoints slots, with the hash of the block ending there; prefill chunks end at
+  // those positions so that the state there exists.
+  int32_t num_state_checkpoints = 0;
+  int32_t state_checkpoint_interval = 0;
 };
 
 struct UpdateResult {
@@ -48,6 +54,9 @@ struct SchedulerStats {
   int64_t num_steps = 0;
   int64_t num_preemptions = 0;
   int64_t prefix_cache_hit_tokens = 0;
+  int64_t prefix_cache_query_tokens = 0;  // tokens of the requests admitted (hit rate: hits / these)
+  int64_t num_state_checkpoints_saved = 0;
+  int64_t num_state_restores = 0;
   int64_t num_draft_tokens = 0;     // drafts verified
   int64_t num_accepted_tokens = 0;  // drafts accepted
   int64_t num_verify_rows = 0;      // decode rows that carried at least one draft
@@ -126,6 +135,12 @@ class Scheduler {
   // Appends up to n accepted tokens, stopping at EOS / stop ids / max_tokens / max_model_len.
   int32_t commit_tokens(Sequence& seq, const int32_t* tokens, int32_t n);
   void finish(Sequence& seq, FinishReason reason);
+  // Tokens of a prefill chunk from seq.num_computed within `budget`: it ends at the prompt's end or
+  // at the next state checkpoint position, whichever comes first.
+  int64_t prefill_chunk(const Sequence& seq, int64_t budget) const;
+  // update(): the states this step left at checkpoint positions of `row` (still running).
+  void queue_checkpoints(const Row& row, int64_t old_num_computed);
+  bool checkpoints_states() const { return block_manager_.num_state_checkpoints() > 0; }
   std::shared_ptr<ScheduledBatch> reusable_batch();                              // scheduler_batch.cpp
   void build_batch(const std::vector<Row>& rows, ScheduledBatch& batch) const;  // scheduler_batch.cpp
 
@@ -140,6 +155,15 @@ class Scheduler {
   std::vector<int32_t> free_slots_;
   std::vector<Row> in_flight_;      // rows of the last schedule(), until update()
   std::vector<Sequence*> filled_;   // update(): requests whose step filled a block to hash
+  // Recurrent-state copies for the next batch (ScheduledBatch::state_copies): the checkpoints
+  // update() assigned, which the next forward saves before anything runs.
+  std::vector<int32_t> pending_state_saves_;
+  struct CheckpointCandidate {  // a state at a checkpoint position, waiting for its block's hash
+    Sequence* seq;
+    int64_t block_index;
+    int32_t ssm_slot, conv_line, conv_offset;
+  };
+  std::vector<CheckpointCandidate> checkpoint_candidates_;
   FinishedOutputs finished_outputs_;  // of the last update()
   static constexpr size_t kBatchPoolSize = 3;
   std::vector<std::shared_ptr<ScheduledBatch>> batch_pool_;  // batches schedule() refills

@@ -11,7 +11,8 @@ import torch
 from pyengine.engine.llm_engine import EngineConfig, LLMEngine
 from pyengine.engine.output_processor import Request
 from pyengine.loader import load_model
-from pyengine.engine.kv_budget import CPU_KV_CACHE_BYTES, default_num_kv_blocks, kv_bytes_per_block
+from pyengine.engine.kv_budget import (CPU_KV_CACHE_BYTES, StatePoolPlan, cache_budget_bytes, default_num_kv_blocks,
+                                       kv_bytes_per_block, plan_state_pool)
 from pyengine.engine.model_runner import ModelRunner
 from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
 from pyengine.outputs import CompletionOutput, RequestOutput
@@ -91,13 +92,16 @@ class LLM:
                  enforce_eager: bool = False, async_decode: bool = True,
                  cpu_kv_cache_bytes: int = CPU_KV_CACHE_BYTES,
                  kernel_config: KernelConfig | dict[str, Any] | None = None,
-                 batch_invariant: bool | None = None) -> None:
+                 batch_invariant: bool | None = None, num_state_checkpoints: int | None = None,
+                 state_checkpoint_interval: int | None = None) -> None:
         """vLLM's arguments, plus: async_decode (launch the next greedy decode step before this
         one's tokens reach the host; CUDA graphs only), cpu_kv_cache_bytes (the KV budget on the
         CPU) and kernel_config (the kernel variants this LLM's loading and steps run: a
         KernelConfig or a dict of its fields; another LLM in the process keeps its own).
         batch_invariant: a row's numbers never depend on the rest of the step (None: the
-        kernel_config's batch_invariant)."""
+        kernel_config's batch_invariant). Hybrid (recurrent-state) models with prefix caching keep
+        their state every state_checkpoint_interval tokens (a multiple of block_size; default 256)
+        in a pool of num_state_checkpoints slots (default: a tenth of the cache memory)."""
         self.kernel_config = KernelConfig.from_value(kernel_config)
         if batch_invariant is not None:
             if not isinstance(batch_invariant, bool):
@@ -109,6 +113,11 @@ class LLM:
                                      ("max_num_batched_tokens", max_num_batched_tokens, True)]:
                 _positive(name, value, opt)
             _positive("max_num_seqs", max_num_seqs, limit=MAX_NUM_SEQS)
+            _positive("state_checkpoint_interval", state_checkpoint_interval, True)
+            if num_state_checkpoints is not None and (not isinstance(num_state_checkpoints, int)
+                                                      or isinstance(num_state_checkpoints, bool)
+                                                      or not 0 <= num_state_checkpoints <= _INT32_MAX):
+                raise ValueError(f"num_state_checkpoints must be an int >= 0, got {num_state_checkpoints!r}")
             _positive("cpu_kv_cache_bytes", cpu_kv_cache_bytes, limit=2**63 - 1)
             for name, value in [("enable_prefix_caching", enable_prefix_caching), ("enforce_eager", enforce_eager),
                                 ("async_decode", async_decode)]:
@@ -146,15 +155,8 @@ class LLM:
                 raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({limit})")
             max_model_len = max_model_len or min(limit, 8192)
             kv_configs = [self.model_config] + ([] if draft is None else [draft[1]])
-            if num_kv_blocks is not None:
-                _check_kv_memory(num_kv_blocks, kv_configs, block_size, self.dtype, self.device)
-            else:
-                num_kv_blocks = default_num_kv_blocks(kv_configs, block_size, self.dtype, self.device, max_num_seqs,
-                                                      max_model_len, gpu_memory_utilization, cpu_kv_cache_bytes)
-            if self.kernel_config.batch_invariant and self.device.type == "cpu":
-                self._check_cpu_batch_invariant()
-            # ---- hybrid (recurrent-state) models: a state slot pool; no prefix caching ----
-            num_state_slots = 0
+            # ---- hybrid (recurrent-state) models: a state slot pool, and checkpoints for prefix caching ----
+            state = StatePoolPlan(0, 0, 0, 0)
             if hasattr(self.model, "state_shapes"):
                 if self.kernel_config.batch_invariant:
                     raise ValueError(f"{self.model_config.architecture}: batch_invariant is not available for "
@@ -162,22 +164,36 @@ class LLM:
                 if spec is not None and spec.method == "draft_model":
                     raise ValueError(f"{self.model_config.architecture}: draft-model speculation is not supported for "
                                      "recurrent-state models (use ngram)")
-                # Recurrent state is not checkpointed per KV block, so a prefix hit would skip the state of
-                # the cached tokens: prefix caching is forced off for these models.
-                enable_prefix_caching = False
-                num_state_slots = max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+                k = spec.num_speculative_tokens if spec else 0
+                state = plan_state_pool(self.model.state_shapes(k), self.dtype, k, max_num_seqs, block_size,
+                                        enable_prefix_caching,
+                                        cache_budget_bytes(self.device, gpu_memory_utilization, cpu_kv_cache_bytes),
+                                        num_state_checkpoints, state_checkpoint_interval)
+            elif num_state_checkpoints is not None or state_checkpoint_interval is not None:
+                raise ValueError(f"{self.model_config.architecture} keeps no recurrent state: num_state_checkpoints "
+                                 "and state_checkpoint_interval apply to hybrid models only")
             # ---- end hybrid ----
+            if num_kv_blocks is not None:
+                _check_kv_memory(num_kv_blocks, kv_configs, block_size, self.dtype, self.device)
+            else:
+                num_kv_blocks = default_num_kv_blocks(kv_configs, block_size, self.dtype, self.device, max_num_seqs,
+                                                      max_model_len, gpu_memory_utilization, cpu_kv_cache_bytes,
+                                                      reserved_bytes=state.num_bytes)
+            if self.kernel_config.batch_invariant and self.device.type == "cpu":
+                self._check_cpu_batch_invariant()
             cfg = EngineConfig(
                 max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens or max(2048, 4 * max_num_seqs),
                 enable_prefix_caching=enable_prefix_caching, seed=seed, speculative=spec,
-                num_state_slots=num_state_slots, async_decode=async_decode, kernel_config=self.kernel_config)
+                num_state_slots=state.num_slots, num_state_checkpoints=state.num_checkpoints,
+                state_checkpoint_interval=state.checkpoint_interval, async_decode=async_decode,
+                kernel_config=self.kernel_config)
             # enforce_eager (vLLM's name): no CUDA graphs; decode/verify steps are captured otherwise (GPU only).
             runner = ModelRunner(self.model, self.model_config, block_size, num_kv_blocks, self.device, self.dtype,
                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                  max_query_len=1 + (spec.num_speculative_tokens if spec else 0),
                                  cuda_graphs=not enforce_eager and self.device.type == "cuda",
-                                 num_state_slots=num_state_slots)
+                                 num_state_slots=state.num_slots, num_state_checkpoints=state.num_checkpoints)
             self.engine = LLMEngine(runner, self.model_config, self.tokenizer, cfg, draft_model=draft)
 
     def _check_cpu_batch_invariant(self) -> None:

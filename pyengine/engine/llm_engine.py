@@ -51,6 +51,9 @@ class EngineConfig:
     seed: int
     speculative: SpeculativeConfig | None = None
     num_state_slots: int = 0  # hybrid models: recurrent-state slot pool (1 + k per request)
+    # hybrid models with prefix caching: checkpoints of the state every state_checkpoint_interval tokens
+    num_state_checkpoints: int = 0
+    state_checkpoint_interval: int = 0
     async_decode: bool = True  # launch the next greedy decode step before this one's tokens arrive
     kernel_config: KernelConfig = field(default_factory=KernelConfig)  # the kernels this engine's steps run
     record_logits: bool = False  # keep each committed token's logits (Request.logits): the losslessness checker
@@ -71,6 +74,8 @@ class LLMEngine:
         sc.enable_prefix_caching = cfg.enable_prefix_caching
         sc.num_spec_tokens = self.k
         sc.num_state_slots = cfg.num_state_slots
+        sc.num_state_checkpoints = cfg.num_state_checkpoints
+        sc.state_checkpoint_interval = cfg.state_checkpoint_interval
         # A draft model (or MTP layer) writes k - 1 positions past the verify tokens before the next append.
         sc.drafter_lookahead = self.k if spec is not None and spec.method in ("draft_model", "mtp") else 0
         self.scheduler = _C.Scheduler(sc)
@@ -347,10 +352,15 @@ class LLMEngine:
             "num_steps": s["num_steps"],
             "num_preemptions": s["num_preemptions"],
             "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
+            "prefix_cache_hit_rate": (s["prefix_cache_hit_tokens"] / s["prefix_cache_query_tokens"]
+                                      if s["prefix_cache_query_tokens"] else 0.0),
             **self.counters,
             "prefill_tokens_per_s": self.counters["prefill_tokens"] / self.prefill_time if self.prefill_time else 0.0,
             "decode_tokens_per_s": self.counters["decode_tokens"] / self.decode_time if self.decode_time else 0.0,
         }
+        if self.cfg.num_state_checkpoints:
+            out.update({"num_state_checkpoints_saved": s["num_state_checkpoints_saved"],
+                        "num_state_restores": s["num_state_restores"]})
         if self.k:
             out.update({
                 "num_draft_tokens": drafted,

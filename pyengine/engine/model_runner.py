@@ -15,7 +15,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, block_size: int, num_kv_blocks: int,
                  device: torch.device, dtype: torch.dtype, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_query_len: int = 1, cuda_graphs: bool = False,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, num_state_checkpoints: int = 0) -> None:
         self.model, self.config, self.block_size = model, config, block_size
         self.device, self.dtype, self.num_kv_blocks = device, dtype, num_kv_blocks
         # Unwritten slots are never read: attention reads only positions below each row's context.
@@ -49,7 +49,8 @@ class ModelRunner:
 
             if num_state_slots <= 0:
                 raise ValueError(f"{config.architecture} keeps recurrent state: num_state_slots must be > 0")
-            self.state_cache = StateCache(model.state_shapes(max_query_len - 1), num_state_slots, dtype, device)
+            self.state_cache = StateCache(model.state_shapes(max_query_len - 1), num_state_slots, dtype, device,
+                                          num_spec_tokens=max_query_len - 1, num_checkpoints=num_state_checkpoints)
             if self.graph_runner is not None:  # captured decode/verify steps read the slots from static buffers
                 self.graph_runner.state_cache = self.state_cache
         # ---- end recurrent state ----
@@ -97,6 +98,8 @@ class ModelRunner:
     def execute(self, batch) -> torch.Tensor:
         """Forward over every scheduled token; returns logits [len(logits_indices), vocab] fp32."""
         self.last_graph_key = None
+        if self.state_cache is not None:  # prefix caching: checkpoint saves and restores come first
+            self.state_cache.apply_copies(batch)
         if self.graph_runner is not None:
             key = self.graph_runner.bucket_for(batch)
             if key is not None:

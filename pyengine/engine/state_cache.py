@@ -8,7 +8,12 @@ Semantics of slots and offsets: pyengine/ops/reference/ssm.py.
 
 Every decode row (with or without drafts) runs the one speculative path (T = 1 + drafts tokens,
 read at slot / offset a - 1); prefill rows start from zeros (num_computed == 0) or from the state
-their previous chunk left at offset 0 (a = 1).
+their previous chunk (or a restored checkpoint) left at offset 0 (a = 1).
+
+Prefix caching: slots from num_running_slots on are checkpoints, each the state at the end of one
+hashed KV block (csrc/core/state_checkpoints.h). The scheduler lists the copies a step needs
+(ScheduledBatch.state_copies): saves of the last step's states into checkpoints, then restores of a
+checkpoint into an admitted request's first slot; apply_copies runs them before the forward.
 """
 from __future__ import annotations
 
@@ -44,9 +49,12 @@ class StateMetadata:
 
 class StateCache:
     def __init__(self, shapes: list[tuple[tuple[int, ...], tuple[int, ...]] | None], num_slots: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        """shapes: per layer, (conv row shape [W - 1 + k, conv_dim], ssm shape [H, P, N]) or None."""
-        self.num_slots, self.device = num_slots, device
+                 dtype: torch.dtype, device: torch.device, num_spec_tokens: int = 0, num_checkpoints: int = 0) -> None:
+        """shapes: per layer, (conv row shape [W - 1 + k, conv_dim], ssm shape [H, P, N]) or None;
+        num_slots running slots (1 + k per request), then num_checkpoints checkpoint slots."""
+        self.num_running_slots, self.num_checkpoints = num_slots, num_checkpoints
+        self.num_slots, self.device, self.num_spec_tokens = num_slots + num_checkpoints, device, num_spec_tokens
+        num_slots = self.num_slots
         # Zero-filled: a prefill from scratch never reads the pool, but a reference run that
         # inspects a slot never sees uninitialised memory.
         self.conv = [None if s is None else torch.zeros((num_slots, *s[0]), dtype=dtype, device=device) for s in shapes]
@@ -55,6 +63,28 @@ class StateCache:
 
     def bytes_per_slot(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.conv + self.ssm if t is not None)
+
+    def apply_copies(self, batch) -> None:  # batch: _C.ScheduledBatch
+        """The step's checkpoint saves, then its restores (a restore may read a checkpoint saved in
+        the same batch; a save may read a slot a restore is about to overwrite)."""
+        copies = batch.state_copies
+        if copies.shape[0] == 0:
+            return
+        saves = int(batch.num_state_saves)
+        for part in (copies[:saves], copies[saves:]):
+            if part.shape[0]:
+                self._copy(self._tensor(part).long())
+
+    def _copy(self, copies: torch.Tensor) -> None:
+        """copies [n, 4] (ssm slot, conv line, conv offset, destination): state[dst] = state[ssm slot];
+        conv[dst][0, W-1) = conv[line][offset, offset + W-1): the window valid at that offset."""
+        src, line, offset, dst = copies.unbind(1)
+        for conv, ssm in zip(self.conv, self.ssm):
+            if ssm is None:
+                continue
+            ssm.index_copy_(0, dst, ssm.index_select(0, src))
+            window = torch.arange(conv.shape[1] - self.num_spec_tokens, device=conv.device)
+            conv[dst[:, None], window] = conv[line[:, None], offset[:, None] + window]
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
