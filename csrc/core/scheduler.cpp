@@ -284,8 +284,10 @@ void Scheduler::queue_checkpoints(const Row& row, int64_t old_num_computed) {
   Sequence& seq = *row.seq;
   const int64_t interval = config_.state_checkpoint_interval, B = config_.block_size;
   const std::vector<int32_t>& slots = seq.kv.state_slots;
+  // Positions up to the committed tokens only: a stop inside an accepted run leaves inputs past it.
+  const int64_t last = std::min(seq.num_computed, seq.num_tokens());
   if (row.is_decode) {
-    for (int64_t p = (old_num_computed / interval + 1) * interval; p <= seq.num_computed; p += interval) {
+    for (int64_t p = (old_num_computed / interval + 1) * interval; p <= last; p += interval) {
       const auto t = static_cast<int32_t>(p - 1 - old_num_computed);
       checkpoint_candidates_.push_back({&seq, p / B - 1, slots[t], slots[0], t});
     }
@@ -294,7 +296,7 @@ void Scheduler::queue_checkpoints(const Row& row, int64_t old_num_computed) {
   }
 }
 
-int32_t Scheduler::commit_tokens(Sequence& seq, const int32_t* tokens, int32_t n) {
+int32_t Scheduler::commit_tokens(Sequence& seq, const int32_t* tokens, int32_t n, FinishReason& finish_reason) {
   // Accepted tokens count one by one: a stop inside the run ends it there and drops the rest.
   const int64_t room = tokens_left(seq);
   const int32_t limit = static_cast<int32_t>(std::min<int64_t>(n, room));
@@ -311,7 +313,7 @@ int32_t Scheduler::commit_tokens(Sequence& seq, const int32_t* tokens, int32_t n
     }
   }
   seq.token_ids.insert(seq.token_ids.end(), tokens, tokens + m);
-  if (reason != FinishReason::kNone) finish(seq, reason);
+  finish_reason = reason;
   return m;
 }
 
@@ -374,17 +376,13 @@ UpdateResult Scheduler::update(const int32_t* tokens, int64_t num_tokens, const 
     seq.num_computed += r.is_decode ? c : r.num_scheduled;
     seq.num_accepted_last = r.is_decode ? c : 1;
     seq.num_drafts = 0;
-    res.num_committed[i] = commit_tokens(seq, tokens + off, c);
-    res.finish_reason[i] = static_cast<int8_t>(seq.finish_reason);
+    FinishReason reason = FinishReason::kNone;
+    res.num_committed[i] = commit_tokens(seq, tokens + off, c, reason);
+    res.finish_reason[i] = static_cast<int8_t>(reason);
     off += c;
-    if (seq.status == SeqStatus::kFinished) {
-      finished_outputs_.seq_ids.push_back(seq.seq_id);
-      finished_outputs_.token_ids.insert(finished_outputs_.token_ids.end(),
-                                         seq.token_ids.begin() + seq.num_prompt_tokens, seq.token_ids.end());
-      finished_outputs_.cu_num_tokens.push_back(static_cast<int64_t>(finished_outputs_.token_ids.size()));
-      seqs_.erase(seq.seq_id);  // finish() freed its blocks; nothing below reads it
-      continue;
-    }
+    // A finishing request keeps its blocks until its last full blocks (and states) are cached too:
+    // the blocks a step fills do not depend on how many tokens the step committed.
+    if (reason != FinishReason::kNone) finishing_.push_back({&seq, reason});
     if (block_manager_.has_new_full_block(seq.kv, std::min(seq.num_computed, seq.num_tokens())))
       filled_.push_back(&seq);
     if (checkpoints_states()) queue_checkpoints(r, old_num_computed);
@@ -409,6 +407,15 @@ UpdateResult Scheduler::update(const int32_t* tokens, int64_t num_tokens, const 
     ++stats_.num_state_checkpoints_saved;
   }
   checkpoint_candidates_.clear();
+  for (const auto& [seq, reason] : finishing_) {
+    finish(*seq, reason);
+    finished_outputs_.seq_ids.push_back(seq->seq_id);
+    finished_outputs_.token_ids.insert(finished_outputs_.token_ids.end(),
+                                       seq->token_ids.begin() + seq->num_prompt_tokens, seq->token_ids.end());
+    finished_outputs_.cu_num_tokens.push_back(static_cast<int64_t>(finished_outputs_.token_ids.size()));
+    seqs_.erase(seq->seq_id);  // finish() freed its blocks; nothing reads it any more
+  }
+  finishing_.clear();
   in_flight_.clear();
   return res;
 }

@@ -133,7 +133,9 @@ class Scheduler {
   void set_draft_tokens(Sequence& seq, const int32_t* tokens, int64_t n);
   void preempt(Sequence* seq);
   // Appends up to n accepted tokens, stopping at EOS / stop ids / max_tokens / max_model_len.
-  int32_t commit_tokens(Sequence& seq, const int32_t* tokens, int32_t n);
+  // The finish reason (kNone: still running) goes to finish_reason; update() finishes the request
+  // after caching its blocks.
+  int32_t commit_tokens(Sequence& seq, const int32_t* tokens, int32_t n, FinishReason& finish_reason);
   void finish(Sequence& seq, FinishReason reason);
   // Tokens of a prefill chunk from seq.num_computed within `budget`: it ends at the prompt's end or
   // at the next state checkpoint position, whichever comes first.
@@ -155,6 +157,7 @@ class Scheduler {
   std::vector<int32_t> free_slots_;
   std::vector<Row> in_flight_;      // rows of the last schedule(), until update()
   std::vector<Sequence*> filled_;   // update(): requests whose step filled a block to hash
+  std::vector<std::pair<Sequence*, FinishReason>> finishing_;  // update(): finished once hashed
   // Recurrent-state copies for the next batch (ScheduledBatch::state_copies): the checkpoints
   // update() assigned, which the next forward saves before anything runs.
   std::vector<int32_t> pending_state_saves_;
