@@ -91,6 +91,21 @@ llm = LLM(path, device="cuda", dtype="bfloat16", block_size=16, max_num_batched_
 llm.generate(make_prompts(4, seed=3), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
 assert llm.stats()["num_accepted_tokens"] > 0
 """,
+    # Prefix caching of a hybrid model: checkpoint saves and restores of the recurrent state (torch
+    # index copies over every Mamba layer's pools) between CUDA-graph replays, block size 4, verify
+    # rows crossing checkpoint positions.
+    "hybrid": """
+import os, sys, tempfile
+sys.path.insert(0, os.path.dirname(os.getcwd()))
+from tests.test_bamba import make_bamba_checkpoint
+from tests.test_hybrid_prefix_cache import NGRAM, run_phases, two_phase_prompts
+path = tempfile.mkdtemp()
+make_bamba_checkpoint(path)
+gpu = dict(device="cuda", dtype="float32")
+phase1, phase2, _ = two_phase_prompts(path, 4, seed=3, **gpu)
+out = run_phases(path, [phase1, phase2], [12, 4], True, 4, NGRAM, **gpu)
+assert out[2]["num_state_restores"] > 0 and out[2]["num_state_checkpoints_saved"] > 0
+""",
 }
 
 
@@ -104,12 +119,13 @@ def run_under(tool: str, program: str, variant: str) -> str:
     return out
 
 
-@pytest.mark.parametrize("kernel", ["mla", "gqa", "gqa_fma", "gemm", "gdn", "deepseek"])
+@pytest.mark.parametrize("kernel", ["mla", "gqa", "gqa_fma", "gemm", "gdn", "deepseek", "hybrid"])
 def test_memcheck_clean(kernel):
     """gqa: the tensor-core kernel NVIDIA runs; gqa_fma: the FMA kernel (AMD's), forced; gemm: the
     batch-invariant GEMM (row and column tails, every split); gdn: the Gated DeltaNet update and
     prefill; deepseek: a DeepSeek-V3 model's
-    kernels under MTP speculation."""
+    kernels under MTP speculation; hybrid: a Bamba model's kernels and state checkpoint copies
+    under prefix caching and ngram speculation."""
     family, _, variant = kernel.partition("_")
     out = run_under("memcheck", PROGRAMS[family], variant or "default")
     assert "ERROR SUMMARY: 0 errors" in out, out[-3000:]
