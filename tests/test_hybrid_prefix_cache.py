@@ -173,3 +173,45 @@ def test_a_tiny_checkpoint_pool_never_fails_a_request(mamba2: str) -> None:
     on = run_phases(mamba2, *args, True, 4, None, num_state_checkpoints=1)
     assert_same_bits(on, off)
     assert on[2]["num_state_restores"] < len(phase2)
+
+
+@pytest.fixture(scope="module")
+def nemotron_h(tmp_path_factory) -> str:
+    from tests.test_nemotron_h import make_nemotron_h_checkpoint
+
+    path = str(tmp_path_factory.mktemp("pc_nemotron_h"))
+    make_nemotron_h_checkpoint(path)
+    return path
+
+
+def test_nemotron_h_prefix_caching_is_the_default_and_exact(nemotron_h: str) -> None:
+    """Nemotron-H (Mamba2, attention without RoPE, relu^2 MLP): prefix caching on by default, with
+    the default checkpoint interval (256, whole blocks) and an explicit one."""
+    phase1, phase2, _ = two_phase_prompts(nemotron_h, 4, seed=11)
+    args = ([phase1, phase2], [PHASE1_TOKENS, PHASE2_TOKENS])
+    off = run_phases(nemotron_h, *args, False, 4)
+    on = run_phases(nemotron_h, *args, True, 4, NGRAM)
+    assert_same_bits(on, off)
+    assert on[2]["num_state_restores"] > 0
+    default = make_llm(nemotron_h, None, device="cpu", max_model_len=128, block_size=16)
+    cfg = default.engine.cfg
+    assert cfg.enable_prefix_caching and cfg.num_state_checkpoints > 0 and cfg.state_checkpoint_interval == 256
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(state_checkpoint_interval=6), "state_checkpoint_interval must be a positive multiple of block_size"),
+    (dict(state_checkpoint_interval=0), "state_checkpoint_interval must be a positive int"),
+    (dict(num_state_checkpoints=-1), "num_state_checkpoints must be an int >= 0"),
+    (dict(num_state_checkpoints=True), "num_state_checkpoints must be an int >= 0"),
+])
+def test_bad_checkpoint_settings_are_one_line_value_errors(mamba2: str, kw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_llm(mamba2, None, device="cpu", max_model_len=64, block_size=4, **kw)
+
+
+def test_checkpoint_settings_on_a_model_without_state_are_refused(tmp_path) -> None:
+    from tests.tiny_models import make_checkpoint
+
+    make_checkpoint("llama_gqa_untied", str(tmp_path))
+    with pytest.raises(ValueError, match="keeps no recurrent state"):
+        make_llm(str(tmp_path), None, device="cpu", max_model_len=64, num_state_checkpoints=4)

@@ -30,6 +30,11 @@ def add_engine_args(p: argparse.ArgumentParser, default_spec: str | None = None)
     p.add_argument("--num-kv-blocks", type=int)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--num-state-checkpoints", type=int,
+                   help="hybrid models: recurrent-state checkpoints for prefix caching (default: a tenth of the cache memory)")
+    p.add_argument("--state-checkpoint-interval", type=int,
+                   help="hybrid models: tokens between state checkpoints, a multiple of --block-size (default 256)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (GPU)")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="a row's numbers never depend on the rest of the batch (default: the engine's)")
@@ -54,4 +59,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                 num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 speculative_config=speculative_config(args), enforce_eager=args.enforce_eager,
-                batch_invariant=args.batch_invariant)
+                batch_invariant=args.batch_invariant, enable_prefix_caching=args.enable_prefix_caching,
+                num_state_checkpoints=args.num_state_checkpoints,
+                state_checkpoint_interval=args.state_checkpoint_interval)
