@@ -15,6 +15,7 @@ from typing import Any
 GREEDY_TEMPERATURE_EPS = 1e-5
 SEED_MIN, SEED_END = -(2**63), 2**64  # seeds are 64-bit (torch.Generator.manual_seed's range)
 MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the scheduler
+MAX_LOGPROBS = 20  # most alternatives per output token (OpenAI's top_logprobs limit)
 
 
 def _is_int(value: Any) -> bool:
@@ -37,6 +38,9 @@ class SamplingParams:
     stop: str | list[str] | None = None  # normalised to list[str]
     stop_token_ids: list[int] | None = None  # normalised to list[int]
     ignore_eos: bool = False
+    # None: no logprobs; n >= 0: each output token's log-probability under the model (log_softmax
+    # of its raw logits, before temperature and filters) and the n most likely alternatives
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._validate_numbers()
@@ -71,6 +75,10 @@ class SamplingParams:
         n = self.max_tokens
         if not _is_int(n) or not 1 <= n < 2**63:
             raise ValueError(f"max_tokens must be an int in 1..2**63-1, got {n!r}")
+
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in 0..{MAX_LOGPROBS}, got {lp!r}")
 
     @staticmethod
     def _normalise_stop(stop: Any) -> list[str]:

@@ -209,13 +209,47 @@ def test_disconnect_aborts_and_frees_blocks(server):
     assert m["pyengine:generation_tokens_total"] - before["pyengine:generation_tokens_total"] < 4000
 
 
+def test_completion_logprobs_streamed_equal_not_streamed(server):
+    kw = dict(model=DEFAULT_MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3)
+    r = server.client.completions.create(**kw).choices[0]
+    lp = r.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 12
+    assert "".join(lp.tokens) == r.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(12)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and max(top.values()) == value and top[token] == value  # greedy: the top token
+    streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in server.client.completions.create(stream=True, **kw):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            for key in streamed:
+                streamed[key] += getattr(chunk.choices[0].logprobs, key)
+    assert streamed == {key: getattr(lp, key) for key in streamed}
+
+
+def test_chat_logprobs_streamed_equal_not_streamed(server):
+    kw = dict(model=DEFAULT_MODEL_NAME, messages=QUESTION, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
+    r = server.client.chat.completions.create(**kw).choices[0]
+    content = [c.model_dump() for c in r.logprobs.content]
+    assert len(content) == 10 and "".join(c["token"] for c in content) == r.message.content
+    for c in content:
+        assert len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["logprob"] == c["logprob"]
+        assert bytes(c["bytes"]).decode() == c["token"]
+    streamed = []
+    for chunk in server.client.chat.completions.create(stream=True, **kw):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += [c.model_dump() for c in chunk.choices[0].logprobs.content]
+    assert streamed == content
+    plain = server.client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=QUESTION, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+
+
 BAD_REQUESTS = [
     ("chat", {"max_tokens": 5}, "messages"),
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"role": "user"}]}, "messages"),
     ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-    ("chat", {"messages": QUESTION, "logprobs": True}, "logprobs"),
-    ("chat", {"messages": QUESTION, "top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"messages": QUESTION, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ("chat", {"messages": QUESTION, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"messages": QUESTION, "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": PROMPT, "max_tokens": -1}, "max_tokens"),
     ("completions", {"prompt": PROMPT, "temperature": "x"}, "temperature"),
@@ -225,7 +259,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": PROMPT, "seed": "abc"}, "seed"),
     ("completions", {"prompt": PROMPT, "stop": [""]}, "stop"),
     ("completions", {"prompt": PROMPT, "n": 1000}, "n"),
-    ("completions", {"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+    ("completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": PROMPT, "logprobs": -1}, "logprobs"),
     ("completions", {"prompt": PROMPT, "presence_penalty": 1.0}, "presence_penalty"),
     ("completions", {"prompt": [10**7, 5]}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),

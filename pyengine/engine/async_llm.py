@@ -206,7 +206,8 @@ class AsyncLLM:
         if new_ids and stream.first_token_time is None:
             stream.first_token_time = now
         stream.sent_chars, stream.sent_tokens = visible, len(req.output_token_ids)
-        completion = CompletionOutput(0, new_text, new_ids, req.finish_reason)
+        new_logprobs = None if req.logprobs is None else req.logprobs[stream.sent_tokens - len(new_ids):stream.sent_tokens]
+        completion = CompletionOutput(0, new_text, new_ids, req.finish_reason, new_logprobs)
         out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.finished, req.error,
                             metrics=self._metrics(stream, now))
         stream.put(out)

@@ -262,7 +262,7 @@ class LLM:
 
     @staticmethod
     def _output(r: Request) -> RequestOutput:
-        completion = CompletionOutput(0, r.text, list(r.output_token_ids), r.finish_reason)
+        completion = CompletionOutput(0, r.text, list(r.output_token_ids), r.finish_reason, r.logprobs)
         return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [completion], True, r.error)
 
     @staticmethod

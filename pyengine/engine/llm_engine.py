@@ -32,7 +32,8 @@ from pyengine.engine.model_runner import ModelRunner
 from pyengine.engine.output_processor import OutputProcessor, Request
 from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
 from pyengine.spec_decode.rejection_sampler import RejectionSampler, greedy_argmax
-from pyengine.engine.sampler import RequestGenerators, finite_rows
+from pyengine.engine.sampler import RequestGenerators, finite_rows, token_logprobs
+from pyengine.outputs import Logprob
 from pyengine.sampling_params import SamplingParams
 from pyengine.spec_decode.config import SpeculativeConfig
 from pyengine.spec_decode.draft_length import DraftLengthPolicy
@@ -100,6 +101,8 @@ class LLMEngine:
         self.num_async_steps = 0  # steps that used a forward launched by the step before
         self.num_async_discarded = 0  # launched forwards whose step was not the predicted one
         self._tok_dev = self._tok_host = self._tok_ready = None  # greedy tokens: device, pinned host, event
+        self.num_logprob_requests = 0  # unfinished requests that asked for logprobs
+        self._token_text: dict[int, str] = {}  # token id -> its text, for Logprob.decoded_token
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
@@ -119,6 +122,9 @@ class LLMEngine:
             req.finish_reason, req.error = "error", str(e)
             return req
         self.requests[rid] = req
+        if params.logprobs is not None:
+            req.logprobs = []
+            self.num_logprob_requests += 1
         self.outputs.add(req)
         self.generators.get(rid, params.seed)
         self.counters["prompt_tokens"] += len(req.prompt_token_ids)
@@ -135,6 +141,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        self.num_logprob_requests -= req.logprobs is not None
         self.scheduler.abort_request(request_id)
         self.outputs.abort(req)
         self.generators.release(request_id)
@@ -182,6 +189,8 @@ class LLMEngine:
             num_committed[filler_rows] = 0  # a filler token is not output
         if self.cfg.record_logits:
             self._record_logits(batch, logits, num_committed)
+        if self.num_logprob_requests:
+            self._record_logprobs(batch, logits, tokens, counts, num_committed)
         touched = self._commit(batch, tokens, counts, num_committed, reasons)
         elapsed = time.perf_counter() - t0
         num_prefill = int(batch.num_tokens - (batch.query_start_loc[batch.num_decode_rows]))
@@ -307,8 +316,8 @@ class LLMEngine:
         nobody waiting for admission, and no row that this step's token finishes by length."""
         g = self.runner.graph_runner
         # record_logits reads this step's logits after sampling: the next replay would overwrite them
-        if (not self.async_decode or self.cfg.record_logits or self.proposer is not None or g is None
-                or g.state_cache is not None):
+        if (not self.async_decode or self.cfg.record_logits or self.num_logprob_requests or self.proposer is not None
+                or g is None or g.state_cache is not None):
             return False
         rows = batch.num_rows
         if key[1] != 1 or batch.num_decode_rows != rows or self.scheduler.num_waiting:
@@ -325,6 +334,43 @@ class LLMEngine:
             req = self.requests[int(batch.seq_ids[r])]
             req.logits.extend(host[starts[r]:starts[r] + num_committed[r]].unbind(0))
 
+    def _record_logprobs(self, batch, logits: torch.Tensor, tokens: np.ndarray, counts: np.ndarray,
+                         num_committed: np.ndarray) -> None:
+        """Each committed token's Logprob entries onto the requests that asked for them, computed
+        from the same logits rows as _record_logits, in one call for the step."""
+        starts = np.cumsum(batch.num_logits) - batch.num_logits
+        token_starts = np.cumsum(counts) - counts
+        rows, rows_idx, tok_idx = [], [], []
+        for r in np.nonzero(num_committed)[0].tolist():
+            req = self.requests[int(batch.seq_ids[r])]
+            if req.logprobs is not None:
+                n = int(num_committed[r])
+                rows.append((req, n))
+                rows_idx.extend(range(starts[r], starts[r] + n))
+                tok_idx.extend(range(token_starts[r], token_starts[r] + n))
+        if not rows:
+            return
+        chosen = torch.from_numpy(tokens[tok_idx].astype(np.int64)).to(logits.device)
+        num_top = max(req.params.logprobs for req, _ in rows)
+        lp, rank, top_ids, top_lp = (t.cpu().tolist() for t in token_logprobs(
+            logits[torch.tensor(rows_idx, device=logits.device)], chosen, num_top))
+        chosen_ids = chosen.tolist()
+        i = 0
+        for req, n in rows:
+            k = req.params.logprobs
+            for j in range(i, i + n):
+                entry = {chosen_ids[j]: Logprob(lp[j], rank[j], self._text_of(chosen_ids[j]))}
+                for t, v, pos in zip(top_ids[j][:k], top_lp[j][:k], range(1, k + 1)):
+                    entry.setdefault(t, Logprob(v, pos, self._text_of(t)))
+                req.logprobs.append(entry)
+            i += n
+
+    def _text_of(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
     def _commit(self, batch, tokens: np.ndarray, counts: np.ndarray, num_committed: np.ndarray,
                 reasons: np.ndarray) -> list[Request]:
         """Outputs for this step (pyengine/engine/output_processor.py); a finished request leaves
@@ -334,8 +380,11 @@ class LLMEngine:
         self.counters["generated_tokens"] += int(num_committed.sum()) - num_dropped
         finished = [req.request_id for req in touched if req.finished]
         for req in touched:
-            if req.finished and req.logits:  # tokens dropped after a stop string drop their logits
+            if req.finished:  # tokens dropped after a stop string drop their logits and logprobs
                 del req.logits[len(req.output_token_ids):]
+                if req.logprobs is not None:
+                    del req.logprobs[len(req.output_token_ids):]
+                    self.num_logprob_requests -= 1
         for rid in finished:
             self.generators.release(rid)
             self.outputs.release(rid)

@@ -37,6 +37,8 @@ class Request:
     error: str | None = None
     # EngineConfig.record_logits: the fp32 logits [vocab] that produced each output token
     logits: list = field(default_factory=list)
+    # SamplingParams.logprobs set: per output token, {token id: Logprob} (sampled token + top n)
+    logprobs: list | None = None
 
     @property
     def finished(self) -> bool:

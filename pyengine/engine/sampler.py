@@ -255,3 +255,17 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     vocab = probs.shape[-1]
     last_nonzero = vocab - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
     return torch.minimum(tokens, last_nonzero)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of logits [n, vocab] (raw: no temperature or filter): the log-probability of
+    token_ids[i] and its rank (1 + the tokens strictly more likely), and the num_top most likely
+    tokens with theirs. All fp32 and per row, so a token's values never depend on the other rows."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, token_ids.view(-1, 1).long())
+    rank = (lp > chosen).sum(dim=1) + 1
+    top = lp.topk(num_top, dim=-1) if num_top > 0 else None
+    empty = lp.new_empty(lp.shape[0], 0)
+    return (chosen.view(-1), rank, top.indices if top is not None else empty.long(),
+            top.values if top is not None else empty)

@@ -1,7 +1,7 @@
 """The OpenAI API's request bodies (pydantic) and their translation to SamplingParams.
 
-Each field the server does not implement is refused with a 400 naming it (logprobs,
-top_logprobs, echo, suffix, best_of, logit_bias, non-zero penalties) rather than ignored.
+Each field the server does not implement is refused with a 400 naming it (echo, suffix, best_of,
+logit_bias, non-zero penalties) rather than ignored.
 Extensions (vLLM's names): top_k, min_p, stop_token_ids, ignore_eos.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pyengine.sampling_params import SamplingParams
+from pyengine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16  # choices per request
 
@@ -78,11 +78,17 @@ class _Sampling(BaseModel):
             kw["top_k"] = -1
         if self.seed is not None:
             kw["seed"] = self.seed + index
+        if self.num_logprobs() is not None:
+            kw["logprobs"] = self.num_logprobs()
         try:
             return SamplingParams(**kw)
         except ValueError as e:
             message = str(e)
             raise RequestError(message, message.split(" ", 1)[0]) from None
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token for SamplingParams.logprobs (None: no logprobs)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -99,14 +105,17 @@ class CompletionRequest(_Sampling):
 
     def check(self) -> None:
         self._refuse_unsupported()
-        if self.logprobs is not None:
-            raise RequestError("logprobs is not supported by this server", "logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
         if self.echo:
             raise RequestError("echo is not supported", "echo")
         if self.suffix:
             raise RequestError("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise RequestError("best_of is not supported", "best_of")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts: a str, a list of token ids, or a list of either (one choice set each)."""
@@ -149,11 +158,17 @@ class ChatCompletionRequest(_Sampling):
 
     def check(self) -> None:
         self._refuse_unsupported()
-        if self.logprobs or self.top_logprobs is not None:
-            raise RequestError("logprobs / top_logprobs are not supported by this server",
-                               "logprobs" if self.logprobs else "top_logprobs")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise RequestError(f"top_logprobs must be an int in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                                   "top_logprobs")
         if self.tools:
             raise RequestError("tools are not supported", "tools")
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

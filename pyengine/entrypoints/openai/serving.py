@@ -13,13 +13,14 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pyengine.engine.async_llm import AsyncLLM, RequestStream
+from pyengine.entrypoints.openai.logprobs import TokenLogprobs, chat_logprobs, completion_logprobs
 from pyengine.entrypoints.openai.metrics import ServerMetrics
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestError, usage
 
@@ -48,6 +49,29 @@ class _Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None  # why the engine ended this choice, if it failed while running
+    num_logprobs: int | None = None  # alternatives per token, when the request asked for logprobs
+    logprobs: TokenLogprobs = field(default_factory=list)  # not yet sent (streamed) / all (not streamed)
+    text_offset: int = 0  # completions' text_offset of the next streamed token
+
+    def take(self, out: Any) -> None:
+        """Account one RequestOutput delta."""
+        delta = out.outputs[0]
+        self.num_tokens += len(delta.token_ids)
+        self.finish_reason = _finish_reason(out)
+        self.error = out.error or self.error
+        if delta.logprobs is not None:
+            self.logprobs.extend(zip(delta.token_ids, delta.logprobs))
+
+    def logprobs_body(self, chat: bool) -> dict[str, Any] | None:
+        """The logprobs field for the tokens not yet sent (then cleared)."""
+        if self.num_logprobs is None:
+            return None
+        tokens, self.logprobs = self.logprobs, []
+        if chat:
+            return chat_logprobs(tokens, self.num_logprobs)
+        body = completion_logprobs(tokens, self.num_logprobs, self.text_offset)
+        self.text_offset += sum(len(t) for t in body["tokens"])
+        return body
 
 
 class OpenAIServing:
@@ -79,8 +103,8 @@ class OpenAIServing:
             return SSEResponse(self._stream(meta, choices, body.include_usage, chat=False))
         await self._collect(choices, http)
         return JSONResponse({**meta, "choices": [
-            {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason} for c in choices],
-            "usage": self._usage(choices)})
+            {"index": c.index, "text": c.text, "logprobs": c.logprobs_body(chat=False),
+             "finish_reason": c.finish_reason} for c in choices], "usage": self._usage(choices)})
 
     async def chat(self, body: ChatCompletionRequest, http: HTTPRequest) -> Response:
         self.check_model(body.model)
@@ -101,8 +125,9 @@ class OpenAIServing:
                                             chat=True))
         await self._collect(choices, http)
         return JSONResponse({**meta, "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-             "finish_reason": c.finish_reason} for c in choices], "usage": self._usage(choices)})
+            {"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": c.logprobs_body(chat=True), "finish_reason": c.finish_reason} for c in choices],
+            "usage": self._usage(choices)})
 
     # ---- shared -------------------------------------------------------------------------------------
     async def _admit(self, body: Any, encoded: list[tuple[str | None, list[int]]],
@@ -121,7 +146,7 @@ class OpenAIServing:
                         stream = await self.engine.add_encoded(text, ids, params)
                     except ValueError as e:
                         raise RequestError(str(e).splitlines()[0], "prompt") from None
-                    choices.append(_Choice(p * body.n + i, stream, len(ids), p))
+                    choices.append(_Choice(p * body.n + i, stream, len(ids), p, num_logprobs=params.logprobs))
         except BaseException:
             for c in choices:
                 c.stream.abort()
@@ -133,9 +158,7 @@ class OpenAIServing:
         async def run(c: _Choice) -> None:
             async for out in c.stream:
                 c.text += out.outputs[0].text
-                c.num_tokens += len(out.outputs[0].token_ids)
-                c.finish_reason = _finish_reason(out)
-                c.error = out.error or c.error
+                c.take(out)
 
         tasks = [asyncio.ensure_future(run(c)) for c in choices]
         try:
@@ -183,16 +206,15 @@ class OpenAIServing:
                     yield _sse({"error": {"message": str(out), "type": "server_error", "param": None, "code": None}})
                     continue
                 delta = out.outputs[0]
-                c.num_tokens += len(delta.token_ids)
-                c.finish_reason = _finish_reason(out)
+                c.take(out)
                 if not delta.text and c.finish_reason is None:
-                    continue
+                    continue  # text held back (a stop string may start here): its logprobs wait too
                 c.text += delta.text
                 if chat:
                     choice = {"index": c.index, "delta": {"content": delta.text} if delta.text else {},
-                              "logprobs": None, "finish_reason": c.finish_reason}
+                              "logprobs": c.logprobs_body(chat=True), "finish_reason": c.finish_reason}
                 else:
-                    choice = {"index": c.index, "text": delta.text, "logprobs": None,
+                    choice = {"index": c.index, "text": delta.text, "logprobs": c.logprobs_body(chat=False),
                               "finish_reason": c.finish_reason}
                 yield _sse({**meta, "choices": [choice]})
             if include_usage:
