@@ -89,7 +89,8 @@ def test_state_and_kv_only_where_used(pair) -> None:
     kinds = llm.model_config.layer_types
     assert [c is None for c in runner.kv_caches] == [t == "linear_attention" for t in kinds]
     assert [s is None for s in runner.state_cache.ssm] == [t == "full_attention" for t in kinds]
-    assert runner.state_cache.num_slots == 4 * 3 and not llm.engine.cfg.enable_prefix_caching
+    assert runner.state_cache.num_running_slots == 4 * 3 and llm.engine.cfg.enable_prefix_caching
+    assert runner.state_cache.num_slots == 4 * 3 + llm.engine.cfg.num_state_checkpoints
 
 
 def test_ngram_ragged_batch8(spec_model: str) -> None:

@@ -56,16 +56,32 @@ def test_draft_model_spec_logits_equal_plain(smollm2_path: str) -> None:
     assert_bit_identical(report, "spec")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_hybrid_model_batch_invariant_through_the_checker(tmp_path, dtype: str) -> None:
+    """A Bamba model (Mamba2 + attention layers): every linear on the packed GEMM, prefill as the
+    decode recurrence (tests/test_hybrid_invariance_cpu.py): spec and alone are bit-identical."""
+    from tests.test_bamba import make_bamba_checkpoint
+
+    make_bamba_checkpoint(str(tmp_path))
+    prompts = [[5, 9, 33, 2, 71, 14] * 5, [8, 8, 8, 8, 12, 40, 41], list(range(3, 40))]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive_draft_length": False}
+    report = check_losslessness(prompts, model=str(tmp_path), device="cpu", dtype=dtype, speculative_config=spec,
+                                max_tokens=16, alone=True, chat=False, batch_invariant=True, block_size=4)
+    for name in ("spec", "alone"):
+        assert report.counts(name)["identical"] == len(prompts), report.failures()
+
+
 def test_batch_invariant_refuses_what_it_cannot_keep(smollm2_path: str, tmp_path) -> None:
-    """A clear ValueError, not a silently non-invariant run: the PyTorch references (cpu_kernels off)
-    and a recurrent-state model (its projections run torch's GEMMs)."""
+    """A clear ValueError, not a silently non-invariant run: the PyTorch references (cpu_kernels off),
+    for a Llama model and a recurrent-state one."""
     from pyengine import LLM
     from tests.test_mamba2 import make_mamba2_checkpoint
 
     with pytest.raises(ValueError, match="cpu_kernels"):
         LLM(smollm2_path, device="cpu", batch_invariant=True, kernel_config={"cpu_kernels": False})
     make_mamba2_checkpoint(str(tmp_path))
-    with pytest.raises(ValueError, match="batch_invariant is not available for recurrent-state models"):
-        LLM(str(tmp_path), device="cpu", batch_invariant=True)
+    with pytest.raises(ValueError, match="cpu_kernels"):
+        LLM(str(tmp_path), device="cpu", batch_invariant=True, kernel_config={"cpu_kernels": False})
+    assert LLM(str(tmp_path), device="cpu", batch_invariant=True).model.packed_lm_head is not None
     with pytest.raises(ValueError, match="batch_invariant must be a bool"):
         LLM(smollm2_path, device="cpu", batch_invariant="yes")

@@ -158,9 +158,9 @@ class LLM:
             # ---- hybrid (recurrent-state) models: a state slot pool, and checkpoints for prefix caching ----
             state = StatePoolPlan(0, 0, 0, 0)
             if hasattr(self.model, "state_shapes"):
-                if self.kernel_config.batch_invariant:
+                if self.kernel_config.batch_invariant and self.device.type == "cuda":
                     raise ValueError(f"{self.model_config.architecture}: batch_invariant is not available for "
-                                     "recurrent-state models yet (their projections run torch's GEMMs)")
+                                     "recurrent-state models on CUDA yet (their projections run torch's GEMMs)")
                 if spec is not None and spec.method == "draft_model":
                     raise ValueError(f"{self.model_config.architecture}: draft-model speculation is not supported for "
                                      "recurrent-state models (use ngram)")
@@ -204,8 +204,6 @@ class LLM:
         if not self.kernel_config.cpu_kernels:
             raise ValueError("batch_invariant on the CPU needs KernelConfig.cpu_kernels (the references are not "
                              "batch-invariant)")
-        if hasattr(self.model, "state_shapes"):
-            return  # refused below, with the reason
         if not isinstance(getattr(self.model, "packed_lm_head", None), PackedLinear):
             raise ValueError("batch_invariant on the CPU needs pyengine's packed GEMM (x86-64 with AVX2 + FMA or "
                              "AVX-512) for this model's linears")

@@ -16,7 +16,7 @@ The trunk (embedding, state, KV caches, final norm, lm_head) is pyengine/models/
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,8 @@ from pyengine.config import Mamba2ModelConfig, hf_common_fields, json_float, rop
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.state_cache import StateMetadata
 from pyengine.models.hybrid import HybridForCausalLM
-from pyengine.models.layers import LlamaDecoderLayer, Mamba2Mixer, RotaryEmbedding, WeightTargets, linear, param
+from pyengine.models.layers import (LlamaDecoderLayer, Mamba2Mixer, RotaryEmbedding, WeightTargets, linear,
+                                    pack_weights, param, rowwise)
 from pyengine.models.weight_utils import load_named_weights
 
 
@@ -89,15 +90,19 @@ class BambaMambaLayer(nn.Module):
         self.input_layernorm = param(hidden, dtype=dtype)
         self.mixer = Mamba2Mixer(config, dtype)
         self.pre_ff_layernorm = param(hidden, dtype=dtype)
-        self.gate_up_proj = param(hidden, 2 * inter, dtype=dtype)  # [in, out], as in LlamaDecoderLayer
-        self.down_proj = param(inter, hidden, dtype=dtype)
+        self.gate_up_proj: Any = param(hidden, 2 * inter, dtype=dtype)  # [in, out], as in LlamaDecoderLayer
+        self.down_proj: Any = param(inter, hidden, dtype=dtype)
 
     def forward(self, h: torch.Tensor, state: StateMetadata, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor) -> torch.Tensor:
         h = h + self.mixer(F.rms_norm(h, (h.shape[-1],), self.input_layernorm, self.eps), state, conv_state, ssm_state)
         gate, up = linear(F.rms_norm(h, (h.shape[-1],), self.pre_ff_layernorm, self.eps),
                           self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return h + linear(F.silu(gate) * up, self.down_proj)
+        return h + linear(rowwise(F.silu, gate) * up, self.down_proj)
+
+    def pack(self, pack: Callable[[torch.Tensor], Any]) -> None:
+        self.mixer.pack(pack)
+        pack_weights(self, ("gate_up_proj", "down_proj"), pack)
 
 
 class BambaForCausalLM(HybridForCausalLM):

@@ -3,12 +3,14 @@ layers over one flat token batch, final RMSNorm and a (possibly tied) lm_head.
 
 Recurrent state lives in the runner's StateCache; a standalone forward (state None) runs every row
 as a prefill from zero state. The runner allocates one (K, V) pair per layer and only attention
-layers use theirs (the other layers' pairs are waste of the KV budget).
+layers use theirs (the other layers' pairs are waste of the KV budget). On the CPU prepack_for_cpu
+puts every projection on the packed GEMM (each layer's pack): with the recurrent-state ops of
+pyengine/ops/cpu/ssm.py a token's logits are then the same bits in any step.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,8 @@ from torch import nn
 from pyengine.config import Mamba2ModelConfig
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.state_cache import StateCache, StateMetadata
-from pyengine.models.layers import Mamba2Mixer, WeightTargets, param
+from pyengine.models.layers import (Mamba2Mixer, WeightTargets, cpu_linear_packer, linear, onednn_prepack, pack_weights,
+                                    param)
 from pyengine.models.weight_utils import load_named_weights
 
 
@@ -33,7 +36,29 @@ class HybridForCausalLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.embed_tokens = param(vocab, hidden, dtype=dtype)
         self.norm = param(hidden, dtype=dtype)
-        self.lm_head = None if config.tie_word_embeddings else param(vocab, hidden, dtype=dtype)
+        self.lm_head: Any = None if config.tie_word_embeddings else param(vocab, hidden, dtype=dtype)  # HF [out, in]
+        self.packed_lm_head: Any = None  # set by prepack_for_cpu
+        self.owns_cpu_threads = False
+
+    def prepack_for_cpu(self) -> bool:
+        """Every linear on the CPU's packed GEMM (PackedLinear where this CPU runs it: batch-invariant,
+        else oneDNN), lm_head included (the embedding table's transpose when tied: the table stays
+        dense for the lookup). Returns False (model unchanged) where neither is available; the dense
+        projections are dropped, so load_weights cannot run again."""
+        if self.embed_tokens.device.type != "cpu":
+            return False
+        pack = cpu_linear_packer(self.embed_tokens)
+        if pack is None:
+            return False
+        for layer in self.layers:
+            layer.pack(pack)  # type: ignore[operator]
+        if self.lm_head is None:
+            self.packed_lm_head = pack(self.embed_tokens.detach().t())
+        else:
+            pack_weights(self, ("lm_head",), lambda w: pack(w.t()))
+            self.packed_lm_head = self.lm_head
+        self.owns_cpu_threads = pack is not onednn_prepack  # see ModelRunner.step_threads
+        return True
 
     def state_shapes(self, num_spec_tokens: int) -> list[tuple[tuple[int, ...], tuple[int, ...]] | None]:
         """Per layer (conv row shape, ssm shape), None for layers without a Mamba2 mixer: the runner
@@ -57,6 +82,8 @@ class HybridForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_lm_head is not None:
+            return linear(hidden, self.packed_lm_head).float()
         return F.linear(hidden, self.embed_tokens if self.lm_head is None else self.lm_head).float()
 
     def weight_targets(self) -> WeightTargets:

@@ -45,6 +45,15 @@ def linear(x: torch.Tensor, w: torch.Tensor | Callable[[torch.Tensor, torch.Tens
     return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
 
 
+def hf_linear(x: torch.Tensor, w: torch.Tensor | Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T (+ bias) for a dense weight kept in HF's [out, in] orientation (the Mamba2 mixer's),
+    or what prepack_for_cpu made of its [in, out] transpose (see linear)."""
+    if isinstance(w, torch.Tensor) and not w.is_mkldnn:
+        return F.linear(x, w, bias)
+    return linear(x, w, bias)
+
+
 def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """fn (an elementwise transcendental: sigmoid, silu, softplus, exp) of a 2-D x with each row's
     bits independent of the number of rows. torch's CPU kernels run whole SIMD chunks through a
@@ -256,6 +265,10 @@ class LlamaDecoderLayer(nn.Module):
         """down(silu(gate(x)) * up(x)) for normed x."""
         return linear(ops.silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
 
+    def pack(self, pack: Callable[[torch.Tensor], Any]) -> None:
+        """prepack_for_cpu of the hybrid models: every projection this layer has, packed."""
+        pack_weights(self, self.LINEAR_NAMES, pack)
+
     def attention_weight_targets(self, prefix: str) -> WeightTargets:
         """HF q/k/v/o projection weights under `prefix` (e.g. "model.layers.3.self_attn.")."""
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -271,7 +284,8 @@ class Mamba2Mixer(nn.Module):
     (groups), dt (softplus + dt_bias), A = -exp(A_log), skip D; gated group RMSNorm (y * silu(z));
     out_proj. Recurrent state lives in the runner's StateCache: decode/verify rows (the first
     num_decode_rows, any T = 1 + drafts) run causal_conv1d_update + selective_state_update reading
-    slot / offset a - 1; prefill rows run causal_conv1d_fn + the chunked scan."""
+    slot / offset a - 1; prefill rows run causal_conv1d_fn + ssd_chunk_scan (the CUDA and CPU
+    backends: the decode recurrence token after token, so a token's bits never depend on the step)."""
 
     # HF checkpoint name (under the mixer's prefix) -> parameter
     HF_NAMES = {"in_proj.weight": "in_proj", "in_proj.bias": "in_proj_bias", "conv1d.weight": "conv_weight",
@@ -285,7 +299,8 @@ class Mamba2Mixer(nn.Module):
         self.inner = cfg.num_ssm_heads * cfg.ssm_head_dim
         self.conv_dim = self.inner + 2 * cfg.n_groups * cfg.state_size
         self.eps, self.dt_limit = cfg.rms_norm_eps, cfg.time_step_limit
-        self.in_proj = param(self.inner + self.conv_dim + self.num_heads, cfg.hidden_size, dtype=dtype)  # HF [out, in]
+        # HF [out, in]; prepack_for_cpu replaces both projections by packed callables (hf_linear)
+        self.in_proj: Any = param(self.inner + self.conv_dim + self.num_heads, cfg.hidden_size, dtype=dtype)
         self.in_proj_bias = param(self.in_proj.shape[0], dtype=dtype) if cfg.use_bias else None
         self.conv_weight = param(self.conv_dim, self.width, dtype=dtype)
         self.conv_bias = param(self.conv_dim, dtype=dtype) if cfg.use_conv_bias else None
@@ -293,7 +308,7 @@ class Mamba2Mixer(nn.Module):
         self.A_log = param(self.num_heads, dtype=dtype)
         self.D = param(self.num_heads, dtype=dtype)
         self.norm = param(self.inner, dtype=dtype)
-        self.out_proj = param(cfg.hidden_size, self.inner, dtype=dtype)
+        self.out_proj: Any = param(cfg.hidden_size, self.inner, dtype=dtype)
         self.out_proj_bias = param(cfg.hidden_size, dtype=dtype) if cfg.use_bias else None
 
     def state_shape(self, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -302,10 +317,14 @@ class Mamba2Mixer(nn.Module):
     def weight_targets(self, prefix: str) -> WeightTargets:
         return {prefix + hf: (p, p) for hf, ours in self.HF_NAMES.items() if (p := getattr(self, ours)) is not None}
 
+    def pack(self, pack: Callable[[torch.Tensor], Any]) -> None:
+        """prepack_for_cpu: in_proj and out_proj (HF [out, in]) packed as their [in, out] transposes."""
+        pack_weights(self, ("in_proj", "out_proj"), lambda w: pack(w.t()))
+
     def forward(self, h: torch.Tensor, state: StateMetadata, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor) -> torch.Tensor:
         t, nd = h.shape[0], state.num_decode_tokens
-        gate, xbc, dt = F.linear(h, self.in_proj, self.in_proj_bias).split(
+        gate, xbc, dt = hf_linear(h, self.in_proj, self.in_proj_bias).split(
             [self.inner, self.conv_dim, self.num_heads], dim=-1)
         xbc = xbc.contiguous()
         conv_out = torch.empty_like(xbc)
@@ -331,11 +350,11 @@ class Mamba2Mixer(nn.Module):
             y[nd:] = ops.ssd_chunk_scan(x[nd:], dt[nd:], A, B[nd:], C[nd:], self.D, None, self.dt_bias, pre_qsl,
                                         ssm_state, pre_idx, pre_acc, pre_init, self.chunk_size, True, self.dt_limit)
         # gated group RMSNorm (HF MambaRMSNormGated, norm_before_gate=False), fp32
-        g = y.reshape(t, self.inner).float() * F.silu(gate.float())
+        g = y.reshape(t, self.inner).float() * rowwise(F.silu, gate.float())
         g = g.view(t, self.n_groups, -1)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         g = self.norm * g.view(t, self.inner).to(h.dtype)
-        return F.linear(g, self.out_proj, self.out_proj_bias)
+        return hf_linear(g, self.out_proj, self.out_proj_bias)
 
 
 class Mamba2Block(nn.Module):
@@ -353,3 +372,6 @@ class Mamba2Block(nn.Module):
 
     def weight_targets(self, prefix: str) -> WeightTargets:
         return {prefix + "norm.weight": (self.norm, self.norm), **self.mixer.weight_targets(prefix + "mixer.")}
+
+    def pack(self, pack: Callable[[torch.Tensor], Any]) -> None:
+        self.mixer.pack(pack)

@@ -8,7 +8,7 @@ without an MLP) with no rotation. Mamba2 dt is clamped below at time_step_min, a
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.state_cache import StateMetadata
 from pyengine.models.bamba import BambaModelConfig
 from pyengine.models.hybrid import HybridForCausalLM
-from pyengine.models.layers import LlamaDecoderLayer, Mamba2Block, WeightTargets, linear, param
+from pyengine.models.layers import LlamaDecoderLayer, Mamba2Block, WeightTargets, linear, pack_weights, param
 from pyengine.models.weight_utils import load_named_weights
 
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -64,12 +64,15 @@ class NemotronHMLPBlock(nn.Module):
         super().__init__()
         self.eps = config.rms_norm_eps
         self.norm = param(config.hidden_size, dtype=dtype)
-        self.up_proj = param(config.hidden_size, config.intermediate_size, dtype=dtype)  # [in, out]
-        self.down_proj = param(config.intermediate_size, config.hidden_size, dtype=dtype)
+        self.up_proj: Any = param(config.hidden_size, config.intermediate_size, dtype=dtype)  # [in, out]
+        self.down_proj: Any = param(config.intermediate_size, config.hidden_size, dtype=dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = F.rms_norm(h, (h.shape[-1],), self.norm, self.eps)
         return h + linear(torch.relu(linear(x, self.up_proj)).square(), self.down_proj)
+
+    def pack(self, pack: Callable[[torch.Tensor], Any]) -> None:
+        pack_weights(self, ("up_proj", "down_proj"), pack)
 
 
 class NemotronHForCausalLM(HybridForCausalLM):

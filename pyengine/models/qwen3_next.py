@@ -303,6 +303,7 @@ class Qwen3NextForCausalLM(nn.Module):
                                                                           dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rotary_dim, config.rope_theta, config.rope_scaling,
                                           dtype, max_positions=config.max_position_embeddings)
+        self.packed_lm_head: Any = None  # set by prepack_for_cpu
         self.owns_cpu_threads = False
         self.mtp: nn.Module | None = None
         if config.load_mtp:
@@ -327,8 +328,11 @@ class Qwen3NextForCausalLM(nn.Module):
                 layer.mlp.pack(pack)  # type: ignore[operator]
         if self.mtp is not None:
             pack_weights(self.mtp, ("fc",), pack)
-        if self.lm_head is not None:
+        if self.lm_head is None:  # tied: the table stays dense for the lookup, its transpose is packed
+            self.packed_lm_head = pack(self.embed_tokens.detach().t())
+        else:
             pack_weights(self, ("lm_head",), pack)
+            self.packed_lm_head = self.lm_head
         self.owns_cpu_threads = pack is not onednn_prepack
         return True
 
@@ -355,6 +359,8 @@ class Qwen3NextForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_lm_head is not None:
+            return linear(hidden, self.packed_lm_head).float()
         return linear(hidden, self.embed_tokens.t() if self.lm_head is None else self.lm_head).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

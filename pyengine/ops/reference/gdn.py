@@ -59,6 +59,48 @@ def _store(state: torch.Tensor, slot: int, S: torch.Tensor) -> None:
     state[slot] = S.transpose(-1, -2).to(state.dtype)
 
 
+def _step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+          scale: float, use_qk_l2norm: bool, state_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token: S [HV, K, V] fp32, q and k [H, K], v [HV, V], g and beta [HV] -> (S rounded to
+    state_dtype and back, o [HV, V] fp32). No shape depends on the step."""
+    qt, kt = _qk(q, k, v.shape[0], scale, use_qk_l2norm)  # [HV, K]
+    S = S * torch.exp(g.float())[:, None, None]
+    kv_mem = (S * kt[:, :, None]).sum(-2)  # [HV, V]
+    delta = beta.float()[:, None] * (v.float() - kv_mem)
+    S = (S + kt[:, :, None] * delta[:, None, :]).to(state_dtype).float()
+    return S, (S * qt[:, :, None]).sum(-2)
+
+
+def recurrent_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor, query_start_loc: torch.Tensor, state_idx: torch.Tensor,
+                   num_accepted: torch.Tensor, has_initial_state: torch.Tensor | None, scale: float | None = None,
+                   use_qk_l2norm: bool = True) -> torch.Tensor:
+    """The recurrence token after token, one per-token function for every kind of row.
+    has_initial_state None: decode / verify rows (gated_delta_rule_update); else prefill rows of any
+    length with gated_delta_rule_chunked's slots (initial state only where has_initial_state, the
+    final state alone written, to idx[n, 0]), bit for bit the tokens' decode steps."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = torch.zeros_like(v)
+    qsl, idx, acc = _lists(query_start_loc, state_idx, num_accepted)
+    init = [True] * len(idx) if has_initial_state is None else has_initial_state.tolist()
+    for n in range(len(qsl) - 1):
+        s0, e = qsl[n], qsl[n + 1]
+        if idx[n][0] == PAD or e == s0:
+            continue
+        if has_initial_state is None:
+            assert e - s0 <= len(idx[n]), f"row {n}: {e - s0} tokens but {len(idx[n])} slots"
+        S = _initial(state, idx[n][max(acc[n], 1) - 1], bool(init[n]))  # [HV, K, V]
+        for t in range(e - s0):
+            i = s0 + t
+            S, o = _step(S, q[i], k[i], v[i], g[i], beta[i], scale, use_qk_l2norm, state.dtype)
+            if has_initial_state is None and idx[n][t] != PAD:
+                _store(state, idx[n][t], S)
+            out[i] = o.to(v.dtype)
+        if has_initial_state is not None:
+            _store(state, idx[n][0], S)
+    return out
+
+
 def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             state: torch.Tensor, query_start_loc: torch.Tensor, state_idx: torch.Tensor,
                             num_accepted: torch.Tensor, scale: float | None = None,
@@ -68,27 +110,8 @@ def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     the module docstring, then state[idx[n, t]] = S (skipped if PAD). The state is rounded to the pool
     dtype after every token (a no-op for fp32), so a row of T tokens equals T single-token calls bit
     for bit. Returns o [ntok, HV, V] in v's dtype (zeros for PAD rows)."""
-    num_v_heads = v.shape[1]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out = torch.zeros_like(v)
-    qsl, idx, acc = _lists(query_start_loc, state_idx, num_accepted)
-    for n in range(len(qsl) - 1):
-        s0, e = qsl[n], qsl[n + 1]
-        if idx[n][0] == PAD or e == s0:
-            continue
-        assert e - s0 <= len(idx[n]), f"row {n}: {e - s0} tokens but {len(idx[n])} slots"
-        S = _initial(state, idx[n][max(acc[n], 1) - 1], True)  # [HV, K, V]
-        for t in range(e - s0):
-            i = s0 + t
-            qt, kt = _qk(q[i], k[i], num_v_heads, scale, use_qk_l2norm)  # [HV, K]
-            S = S * torch.exp(g[i].float())[:, None, None]
-            kv_mem = (S * kt[:, :, None]).sum(-2)  # [HV, V]
-            delta = beta[i].float()[:, None] * (v[i].float() - kv_mem)
-            S = (S + kt[:, :, None] * delta[:, None, :]).to(state.dtype).float()
-            if idx[n][t] != PAD:
-                _store(state, idx[n][t], S)
-            out[i] = (S * qt[:, :, None]).sum(-2).to(v.dtype)
-    return out
+    return recurrent_rows(q, k, v, g, beta, state, query_start_loc, state_idx, num_accepted, None, scale,
+                          use_qk_l2norm)
 
 
 def _chunk_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
