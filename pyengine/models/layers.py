@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyengine import ops
+from pyengine.ops.rowwise import rowwise  # noqa: F401 (models import it from here)
 from pyengine.config import Mamba2ModelConfig, ModelConfig
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.state_cache import StateMetadata
@@ -52,17 +53,6 @@ def hf_linear(x: torch.Tensor, w: torch.Tensor | Callable[[torch.Tensor, torch.T
     if isinstance(w, torch.Tensor) and not w.is_mkldnn:
         return F.linear(x, w, bias)
     return linear(x, w, bias)
-
-
-def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn (an elementwise transcendental: sigmoid, silu, softplus, exp) of a 2-D x with each row's
-    bits independent of the number of rows. torch's CPU kernels run whole SIMD chunks through a
-    vector exp and the leftover elements through a scalar one, which differ in the last bit, and
-    which elements are left over depends on the tensor's size; padding every row to a multiple of
-    64 values sends each element down the vector path."""
-    if x.device.type != "cpu" or x.shape[-1] % 64 == 0:
-        return fn(x)
-    return fn(F.pad(x, (0, -x.shape[-1] % 64)))[:, :x.shape[-1]]
 
 
 def onednn_prepack(w: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ where the reference's depends on the step:
     as the CUDA backend does: the chunked form's bits depend on where the prompt was cut;
   * the conv sums its W taps oldest first with elementwise ops (the reference's .sum over
     [T, dim, W] picks its order by shape), the same function for update and prefill rows;
-  * softplus, exp and silu run over rows padded to a multiple of 64 values (_rowwise).
+  * softplus, exp and silu run over rows padded to a multiple of 64 values (ops.rowwise).
 """
 from __future__ import annotations
 
@@ -17,14 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pyengine.ops.reference.ssm import PAD
-
-
-def _rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn (elementwise, transcendental) of 2-D x with every element on torch's vector path: its
-    kernels send the elements left over after whole SIMD chunks through a scalar function with other
-    last bits, and which elements are left over depends on the tensor's size (as models.layers.rowwise)."""
-    pad = -x.shape[-1] % 64
-    return fn(x) if pad == 0 else fn(F.pad(x, (0, pad)))[:, :x.shape[-1]]
+from pyengine.ops.rowwise import rowwise
 
 
 def _heads(bc: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -42,7 +35,7 @@ def _conv(seq: torch.Tensor, weight_taps: torch.Tensor, bias: torch.Tensor | Non
         y = y + seq[j:j + num_out] * weight_taps[j]
     if bias is not None:
         y = y + bias.float()
-    return y if activation in (None, "identity") else _rowwise(F.silu, y)
+    return y if activation in (None, "identity") else rowwise(F.silu, y)
 
 
 def _conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -108,10 +101,10 @@ def _scan_rows(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.
     out = torch.zeros_like(x)
     d_all = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)  # [ntok, H]
     if dt_softplus:
-        d_all = _rowwise(F.softplus, d_all)  # threshold 20: d itself above it
+        d_all = rowwise(F.softplus, d_all)  # threshold 20: d itself above it
     if dt_limit is not None and (dt_limit[0] > 0.0 or dt_limit[1] != float("inf")):
         d_all = d_all.clamp(dt_limit[0], dt_limit[1])
-    decay_all = _rowwise(torch.exp, d_all * A.float())
+    decay_all = rowwise(torch.exp, d_all * A.float())
     qsl, idx, acc = query_start_loc.tolist(), state_idx.tolist(), num_accepted.tolist()
     init = [True] * len(idx) if has_initial_state is None else has_initial_state.tolist()
     for n in range(len(qsl) - 1):
@@ -135,7 +128,7 @@ def _scan_rows(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.
         if D is not None:
             y = y + D.float()[:, None] * xr
         if z is not None:
-            y = y * _rowwise(F.silu, z[s0:e].float().reshape(e - s0, -1)).view(y.shape)
+            y = y * rowwise(F.silu, z[s0:e].float().reshape(e - s0, -1)).view(y.shape)
         out[s0:e] = y.to(x.dtype)
     return out
 
