@@ -11,8 +11,6 @@ where the reference's depends on the step:
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
