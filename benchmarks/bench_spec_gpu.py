@@ -3,7 +3,8 @@ GGUF), Spec-Bench prompts (first turn, chat template), greedy, plain decoding vs
 adaptive and fixed), each speculative method with KernelConfig.graph_ragged_verify on (a verify
 step whose rows carry different draft counts replays the graph of its longest row) and off (such
 steps run eagerly, as before), all in one run. Reports tokens/s, the ratio to plain decoding,
-steps replayed vs eager, and whether every output equals plain decoding's.
+steps replayed vs eager, where the time went (steps and seconds by kind: replayed or eager, with
+drafts or not, with a prefill row or not) and whether every output equals plain decoding's.
 
     python3 benchmarks/bench_spec_gpu.py --gguf PATH --prompts spec_bench.jsonl --out results.json
 """
@@ -30,6 +31,28 @@ METHODS = {
 }
 
 
+def time_steps(llm: LLM) -> dict:
+    """Wrap llm.engine.step: wall seconds and counts per step kind, filled while the LLM runs."""
+    engine, kinds = llm.engine, {}
+    step = engine.step
+
+    def timed() -> list:
+        verify0, prefill0 = engine.scheduler.stats()["num_verify_rows"], engine.counters["prefill_tokens"]
+        start = time.perf_counter()
+        out = step()
+        seconds = time.perf_counter() - start
+        kind = ("graph" if engine.runner.last_graph_key is not None else "eager")
+        kind += "_prefill" if engine.counters["prefill_tokens"] > prefill0 else ""
+        kind += "_drafts" if engine.scheduler.stats()["num_verify_rows"] > verify0 else ""
+        k = kinds.setdefault(kind, {"steps": 0, "seconds": 0.0})
+        k["steps"] += 1
+        k["seconds"] += seconds
+        return out
+
+    engine.step = timed
+    return kinds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", required=True)
@@ -37,6 +60,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     with open(args.prompts) as f:
@@ -48,12 +72,15 @@ def main() -> None:
         row: dict = {"batch": batch, "num_prompts": len(prompts)}
         reference = None
         for name, (spec, ragged) in METHODS.items():
+            if name not in args.methods.split(","):
+                continue
             llm = LLM(args.gguf, device="cuda", dtype="bfloat16", max_num_seqs=batch, max_model_len=2048,
                       speculative_config=spec, kernel_config={"graph_ragged_verify": ragged})
             conversations = [[{"role": "user", "content": q}] for q in prompts]
             llm.chat(conversations[:batch], params, use_tqdm=False)  # warm-up: graphs captured
             g = llm.engine.runner.graph_runner
             replays0, steps0 = g.num_replays, llm.stats()["num_steps"]
+            kinds = time_steps(llm)
             torch.cuda.synchronize()
             start = time.perf_counter()
             outs = llm.chat(conversations, params, use_tqdm=False)
@@ -65,11 +92,13 @@ def main() -> None:
             row[name] = {"tokens_per_s": round(sum(map(len, tokens)) / seconds, 1),
                          "graph_steps": g.num_replays - replays0, "steps": stats["num_steps"] - steps0,
                          "acceptance_rate": stats.get("acceptance_rate"),
+                         "step_kinds": {k: {"steps": v["steps"], "ms": round(1e3 * v["seconds"], 1)}
+                                        for k, v in sorted(kinds.items())},
                          "identical_to_plain": tokens == reference}
             del llm
             torch.cuda.empty_cache()
         plain = row["plain"]["tokens_per_s"]
-        for name in METHODS:
+        for name in row.keys() & METHODS.keys():
             row[name]["vs_plain"] = round(row[name]["tokens_per_s"] / plain, 3)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
