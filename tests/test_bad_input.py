@@ -36,7 +36,7 @@ CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
 
 
-def write_checkpoint(path: Path, vocab: int = VOCAB) -> None:
+def write_checkpoint(path: Path, vocab: int = VOCAB, token_prefix: str = "t") -> None:
     """A tiny random Llama in HF layout: config.json, model.safetensors, tokenizer files."""
     path.mkdir(parents=True)
     cfg = dict(CONFIG, vocab_size=vocab)
@@ -58,7 +58,7 @@ def write_checkpoint(path: Path, vocab: int = VOCAB) -> None:
                         p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
                         p + "mlp.down_proj.weight": rand(h, inter)})
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    tok = HFTokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok = HFTokenizer(models.WordLevel(vocab={f"{token_prefix}{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2", "bos_token": "t1",
@@ -345,6 +345,15 @@ def test_draft_model_with_another_vocabulary_is_refused_at_load(tiny: Path, othe
     with pytest.raises(ValueError, match=r"draft model .*vocab128 has a vocabulary of 128 tokens, the target model 96"):
         LLM(model=str(tiny), device="cpu", num_kv_blocks=16,
             speculative_config={"model": str(other_vocab), "num_speculative_tokens": 2})
+
+
+def test_draft_model_with_another_tokenizer_of_the_same_size_is_refused_at_load(tiny: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other_tokens"
+    write_checkpoint(other, token_prefix="w")  # 96 tokens too, other texts
+    with pytest.raises(ValueError, match=r"draft model .*other_tokens has another tokenizer than the target model "
+                                         r"\(token id 0 is 'w0' there, 't0' here\)"):
+        LLM(model=str(tiny), device="cpu", num_kv_blocks=16,
+            speculative_config={"model": str(other), "num_speculative_tokens": 2})
 
 
 # ---- SamplingParams(...) ---------------------------------------------------------------------------------

@@ -84,6 +84,16 @@ def _check_kv_memory(num_kv_blocks: int, configs: list[Any], block_size: int, dt
                          f"lower num_kv_blocks")
 
 
+def _check_same_tokens(draft_path: str, draft: Any, target: Any) -> None:
+    """A draft model must mean the same text by every token id (the sizes may match by chance)."""
+    ours, theirs = target.backend.get_vocab(with_added_tokens=True), draft.backend.get_vocab(with_added_tokens=True)
+    if ours != theirs:
+        by_id = {i: t for t, i in theirs.items()}
+        token, i = next((t, i) for t, i in sorted(ours.items(), key=lambda x: x[1]) if by_id.get(i) != t)
+        raise ValueError(f"draft model {draft_path} has another tokenizer than the target model (token id {i} is "
+                         f"{by_id.get(i)!r} there, {token!r} here): a draft model must share the target's vocabulary")
+
+
 class LLM:
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str | torch.dtype = "auto", seed: int = 0,
                  max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
@@ -144,11 +154,12 @@ class LLM:
                                  "(its per-head, router and expert GEMMs run torch's)")
             draft = None  # draft model: loaded before the KV budget, which then covers both caches
             if spec is not None and spec.method == "draft_model":
-                draft_model, draft_config, _ = load_model(spec.model, str(self.device), self.dtype)
+                draft_model, draft_config, draft_tokenizer = load_model(spec.model, str(self.device), self.dtype)
                 if draft_config.vocab_size != self.model_config.vocab_size:
                     raise ValueError(f"draft model {spec.model} has a vocabulary of {draft_config.vocab_size} tokens, "
                                      f"the target model {self.model_config.vocab_size}: a draft model must share "
                                      "the target's vocabulary")
+                _check_same_tokens(spec.model, draft_tokenizer, self.tokenizer)
                 draft = (draft_model, draft_config)
             limit = self.model_config.max_position_embeddings
             if max_model_len is not None and max_model_len > limit:
