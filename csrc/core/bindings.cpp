@@ -9,6 +9,7 @@
 #include "block_manager.h"
 #include "ngram_proposer.h"
 #include "scheduler.h"
+#include "suffix_proposer.h"
 #ifdef PYENGINE_WITH_KERNELS
 #include "register_kernels.h"
 #endif
@@ -142,6 +143,23 @@ PYBIND11_MODULE(_C, m) {
              PE_CHECK(ids.size() == max_drafts.size(), "seq_ids and max_drafts differ in length");
              s.propose_ngram(min_n, max_n, ids.data(), max_drafts.data(), ids.size());
            }, py::arg("min_n"), py::arg("max_n"), py::arg("seq_ids"), py::arg("max_drafts"))
+      .def("propose_suffix", [](Scheduler& s, SuffixProposer& p, SeqIdArray ids, IntArray max_drafts) {
+             // Suffix-decoding drafts (suffix_proposer.h) for these running decode requests, up to
+             // max_drafts[i] each, set in one call.
+             PE_CHECK(ids.size() == max_drafts.size(), "seq_ids and max_drafts differ in length");
+             const int32_t k = s.config().num_spec_tokens;
+             std::vector<int32_t> flat(static_cast<size_t>(ids.size()) * k), counts(ids.size());
+             int64_t used = 0;
+             for (py::ssize_t i = 0; i < ids.size(); ++i) {
+               const Sequence& seq = s.sequence(ids.data()[i]);
+               const auto limit = static_cast<int32_t>(
+                   std::min<int64_t>(max_drafts.data()[i], s.max_useful_drafts(seq)));
+               counts[i] = p.propose(seq.seq_id, seq.token_ids.data(), seq.num_tokens(), std::max(limit, 0),
+                                     flat.data() + used);
+               used += counts[i];
+             }
+             s.set_draft_tokens_batch(ids.data(), counts.data(), ids.size(), flat.data(), used);
+           }, py::arg("proposer"), py::arg("seq_ids"), py::arg("max_drafts"))
       .def("decode_view", &Scheduler::decode_view)
       .def("token_ids_from", [](const Scheduler& s, SeqIdArray ids, SeqIdArray starts) {
              // Each request's committed tokens from starts[i] on, concatenated, and the row offsets.
@@ -211,6 +229,20 @@ PYBIND11_MODULE(_C, m) {
         d["drafted_per_position"] = st.drafted_per_position;
         return d;
       });
+
+  py::class_<SuffixProposer>(m, "SuffixProposer")
+      .def(py::init([](int32_t max_depth, float max_spec_factor, float min_token_prob, int64_t max_cached_tokens) {
+             PE_CHECK(max_depth >= 1, "suffix max_depth must be >= 1, got ", max_depth);
+             return SuffixProposer(SuffixConfig{max_depth, max_spec_factor, min_token_prob, max_cached_tokens});
+           }), py::arg("max_depth") = 24, py::arg("max_spec_factor") = 1.0f, py::arg("min_token_prob") = 0.1f,
+           py::arg("max_cached_tokens") = int64_t{1} << 20)
+      .def("propose_tokens", [](SuffixProposer& p, int64_t seq_id, IntArray tokens, int32_t k) {
+             std::vector<int32_t> out(std::max(k, 0));
+             out.resize(p.propose(seq_id, tokens.data(), tokens.size(), std::max(k, 0), out.data()));
+             return out;
+           }, py::arg("seq_id"), py::arg("token_ids"), py::arg("k"))
+      .def("forget", &SuffixProposer::forget, py::arg("seq_id"), py::arg("finished"))
+      .def_property_readonly("num_cached_tokens", &SuffixProposer::num_cached_tokens);
 
   m.def("propose_ngram", [](IntArray tokens, int32_t min_n, int32_t max_n, int32_t k) {
     std::vector<int32_t> out(std::max(k, 0));

@@ -22,8 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser, default_spec: str | None = None)
     p.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
-    p.add_argument("--spec", choices=["ngram", "draft", "mtp"], default=default_spec,
-                   help="speculative decoding method (mtp: the model's own multi-token-prediction layer)")
+    p.add_argument("--spec", choices=["ngram", "suffix", "draft", "mtp"], default=default_spec,
+                   help="speculative decoding method (suffix: suffix decoding over the request and recent ones; "
+                        "mtp: the model's own multi-token-prediction layer)")
     p.add_argument("--num-spec-tokens", type=int, default=4)
     p.add_argument("--draft-model", help="draft model path for --spec draft")
     p.add_argument("--max-model-len", type=int)

@@ -7,7 +7,7 @@ from typing import Any
 
 @dataclass
 class SpeculativeConfig:
-    method: str  # "ngram", "draft_model" or "mtp" (the target's own multi-token-prediction layers)
+    method: str  # "ngram", "suffix", "draft_model" or "mtp" (the target's own multi-token-prediction layers)
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -16,21 +16,29 @@ class SpeculativeConfig:
     # The adaptive policy's decode-step cost a + b * tokens fed (only b / a matters); None: modelled
     # from the model's weights and the device (pyengine.spec_decode.draft_length.modelled_step_cost)
     step_cost: tuple[float, float] | None = None
+    # method "suffix" (pyengine/spec_decode/suffix.py): longest context indexed, drafts per matched
+    # context token, the least share of a context's continuations a draft may have, and the finished
+    # requests' tokens kept for other requests (vLLM's suffix_decoding_* names)
+    suffix_max_depth: int = 24
+    suffix_max_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
+    suffix_max_cached_tokens: int = 1 << 20
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-                 "adaptive_draft_length", "step_cost"}
+                 "adaptive_draft_length", "step_cost", *SUFFIX_KEYS}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} (known: {sorted(known)})")
         method = d.get("method") or ("draft_model" if d.get("model") else None)
         if method == "draft":
             method = "draft_model"
-        if method not in ("ngram", "draft_model", "mtp"):
-            raise ValueError(f"speculative_config.method must be 'ngram', 'draft_model' or 'mtp', got {method!r}")
+        if method not in ("ngram", "suffix", "draft_model", "mtp"):
+            raise ValueError(f"speculative_config.method must be 'ngram', 'suffix', 'draft_model' or 'mtp', "
+                             f"got {method!r}")
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an int in 1..32, got {k!r}")
@@ -50,6 +58,12 @@ class SpeculativeConfig:
             if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
                 raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                                  f"{cfg.prompt_lookup_min}..{cfg.prompt_lookup_max}")
+        if method == "suffix":
+            _suffix_settings(cfg, d)
+        elif set(d) & SUFFIX_KEYS.keys():
+            raise ValueError(f"speculative_config: {sorted(set(d) & SUFFIX_KEYS.keys())} apply to method 'suffix' only")
+        if method in ("ngram", "suffix") and cfg.model is not None:
+            raise ValueError(f"speculative_config.model is not used by method {method!r}")
         if method == "draft_model" and not cfg.model:
             raise ValueError("speculative_config.model (the draft model's path) is required for a draft model")
         if method == "mtp" and cfg.model is not None:
@@ -60,6 +74,23 @@ class SpeculativeConfig:
 
 
 MAX_LOOKUP_LEN = 2**31 - 1  # the ngram lookup's lengths are int32 in the scheduler
+# speculative_config key -> (field, type, lowest, highest)
+SUFFIX_KEYS = {"suffix_decoding_max_tree_depth": ("suffix_max_depth", int, 1, 1024),
+               "suffix_decoding_max_spec_factor": ("suffix_max_spec_factor", float, 0.0, 1e6),
+               "suffix_decoding_min_token_prob": ("suffix_min_token_prob", float, 0.0, 1.0),
+               "suffix_decoding_max_cached_tokens": ("suffix_max_cached_tokens", int, 0, 2**62)}
+
+
+def _suffix_settings(cfg: SpeculativeConfig, d: dict[str, Any]) -> None:
+    for key, (name, kind, low, high) in SUFFIX_KEYS.items():
+        if key not in d:
+            continue
+        value = d[key]
+        ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+        if not ok or not low <= value <= high:
+            raise ValueError(f"speculative_config.{key} must be {'a number' if kind is float else 'an int'} in "
+                             f"[{low}, {high}], got {value!r}")
+        setattr(cfg, name, kind(value))
 
 
 def _lookup_len(d: dict[str, Any], key: str, default: int) -> int:

@@ -33,6 +33,10 @@ def build_proposer(spec: SpeculativeConfig, runner: Any, get_request: Callable[[
         from pyengine.spec_decode.ngram import NgramProposer
 
         return NgramProposer(spec)
+    if spec.method == "suffix":
+        from pyengine.spec_decode.suffix import SuffixProposer
+
+        return SuffixProposer(spec)
     if spec.method == "mtp":
         from pyengine.spec_decode.mtp import MtpProposer
 

@@ -1,0 +1,107 @@
+"""Suffix decoding (method "suffix", csrc/core/suffix_proposer.h): what it drafts from a request's
+own tokens and from finished requests, its caps, its settings, and losslessness on the default
+model (greedy tokens and logits equal plain decoding; it accepts more than prompt lookup where an
+answer repeats an earlier request's)."""
+from __future__ import annotations
+
+import pytest
+
+from pyengine import LLM, SamplingParams, _C
+from pyengine.spec_decode.config import SpeculativeConfig
+
+
+def test_drafts_continue_the_longest_recurring_context() -> None:
+    p = _C.SuffixProposer(max_depth=8, max_spec_factor=4.0, min_token_prob=0.1)
+    tokens = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
+    assert p.propose_tokens(0, tokens, 3) == [4, 5, 9]  # after "1 2 3" came "4 5 9"
+    # "3" alone is followed by 4 once; the longer context "2 3" wins (same here) - the chain goes on
+    # through drafted tokens: "... 1 2 3 4" -> 5 -> 9 -> 9 -> 1
+    assert p.propose_tokens(0, tokens, 6) == [4, 5, 9, 9, 1, 2]
+
+
+def test_the_most_frequent_continuation_and_the_confidence_cut() -> None:
+    p = _C.SuffixProposer(max_depth=4, max_spec_factor=8.0, min_token_prob=0.5)
+    # after 7 came 1 twice and 2 once: 1 is drafted (2/3 >= 0.5), then after "7 1" came 5, 6 (1 each: 1/2)
+    assert p.propose_tokens(0, [7, 1, 5, 7, 2, 0, 7, 1, 6, 7], 4)[:1] == [1]
+    strict = _C.SuffixProposer(max_depth=4, max_spec_factor=8.0, min_token_prob=0.9)
+    assert strict.propose_tokens(0, [7, 1, 5, 7, 2, 0, 7, 1, 6, 7], 4) == []  # 1 follows 7 only 2/3 of the time
+
+
+def test_draft_length_is_capped_by_the_match_length() -> None:
+    p = _C.SuffixProposer(max_depth=16, max_spec_factor=1.0, min_token_prob=0.0)
+    tokens = [10, 11, 12, 13, 14, 15, 16, 17, 50, 12]
+    assert len(p.propose_tokens(0, tokens, 8)) == 1  # matched "12" only: one draft
+    tokens = [10, 11, 12, 13, 14, 15, 16, 17, 50, 10, 11, 12]
+    assert p.propose_tokens(1, tokens, 8) == [13, 14, 15]  # matched 3 tokens: three drafts
+
+
+def test_finished_requests_feed_other_requests_and_the_cache_is_bounded() -> None:
+    p = _C.SuffixProposer(max_depth=8, max_spec_factor=4.0, min_token_prob=0.1, max_cached_tokens=12)
+    answer = [40, 41, 42, 43, 44, 45]
+    assert p.propose_tokens(0, [1, 2] + answer, 2) == []  # nothing repeats inside request 0
+    p.forget(0, True)
+    assert p.num_cached_tokens == 8
+    assert p.propose_tokens(1, [7, 7, 40, 41], 3) == [42, 43, 44]  # request 0's answer
+    p.forget(2, False)  # unknown / preempted: nothing happens
+    p.propose_tokens(3, [90, 91, 92, 93, 94, 95], 1)
+    p.forget(3, True)  # 8 + 6 tokens > 12: request 0's tokens leave the cache
+    assert p.num_cached_tokens == 6
+    assert p.propose_tokens(4, [40, 41], 3) == []
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth must be an int"),
+    ({"suffix_decoding_min_token_prob": 1.5}, "suffix_decoding_min_token_prob must be a number"),
+    ({"suffix_decoding_max_spec_factor": "x"}, "suffix_decoding_max_spec_factor must be a number"),
+])
+def test_bad_suffix_settings(bad: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 4, **bad})
+    with pytest.raises(ValueError, match="apply to method 'suffix' only"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8})
+
+
+def test_suffix_decoding_is_lossless_and_learns_from_finished_requests(smollm2_path: str) -> None:
+    """The same question asked again (a retry, an agent loop): suffix decoding drafts the earlier
+    answer; greedy tokens equal plain decoding (the logits: the checker test below)."""
+    question = [{"role": "user", "content": "List the first ten prime numbers, comma separated."}]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = LLM(smollm2_path, device="cpu", seed=0)
+    plain.engine.cfg.record_logits = True
+    first = plain.chat(question, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    def run(method: str) -> tuple[list[list[int]], dict]:
+        llm = LLM(smollm2_path, device="cpu", seed=0,
+                  speculative_config={"method": method, "num_speculative_tokens": 4, "adaptive_draft_length": False})
+        outs = [llm.chat(question, params, use_tqdm=False)[0].outputs[0].token_ids for _ in range(2)]
+        return outs, llm.stats()
+
+    suffix_outs, suffix_stats = run("suffix")
+    ngram_outs, ngram_stats = run("ngram")
+    assert suffix_outs == [first, first] == ngram_outs
+    # the second request's answer is drafted from the first's: nearly every draft accepted
+    assert suffix_stats["num_accepted_tokens"] > ngram_stats["num_accepted_tokens"]
+    assert suffix_stats["acceptance_rate"] > 0.5
+
+
+def test_suffix_spec_logits_equal_plain_through_the_checker(smollm2_path: str) -> None:
+    from pyengine.check import check_losslessness
+    from tests.test_spec_bits_cpu import PROMPTS, assert_bit_identical
+
+    spec = {"method": "suffix", "num_speculative_tokens": 4, "adaptive_draft_length": False}
+    report = check_losslessness(PROMPTS, model=smollm2_path, device="cpu", dtype="bfloat16", speculative_config=spec,
+                                max_tokens=20, alone=False, chat=False, batch_invariant=True)
+    assert_bit_identical(report, "spec")
+
+
+def test_random_sampling_with_suffix_drafts_keeps_the_target_distribution(tmp_path) -> None:
+    from tests.spec_harness import check_second_token_follows_target
+    from tests.tiny_models import make_checkpoint
+
+    make_checkpoint("llama_gqa_untied", str(tmp_path))
+    # every token 3..95 once, each followed by the next: whatever the first sampled token, the
+    # context ending in it recurs, and the first verify step carries drafts
+    prompt = list(range(3, 96)) + [5]
+    spec = {"method": "suffix", "num_speculative_tokens": 3, "adaptive_draft_length": False,
+            "suffix_decoding_max_spec_factor": 3.0, "suffix_decoding_min_token_prob": 0.0}
+    check_second_token_follows_target(str(tmp_path), spec, prompt)
