@@ -28,6 +28,8 @@ METHODS = {
     "ngram_adaptive_ragged_eager": ({"method": "ngram", "num_speculative_tokens": 4}, False),
     "ngram_fixed": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, True),
     "ngram_fixed_ragged_eager": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, False),
+    "suffix_adaptive": ({"method": "suffix", "num_speculative_tokens": 4}, True),
+    "suffix_fixed": ({"method": "suffix", "num_speculative_tokens": 4, "adaptive_draft_length": False}, True),
 }
 
 
