@@ -37,16 +37,17 @@ def test_draft_length_is_capped_by_the_match_length() -> None:
 
 def test_finished_requests_feed_other_requests_and_the_cache_is_bounded() -> None:
     p = _C.SuffixProposer(max_depth=8, max_spec_factor=4.0, min_token_prob=0.1, max_cached_tokens=12)
-    answer = [40, 41, 42, 43, 44, 45]
-    assert p.propose_tokens(0, [1, 2] + answer, 2) == []  # nothing repeats inside request 0
+    answer = [40, 41, 42, 43, 44, 45, 46, 47]
+    assert p.propose_tokens(0, [1, 2] + answer, 2, prompt_len=2) == []  # nothing repeats inside request 0
     p.forget(0, True)
-    assert p.num_cached_tokens == 8
+    assert p.num_cached_tokens == 8  # its output: more than half the cache, now the older generation
     assert p.propose_tokens(1, [7, 7, 40, 41], 3) == [42, 43, 44]  # request 0's answer
     p.forget(2, False)  # unknown / preempted: nothing happens
-    p.propose_tokens(3, [90, 91, 92, 93, 94, 95], 1)
-    p.forget(3, True)  # 8 + 6 tokens > 12: request 0's tokens leave the cache
-    assert p.num_cached_tokens == 6
+    assert p.propose_tokens(3, [90, 91, 92, 93, 94, 95, 96, 97], 1) == []
+    p.forget(3, True)  # another 8 tokens: request 0's generation is dropped
+    assert p.num_cached_tokens == 8
     assert p.propose_tokens(4, [40, 41], 3) == []
+    assert p.propose_tokens(5, [93, 94], 2) == [95, 96]
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -154,8 +154,8 @@ PYBIND11_MODULE(_C, m) {
                const Sequence& seq = s.sequence(ids.data()[i]);
                const auto limit = static_cast<int32_t>(
                    std::min<int64_t>(max_drafts.data()[i], s.max_useful_drafts(seq)));
-               counts[i] = p.propose(seq.seq_id, seq.token_ids.data(), seq.num_tokens(), std::max(limit, 0),
-                                     flat.data() + used);
+               counts[i] = p.propose(seq.seq_id, seq.token_ids.data(), seq.num_tokens(), seq.num_prompt_tokens,
+                                     std::max(limit, 0), flat.data() + used);
                used += counts[i];
              }
              s.set_draft_tokens_batch(ids.data(), counts.data(), ids.size(), flat.data(), used);
@@ -236,11 +236,11 @@ PYBIND11_MODULE(_C, m) {
              return SuffixProposer(SuffixConfig{max_depth, max_spec_factor, min_token_prob, max_cached_tokens});
            }), py::arg("max_depth") = 24, py::arg("max_spec_factor") = 1.0f, py::arg("min_token_prob") = 0.1f,
            py::arg("max_cached_tokens") = int64_t{1} << 20)
-      .def("propose_tokens", [](SuffixProposer& p, int64_t seq_id, IntArray tokens, int32_t k) {
+      .def("propose_tokens", [](SuffixProposer& p, int64_t seq_id, IntArray tokens, int32_t k, int64_t prompt_len) {
              std::vector<int32_t> out(std::max(k, 0));
-             out.resize(p.propose(seq_id, tokens.data(), tokens.size(), std::max(k, 0), out.data()));
+             out.resize(p.propose(seq_id, tokens.data(), tokens.size(), prompt_len, std::max(k, 0), out.data()));
              return out;
-           }, py::arg("seq_id"), py::arg("token_ids"), py::arg("k"))
+           }, py::arg("seq_id"), py::arg("token_ids"), py::arg("k"), py::arg("prompt_len") = 0)
       .def("forget", &SuffixProposer::forget, py::arg("seq_id"), py::arg("finished"))
       .def_property_readonly("num_cached_tokens", &SuffixProposer::num_cached_tokens);
 

@@ -10,8 +10,8 @@
 // min_token_prob of the cases. Drafts are only proposals: the target verifies every one.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <unordered_map>
 #include <vector>
 
@@ -24,50 +24,57 @@ struct SuffixConfig {
   int64_t max_cached_tokens = 1 << 20;  // finished requests' tokens kept in the global index
 };
 
-// Context hash -> counts of the tokens that followed it. A context is keyed by the hash of its
-// tokens and its length (collisions only cost a bad draft).
+// Context (the hash of its tokens and length) -> its two most frequent next tokens with counts and
+// the number of times it was seen. One flat open-addressing table (no allocation per context:
+// every committed token adds max_depth contexts); keeping two candidates makes the counts
+// approximate where a context had many different continuations, which only costs draft quality.
 class SuffixIndex {
  public:
-  struct Next {
-    int32_t token;
-    int32_t count;
+  struct Entry {
+    uint64_t key = 0;  // 0: empty slot
+    int32_t token[2] = {-1, -1};
+    int32_t count[2] = {0, 0};
+    int32_t total = 0;
   };
-  // Index token[p] under its contexts tokens[p - d, p) for d = 1..max_depth (sign -1 removes).
-  void add(const int32_t* tokens, int64_t p, int32_t max_depth, int32_t sign = 1);
-  // The continuations of a context (nullptr: never seen).
-  const std::vector<Next>* find(uint64_t key) const {
-    auto it = map_.find(key);
-    return it == map_.end() || it->second.empty() ? nullptr : &it->second;
+  // Index tokens[p] under its contexts tokens[p - d, p), d = 1..max_depth.
+  void add(const int32_t* tokens, int64_t p, int32_t max_depth);
+  const Entry* find(uint64_t key) const;
+  void clear() {
+    table_.clear();
+    used_ = 0;
   }
-  bool empty() const { return map_.empty(); }
 
  private:
-  std::unordered_map<uint64_t, std::vector<Next>> map_;
+  Entry& slot(uint64_t key);  // the key's entry, inserted if absent
+  std::vector<Entry> table_;  // power-of-two size, at most half full
+  std::size_t used_ = 0;
 };
 
 class SuffixProposer {
  public:
   explicit SuffixProposer(const SuffixConfig& config) : config_(config) {}
 
-  // Index tokens[indexed, n) of request seq_id (its committed tokens grow between calls), then
-  // write up to k drafts for its next position to out; returns how many.
-  int32_t propose(int64_t seq_id, const int32_t* tokens, int64_t n, int32_t k, int32_t* out);
-  // The request left: finished ones move their tokens into the global cache (oldest evicted past
-  // max_cached_tokens); preempted ones keep their index (their committed tokens stay).
+  // Index tokens[indexed, n) of request seq_id (its committed tokens grow between calls; the first
+  // prompt_len are its prompt), then write up to k drafts for its next position to out; returns
+  // how many.
+  int32_t propose(int64_t seq_id, const int32_t* tokens, int64_t n, int64_t prompt_len, int32_t k, int32_t* out);
+  // The request left: a finished one's output joins the shared cache (two generations of about
+  // max_cached_tokens / 2 tokens each: the older one is dropped when the newer fills); a preempted
+  // one keeps its index (its committed tokens stay).
   void forget(int64_t seq_id, bool finished);
-  int64_t num_cached_tokens() const { return cached_tokens_; }
+  int64_t num_cached_tokens() const { return recent_tokens_ + older_tokens_; }
 
  private:
   struct Request {
     SuffixIndex index;
     std::vector<int32_t> tokens;  // indexed so far
+    int64_t prompt_len = 0;
   };
 
   SuffixConfig config_;
   std::unordered_map<int64_t, Request> requests_;
-  SuffixIndex global_;
-  std::deque<std::vector<int32_t>> cached_;  // finished requests' tokens, oldest first
-  int64_t cached_tokens_ = 0;
+  SuffixIndex recent_, older_;  // finished requests' outputs: the newer and the older generation
+  int64_t recent_tokens_ = 0, older_tokens_ = 0;
 };
 
 }  // namespace pyengine
