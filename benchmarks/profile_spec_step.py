@@ -1,5 +1,7 @@
-"""cProfile of greedy speculative decoding on the GPU (SmolLM2, Spec-Bench prompts): where a step's
-host time goes. Prints the top functions by own time and by cumulative time.
+"""Where a step's time goes in greedy decoding on the GPU (SmolLM2, Spec-Bench prompts), plain or
+speculative: per phase of LLMEngine.step (propose, schedule, forward with a device sync after it,
+sampling / verification, update, commit), total ms and ms per step, by step kind (replayed or
+eager); with --cprofile also the top functions by own time.
 
     python3 benchmarks/profile_spec_step.py --gguf PATH --prompts spec_bench.jsonl --batch 64 --method ngram
 """
@@ -9,8 +11,60 @@ import argparse
 import cProfile
 import json
 import pstats
+import time
+from collections import defaultdict
+
+import torch
 
 from pyengine import LLM, SamplingParams
+
+
+def instrument(llm: LLM) -> dict:
+    """Wrap the engine's phases; returns {phase: [calls, seconds]}, filled as the LLM runs."""
+    engine, phases = llm.engine, defaultdict(lambda: [0, 0.0])
+
+    def timed(obj, name: str, label: str, sync: bool = False) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **kw):
+            start = time.perf_counter()
+            out = fn(*a, **kw)
+            if sync:
+                torch.cuda.synchronize()
+            phases[label][0] += 1
+            phases[label][1] += time.perf_counter() - start
+            return out
+
+        setattr(obj, name, wrapper)
+
+    timed(engine, "_propose", "propose")
+    timed(engine.runner, "execute", "forward (synced)", sync=True)
+    timed(engine, "_sample", "sample: verify")
+    timed(engine, "_sample_greedy", "sample: greedy argmax")
+    timed(engine, "_commit", "commit")
+    timed(engine, "step", "step (all)")
+    sched = engine.scheduler
+
+    class Sched:  # the C++ scheduler's schedule / update, timed
+        def __getattr__(self, name):
+            return getattr(sched, name)
+
+        def schedule(self):
+            start = time.perf_counter()
+            out = sched.schedule()
+            phases["schedule"][0] += 1
+            phases["schedule"][1] += time.perf_counter() - start
+            return out
+
+        def update(self, *a):
+            start = time.perf_counter()
+            out = sched.update(*a)
+            phases["update"][0] += 1
+            phases["update"][1] += time.perf_counter() - start
+            return out
+
+    engine.scheduler = Sched()
+    return phases
 
 
 def main() -> None:
@@ -21,6 +75,7 @@ def main() -> None:
     ap.add_argument("--method", default="ngram", help="ngram, suffix, or none (plain)")
     ap.add_argument("--fixed", action="store_true", help="no adaptive draft length")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--cprofile", action="store_true")
     args = ap.parse_args()
     with open(args.prompts) as f:
         questions = [json.loads(line)["turns"][0] for line in f if line.strip()]
@@ -31,15 +86,25 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     conv = [[{"role": "user", "content": q}] for q in questions]
     llm.chat(conv[-args.batch:], params, use_tqdm=False)  # warm-up on other prompts: graphs captured
-    prof = cProfile.Profile()
-    prof.enable()
+    phases = instrument(llm)
+    prof = cProfile.Profile() if args.cprofile else None
+    steps0 = llm.stats()["num_steps"]
+    start = time.perf_counter()
+    if prof:
+        prof.enable()
     llm.chat(conv[:args.batch], params, use_tqdm=False)
-    prof.disable()
+    if prof:
+        prof.disable()
+    seconds = time.perf_counter() - start
     st = llm.stats()
-    print({k: st[k] for k in ("num_steps", "acceptance_rate") if k in st})
-    p = pstats.Stats(prof)
-    p.sort_stats("tottime").print_stats(22)
-    p.sort_stats("cumulative").print_stats(30)
+    steps = st["num_steps"] - steps0
+    print(json.dumps({"method": args.method, "batch": args.batch, "fixed": args.fixed, "steps": steps,
+                      "seconds": round(seconds, 3), "acceptance_rate": st.get("acceptance_rate"),
+                      "phases_ms": {k: {"calls": c, "ms": round(1e3 * t, 1), "ms_per_step": round(1e3 * t / steps, 3)}
+                                    for k, (c, t) in sorted(phases.items())}}))
+    if prof:
+        p = pstats.Stats(prof)
+        p.sort_stats("tottime").print_stats(22)
 
 
 if __name__ == "__main__":
