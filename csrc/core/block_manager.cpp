@@ -3,18 +3,9 @@
 #include <algorithm>
 #include <cstring>
 
-namespace pyengine {
+#include "mix64.h"
 
-namespace {
-inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser: a cheap, well-distributed mixer
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
-}  // namespace
+namespace pyengine {
 
 BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching,
                            int32_t num_state_slots, int32_t state_slots_per_seq, int32_t num_state_checkpoints)

@@ -3,18 +3,11 @@
 #include <algorithm>
 #include <utility>
 
+#include "mix64.h"
+
 namespace pyengine {
 
 namespace {
-
-inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
 
 // The key of a context of length d from the key of its suffix of length d - 1 and the token d back
 // from the end: contexts are hashed from their end, so lengths 1..D cost one step each. Never 0.
