@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from functools import lru_cache
 from typing import Any
 
@@ -38,6 +39,15 @@ def _byte_alphabet() -> dict[int, str]:
             mapping[b] = chr(256 + extra)
             extra += 1
     return mapping
+
+
+def _in_byte_alphabet(tokens: list[str]) -> list[bool]:
+    """Per token: whether it is spelled in the byte alphabet only. One regex search over all the
+    tokens first: in a byte-level BPE vocabulary they all are."""
+    outside = re.compile("[^" + re.escape("".join(_byte_alphabet().values())) + "]")
+    if outside.search("".join(tokens)) is None:
+        return [True] * len(tokens)
+    return [outside.search(t) is None for t in tokens]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -131,12 +141,11 @@ class Tokenizer:
         if kind != "gpt2":
             raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
         tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
-        alphabet = set(_byte_alphabet().values())
+        in_alphabet = _in_byte_alphabet(tokens)
         spell = _byte_alphabet()
         # Tokens the file wrote as raw text (outside the byte alphabet) are re-spelled byte-wise.
-        vocab = {
-            (t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)
-        }
+        vocab = dict(zip((t if ok else "".join(spell[b] for b in t.encode("utf-8")) for t, ok in zip(tokens, in_alphabet)),
+                         range(len(tokens))))
         merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
         backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
         split = _PRE_SPLITS.get(fields.get("tokenizer.ggml.pre", ""))
@@ -150,9 +159,8 @@ class Tokenizer:
         types = list(fields.get("tokenizer.ggml.token_type", []))
         # Control tokens (<|im_start|>...) must match whole and count as special; a control token
         # spelled outside the byte alphabet is a converter mislabel and is left alone.
-        backend.add_special_tokens(
-            [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet]
-        )
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                    for t, k, ok in zip(tokens, types, in_alphabet) if k == _CONTROL and ok])
         backend.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
         bos = fields.get("tokenizer.ggml.bos_token_id")
         bos = None if bos is None else int(bos)

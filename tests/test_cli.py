@@ -199,6 +199,8 @@ class PoisonedLLM(LLM):
         with torch.no_grad():
             if m.embed_tokens is not None:
                 m.embed_tokens[int(sys.argv[1])] = float("nan")
+            elif m.embedding_columns is not None:  # the tied table kept as int8 codes + scales
+                m.embedding_columns.scales[..., int(sys.argv[1])] = float("nan")
             else:
                 if m.packed_lm_head is None:
                     m.packed_lm_head = m.lm_head.detach().clone()

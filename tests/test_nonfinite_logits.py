@@ -74,6 +74,8 @@ def nan_embedding(llm: LLM, token: int) -> Iterator[None]:
     m = llm.model
     if m.embed_tokens is not None:
         table, index = m.embed_tokens, (token,)
+    elif m.embedding_columns is not None:  # the tied table kept as int8 codes + scales (GGUF on the CPU)
+        table, index = m.embedding_columns.scales, (..., token)
     else:
         if m.packed_lm_head is None:
             m.packed_lm_head = m.lm_head.detach().clone()

@@ -35,6 +35,7 @@ def load_model(path: str | None, device: str = "cpu", dtype: torch.dtype = torch
     checkpoint's multi-token-prediction layers (model.mtp), for speculative method "mtp"."""
     if path is None:
         path = default_model_path()
+    on_cpu = torch.device(device).type == "cpu"
     if not os.path.exists(path):
         raise ValueError(f"model file not found: {path}")
     if os.path.isdir(path):
@@ -46,9 +47,9 @@ def load_model(path: str | None, device: str = "cpu", dtype: torch.dtype = torch
             raise ValueError(f"{path}: MTP speculation needs a HF checkpoint directory with MTP layers, not a GGUF file")
         from pyengine.loader.gguf_file import load_gguf
 
-        model, config, tokenizer = load_gguf(path, dtype)
+        model, config, tokenizer = load_gguf(path, dtype, prepack_cpu=on_cpu)  # packs as it loads: one dense layer at a time
     model.to(device)
     model.eval()
-    if torch.device(device).type == "cpu" and hasattr(model, "prepack_for_cpu"):
+    if on_cpu and hasattr(model, "prepack_for_cpu"):
         model.prepack_for_cpu()  # pyengine's packed GEMM (batch-invariant), else oneDNN blocked weights
     return model, config, tokenizer

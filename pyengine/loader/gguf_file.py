@@ -1,20 +1,24 @@
-"""GGUF file (llama.cpp format) -> model, config and tokenizer, through the `gguf` package.
+"""GGUF file (llama.cpp format) -> model, config and tokenizer, through pyengine's reader
+(gguf_reader.py: a memory map of the file).
 
-Quantised tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...) are dequantised to float32 at load time and
-then cast to the requested dtype: the engine runs dense weights.
+Quantised tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...) are dequantised to float32 at load time
+(gguf_dequant.py) and then cast to the requested dtype: the engine runs dense weights, or on the
+CPU packs them (Q4_0 / Q4_1 / Q8_0 values back into their codes: see ops.cpu.PackedLinear). One
+tensor is dense at a time: each is made in the layout of its parameter, which takes it over, and
+on the CPU each linear is packed as soon as it is complete (LlamaForCausalLM.load_weights).
 """
 from __future__ import annotations
 
-import os
-import struct
 from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from pyengine.config import ModelConfig
+from pyengine.loader.gguf_dequant import decode, dequantize
+from pyengine.loader.gguf_reader import GGUFFile, GGUFTensor
 from pyengine.models import build_model, model_config_from_hf
 from pyengine.tokenizer import Tokenizer
 
@@ -37,157 +41,22 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
-_STRING, _ARRAY = 8, 9
-_MAX_DIMS = 4  # GGML_MAX_DIMS
+def _open(path: str) -> GGUFFile:
+    """The parsed file (metadata and tensor records); a one-line ValueError if it is malformed."""
+    return GGUFFile(path)
 
 
-class _Layout:
-    """A bounds-checked walk over a GGUF header (metadata and tensor infos), so that a truncated or
-    corrupted file is reported by what is wrong instead of by the reader's numpy errors."""
-
-    def __init__(self, path: str, buf: Any, size: int) -> None:
-        self.path, self.buf, self.size, self.pos = path, buf, size, 0
-
-    def fail(self, what: str) -> NoReturn:
-        raise ValueError(f"not a valid GGUF file: {self.path} ({what})")
-
-    def take(self, n: int, what: str) -> bytes:
-        if n < 0 or self.pos + n > self.size:
-            self.fail(f"{what} at byte {self.pos} runs past the end of the file ({self.size} bytes): truncated or corrupt")
-        out = bytes(self.buf[self.pos:self.pos + n])
-        self.pos += n
-        return out
-
-    def u32(self, what: str) -> int:
-        return int.from_bytes(self.take(4, what), "little")
-
-    def u64(self, what: str) -> int:
-        return int.from_bytes(self.take(8, what), "little")
-
-    def string(self, what: str) -> str:
-        raw = self.take(self.u64(f"{what} length"), what)
-        return raw.decode("utf-8", errors="replace")
-
-    def value(self, vtype: int, key: str) -> Any:
-        if vtype == _STRING:
-            return self.string(f"metadata {key!r} string")
-        if vtype == _ARRAY:
-            etype = self.u32(f"metadata {key!r} array type")
-            count = self.u64(f"metadata {key!r} array length")
-            if etype in _SCALAR_SIZES:
-                self.take(count * _SCALAR_SIZES[etype], f"metadata {key!r} array of {count}")
-                return None
-            if etype != _STRING:
-                self.fail(f"metadata {key!r}: unknown array element type {etype}")
-            if count > self.size - self.pos:
-                self.fail(f"metadata {key!r}: array of {count} strings cannot fit in the file")
-            pos, size, unpack = self.pos, self.size, struct.Struct("<Q").unpack_from
-            for _ in range(count):  # the hot loop (a vocabulary): no copies
-                if pos + 8 > size:
-                    break
-                pos += 8 + unpack(self.buf, pos)[0]
-                if pos > size:
-                    break
-            else:
-                self.pos = pos
-                return None
-            self.pos = min(pos, size)
-            self.fail(f"metadata {key!r} string array runs past the end of the file ({size} bytes): truncated or corrupt")
-        if vtype not in _SCALAR_SIZES:
-            self.fail(f"metadata {key!r}: unknown value type {vtype}")
-        raw = self.take(_SCALAR_SIZES[vtype], f"metadata {key!r} value")
-        return int.from_bytes(raw, "little") if vtype in (4, 10) else None
-
-
-def check_gguf_layout(path: str) -> None:
-    """Raise a one-line ValueError naming what is wrong with a GGUF file's structure: its magic and
-    version, metadata or tensor infos running past the end, absurd counts, unknown types, and
-    tensor data that lies past the end of the file."""
-    import mmap
-
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 24:
-            raise ValueError(f"not a valid GGUF file: {path} (only {size} bytes)")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            r = _Layout(path, buf, size)
-            if r.take(4, "magic") != b"GGUF":
-                r.fail("no GGUF magic number")
-            version = r.u32("version")
-            if version not in (2, 3):
-                r.fail(f"unsupported GGUF version {version}")
-            n_tensors, n_kv = r.u64("tensor count"), r.u64("metadata count")
-            if n_tensors > size or n_kv > size:
-                r.fail(f"the header claims {n_tensors} tensors and {n_kv} metadata entries, more than a {size}-byte file can hold (truncated?)")
-            alignment = 32
-            for i in range(n_kv):
-                key = r.string(f"metadata key {i}")
-                value = r.value(r.u32(f"metadata {key!r} type"), key)
-                if key == "general.alignment" and value is not None:
-                    alignment = value
-            if alignment <= 0 or alignment & (alignment - 1):
-                r.fail(f"general.alignment {alignment} is not a power of two")
-            infos = []
-            for i in range(n_tensors):
-                name = r.string(f"tensor {i} name")
-                n_dims = r.u32(f"tensor {name!r} rank")
-                if not 1 <= n_dims <= _MAX_DIMS:
-                    r.fail(f"tensor {name!r} has rank {n_dims} (1..{_MAX_DIMS})")
-                dims = [r.u64(f"tensor {name!r} shape") for _ in range(n_dims)]
-                qtype = r.u32(f"tensor {name!r} type")
-                offset = r.u64(f"tensor {name!r} data offset")
-                try:
-                    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
-                except (ValueError, KeyError):
-                    r.fail(f"tensor {name!r} has unknown data type {qtype}")
-                n = 1
-                for d in dims:
-                    n *= d
-                if dims[0] % block:
-                    r.fail(f"tensor {name!r}: row length {dims[0]} is not a multiple of its type's block size {block}")
-                infos.append((name, offset, n // block * type_size))
-            start = -(-r.pos // alignment) * alignment
-            for name, offset, nbytes in infos:
-                if start + offset + nbytes > size:
-                    r.fail(f"tensor {name!r} data offset past end of file: bytes {start + offset}..{start + offset + nbytes} "
-                           f"of a {size}-byte file (truncated?)")
-
-
-def _open(path: str) -> Any:
-    import gguf
-
-    check_gguf_layout(path)
-    try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as exc:  # the reader raises assorted errors on garbage; report one line
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ValueError(f"not a valid GGUF file: {path} ({msg})") from None
-
-
-def read_fields(reader: Any) -> dict[str, Any]:
+def read_fields(reader: GGUFFile) -> dict[str, Any]:
     """All metadata as plain Python values (strings, numbers, lists)."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        try:
-            out[key] = field.contents()
-        except Exception:  # an odd field type we never need must not block loading
-            continue
-    return out
+    return dict(reader.fields)
 
 
-def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's converter reorders each head's Q/K rows from HF rotate-half (first half, second
     half) to interleaved pairs; this undoes it: rows [h, pair, 2] -> [h, 2, pair]."""
     rows = w.shape[0]
     half = rows // num_heads // 2
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return np.ascontiguousarray(w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2)).reshape(w.shape)
 
 
 def config_from_fields(fields: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
@@ -237,63 +106,80 @@ def config_from_fields(fields: dict[str, Any], tensor_names: set[str]) -> ModelC
     return model_config_from_hf(cfg)
 
 
-def _dequantize(tensor: Any) -> torch.Tensor:
-    from gguf.quants import dequantize
-
-    data = dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
-    # np.array copies: F32 tensors are read-only views of the memory-mapped file.
-    return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
-
-
-def iter_gguf_weights(reader: Any, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    permute = config.architecture == "LlamaForCausalLM"  # qwen2/qwen3 files keep HF's layout
-    for tensor in reader.tensors:
-        name = tensor.name
-        if name == "rope_freqs.weight":
-            continue  # consumed by the config (llama3 frequency factors)
-        if name in _GLOBAL_NAMES:
-            hf_name = _GLOBAL_NAMES[name]
-            if hf_name == "lm_head.weight" and config.tie_word_embeddings:
-                continue
-        else:
-            parts = name.split(".")
-            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES or not parts[1].isdigit():
-                raise ValueError(f"unexpected GGUF tensor {name}")
-            if int(parts[1]) >= config.num_hidden_layers:
-                raise ValueError(f"GGUF tensor {name} is for layer {int(parts[1])}, but the model has "
-                                 f"{config.num_hidden_layers} layers (block_count)")
-            hf_name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-        w = _dequantize(tensor)
-        if permute and name.split(".")[-2] == "attn_q":
-            w = _unpermute_rope(w, config.num_attention_heads)
-        elif permute and name.split(".")[-2] == "attn_k":
-            w = _unpermute_rope(w, config.num_key_value_heads)
-        yield hf_name, w.to(dtype)
+def _hf_name(name: str, config: ModelConfig) -> str | None:
+    """The HF name of a GGUF tensor; None for one the model does not load."""
+    if name == "rope_freqs.weight":
+        return None  # consumed by the config (llama3 frequency factors)
+    if name in _GLOBAL_NAMES:
+        hf_name = _GLOBAL_NAMES[name]
+        return None if hf_name == "lm_head.weight" and config.tie_word_embeddings else hf_name
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES or not parts[1].isdigit():
+        raise ValueError(f"unexpected GGUF tensor {name}")
+    if int(parts[1]) >= config.num_hidden_layers:
+        raise ValueError(f"GGUF tensor {name} is for layer {int(parts[1])}, but the model has "
+                         f"{config.num_hidden_layers} layers (block_count)")
+    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
 
 
-def load_gguf(path: str, dtype: torch.dtype) -> tuple[nn.Module, ModelConfig, Tokenizer]:
-    reader = _open(path)
-    fields = read_fields(reader)
-    tensor_names = {t.name for t in reader.tensors}
-    try:
-        config = config_from_fields(fields, tensor_names)
-        config.validate()
-        if "rope_freqs.weight" in tensor_names:
-            # Llama 3.1+ files store the llama3 scaling as precomputed per-frequency divisors.
-            freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-            config.rope_scaling = {"rope_type": "freq_factors", "factors": _dequantize(freqs).reshape(-1).tolist()}
-        tokenizer = Tokenizer.from_gguf_fields(fields)
-    except Exception as exc:  # KeyError/IndexError/TypeError of odd metadata too: one line naming the file
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if isinstance(exc, KeyError):
-            msg = f"GGUF metadata has no {exc.args[0]!r}"
-        raise ValueError(f"{path}: {msg}") from None
-    config.eos_token_ids = list(dict.fromkeys(config.eos_token_ids + tokenizer.eos_token_ids))
-    tokenizer.eos_token_ids = config.eos_token_ids
-    model = build_model(config, dtype)
-    try:
-        model.load_weights(iter_gguf_weights(reader, config, dtype))  # type: ignore[operator]
-    except ValueError as exc:
-        raise ValueError(f"{path}: {str(exc).splitlines()[0]}") from None
+def iter_gguf_weights(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of every weight, each a new tensor the consumer may keep. A matrix comes
+    as the transposed view of an [in, out] array (the layout of the model's linears and of a tied
+    lm_head), except an untied embedding, which the model keeps row-major. The embedding and
+    output come first: they are the largest, and the model packs them and drops their dense
+    copies before the layers arrive."""
+    order = sorted(reader.tensors, key=lambda t: t.name not in _GLOBAL_NAMES)
+    for tensor in order:
+        hf_name = _hf_name(tensor.name, config)
+        if hf_name is not None:
+            yield hf_name, _weight(reader, tensor, hf_name, config).to(dtype)
+
+
+def _weight(reader: GGUFFile, tensor: GGUFTensor, hf_name: str, config: ModelConfig) -> torch.Tensor:
+    shape = tensor.shape
+    rows, cols = int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
+    blocks = decode(reader.data(tensor), tensor.ggml_type, rows, cols)
+    kind = tensor.name.split(".")[-2]
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    if config.architecture == "LlamaForCausalLM" and kind in heads:  # qwen2/qwen3 files keep HF's layout
+        blocks = blocks.map_rows(lambda a: _unpermute_rope(a, heads[kind]))
+    if len(shape) == 2 and (hf_name != "model.embed_tokens.weight" or config.tie_word_embeddings):
+        w = torch.from_numpy(blocks.to_float(transposed=True)).t()
+    else:
+        w = torch.from_numpy(blocks.to_float()).reshape(shape)
+    del blocks  # views of the map
+    reader.release(tensor.offset, tensor.offset + tensor.nbytes)
+    return w
+
+
+def load_gguf(path: str, dtype: torch.dtype, prepack_cpu: bool = False) -> tuple[nn.Module, ModelConfig, Tokenizer]:
+    """prepack_cpu: pack the linears for the CPU while loading (see LlamaForCausalLM.load_weights);
+    the caller then runs prepack_for_cpu."""
+    with _open(path) as reader:
+        fields = read_fields(reader)
+        tensor_names = {t.name for t in reader.tensors}
+        try:
+            config = config_from_fields(fields, tensor_names)
+            config.validate()
+            if "rope_freqs.weight" in tensor_names:
+                # Llama 3.1+ files store the llama3 scaling as precomputed per-frequency divisors.
+                freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+                factors = dequantize(reader.data(freqs), freqs.ggml_type, freqs.shape).reshape(-1).tolist()
+                config.rope_scaling = {"rope_type": "freq_factors", "factors": factors}
+            tokenizer = Tokenizer.from_gguf_fields(fields)
+        except Exception as exc:  # KeyError/IndexError/TypeError of odd metadata too: one line naming the file
+            msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if isinstance(exc, KeyError):
+                msg = f"GGUF metadata has no {exc.args[0]!r}"
+            raise ValueError(f"{path}: {msg}") from None
+        del fields
+        reader.fields.clear()  # the vocabulary's ~100k strings: the tokenizer holds its own
+        config.eos_token_ids = list(dict.fromkeys(config.eos_token_ids + tokenizer.eos_token_ids))
+        tokenizer.eos_token_ids = config.eos_token_ids
+        model = build_model(config, dtype)
+        try:
+            model.load_weights(iter_gguf_weights(reader, config, dtype), adopt=True,  # type: ignore[operator]
+                               prepack_cpu=prepack_cpu)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {str(exc).splitlines()[0]}") from None
     return model, config, tokenizer

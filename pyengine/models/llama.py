@@ -3,11 +3,12 @@
 One flat token batch [T] runs through the decoder layers (pyengine.models.layers.LlamaDecoderLayer);
 each appends its new K/V to the paged cache and attends over it. Weights are [in, out] (see
 docs/models.md for why); a tied lm_head is kept only once, as [hidden, vocab], and token embedding
-then gathers its columns.
+then gathers its columns (on the CPU, once packed, from Int8Columns where its values allow).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +51,9 @@ class LlamaForCausalLM(nn.Module):
         # Set by prepack_for_cpu: the packed lm_head, and every layer in one C++ call per step.
         self.packed_lm_head: Any = None
         self.cpu_stack: CpuLlamaStack | None = None
+        # A tied lm_head whose dense copy went once packed: token embedding reads these instead.
+        self.embedding_columns: Int8Columns | None = None
+        self._cpu_pack: Any = None  # the packer load_weights(prepack_cpu=True) used
 
     @torch.inference_mode()
     def forward(
@@ -60,7 +64,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
         """input_ids/positions [T] int64 -> final-norm hidden states [T, hidden]."""
-        if self.embed_tokens is None:
+        if self.embedding_columns is not None:
+            h = self.embedding_columns.gather(input_ids)
+        elif self.embed_tokens is None:
             h = self.lm_head.index_select(1, input_ids).t().contiguous()
         else:
             h = F.embedding(input_ids, self.embed_tokens)
@@ -89,21 +95,19 @@ class LlamaForCausalLM(nn.Module):
         with AVX-512 (avx512_bf16 for bf16) or AVX2 + FMA pyengine's own GEMM
         (pyengine.ops.cpu.PackedLinear: batch-invariant), which also runs the C++ layer stack,
         else a oneDNN-prepacked weight. Returns False (model unchanged)
-        where neither is available. The dense copies are dropped, so load_weights cannot run again."""
+        where neither is available. The dense copies are dropped, so load_weights cannot run again.
+        What load_weights(prepack_cpu=True) packed already stays as it is."""
         if self.lm_head.device.type != "cpu":
             return False
-        pack = cpu_linear_packer(self.lm_head)
+        pack = self._cpu_pack or cpu_linear_packer(self.lm_head)
         if pack is None:
             return False
         for layer in self.layers:
             for name in LlamaDecoderLayer.LINEAR_NAMES:
-                packed = pack(getattr(layer, name).detach())
-                delattr(layer, name)  # drop the Parameter; a plain attribute takes its name
-                setattr(layer, name, packed)
-        # lm_head stays dense as well when tied: token embedding gathers from it.
-        self.packed_lm_head = pack(self.lm_head.detach())
-        if self.embed_tokens is not None:
-            self.lm_head.data = torch.empty(0, dtype=self.dtype)
+                if isinstance(getattr(layer, name), nn.Parameter):  # else packed already
+                    _pack_linear(layer, name, pack)
+        if self.packed_lm_head is None:
+            self._pack_lm_head(pack)
         self.owns_cpu_threads = pack is not onednn_prepack  # see ModelRunner.step_threads
         if self.owns_cpu_threads:  # used per step while KernelConfig.cpu_layer_stack is on
             from pyengine.models.llama_cpu_stack import CpuLlamaStack  # needs the extension's CPU ops
@@ -111,9 +115,18 @@ class LlamaForCausalLM(nn.Module):
             self.cpu_stack = CpuLlamaStack.build(self.layers, self.config, self.dtype)
         return True
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors ([out, in] linears) into the fused, transposed parameters; every
-        parameter must be fully covered, else ValueError."""
+    def _pack_lm_head(self, pack: Any) -> None:
+        """Pack lm_head; its dense copy goes, unless tied and token embedding must gather from it
+        (values that Int8Columns cannot hold exactly)."""
+        self.packed_lm_head = pack(self.lm_head.detach())
+        if self.embed_tokens is None:
+            self.embedding_columns = Int8Columns.of(self.lm_head.detach())
+            if self.embedding_columns is None:
+                return
+        self.lm_head.data = torch.empty(0, dtype=self.dtype)
+
+    def _place(self, name: str, tensor: torch.Tensor, put: Any) -> None:
+        """load_weights: where one HF-named tensor goes (put(target, name, tensor, start, rows))."""
         cfg = self.config
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         inter = cfg.intermediate_size
@@ -121,53 +134,153 @@ class LlamaForCausalLM(nn.Module):
         qkv_rows = {"q_proj": (0, hq * d), "k_proj": (hq * d, hkv * d), "v_proj": ((hq + hkv) * d, hkv * d)}
         gate_up_rows = {"gate_proj": (0, inter), "up_proj": (inter, inter)}
         qk_norm_rows = {"q_norm": (0, hq), "k_norm": (hq, hkv)}
-        transposed = {id(self.lm_head)}
-        for layer in self.layers:
-            transposed.update(id(getattr(layer, name)) for name in LlamaDecoderLayer.LINEAR_NAMES)
-        filled: dict[int, int] = {}  # parameter id -> HF rows copied so far
+        if name.endswith("rotary_emb.inv_freq"):
+            return  # derived from the config, never trusted from a file
+        parts = name.split(".")
+        if name == "model.embed_tokens.weight":
+            put(self.lm_head if self.embed_tokens is None else self.embed_tokens, name, tensor)
+        elif name == "model.norm.weight":
+            put(self.norm, name, tensor)
+        elif name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                put(self.lm_head, name, tensor)
+        elif len(parts) >= 5 and parts[0] == "model" and parts[1] == "layers":
+            layer = self.layers[int(parts[2])]
+            assert isinstance(layer, LlamaDecoderLayer)
+            module, kind = parts[-2], parts[-1]
+            if module in qkv_rows:
+                put(layer.qkv_proj if kind == "weight" else layer.qkv_bias, name, tensor, *qkv_rows[module])
+            elif module in gate_up_rows:
+                put(layer.gate_up_proj, name, tensor, *gate_up_rows[module])
+            elif module in qk_norm_rows:
+                start, rows = qk_norm_rows[module]
+                # One per-head weight [D], repeated for every head of q (or k).
+                put(layer.qk_norm, name, tensor.expand(rows, d), start, rows)
+            elif module in ("o_proj", "down_proj", "input_layernorm", "post_attention_layernorm"):
+                put(getattr(layer, module), name, tensor)
+            else:
+                raise ValueError(f"unexpected checkpoint tensor {name}")
+        else:
+            raise ValueError(f"unexpected checkpoint tensor {name}")
 
-        def put(target: torch.Tensor | None, name: str, src: torch.Tensor, start: int = 0, rows: int | None = None) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], adopt: bool = False,
+                     prepack_cpu: bool = False) -> None:
+        """Copy HF-named tensors ([out, in] linears) into the fused, transposed parameters; every
+        parameter must be fully covered, else ValueError.
+
+        adopt: the tensors are the caller's to give away: one that fills a whole parameter and
+        already has its layout (a linear's: the transposed view of an [in, out] array) becomes
+        that parameter's storage instead of being copied. prepack_cpu: on the CPU, each decoder
+        linear is packed as prepack_for_cpu packs it as soon as all its rows are in, and its dense
+        copy dropped, so that only the linears of the layer being loaded are ever dense at once
+        (prepack_for_cpu then does the rest)."""
+        transposed = {id(self.lm_head)}
+        linears: dict[int, tuple[nn.Module, str]] = {}  # parameter id -> (layer, name): packed once loaded
+        for layer in self.layers:
+            for name in LlamaDecoderLayer.LINEAR_NAMES:
+                linears[id(getattr(layer, name))] = (layer, name)
+        transposed.update(linears)
+        pack = cpu_linear_packer(self.lm_head) if prepack_cpu and self.lm_head.device.type == "cpu" else None
+        self._cpu_pack = pack
+        filled: dict[int, int] = {}  # parameter id -> HF rows copied so far
+        spares: dict[tuple[int, ...], torch.Tensor] = {}  # a packed linear's dense storage, for the next layer's
+        expected = {id(p): (pname, p.shape[1] if id(p) in transposed else p.shape[0])
+                    for pname, p in self.named_parameters()}
+
+        def put(target: Any, name: str, src: torch.Tensor, start: int = 0, rows: int | None = None) -> None:
             if target is None:
                 raise ValueError(f"checkpoint tensor {name} has no place in this model config")
+            if not isinstance(target, nn.Parameter):  # packed already: this weight came before
+                raise ValueError(f"checkpoint tensor {name} appears twice")
             hf_view = target.t() if id(target) in transposed else target  # HF [out, in] orientation
             dst = hf_view if rows is None else hf_view.narrow(0, start, rows)
             if tuple(dst.shape) != tuple(src.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
-            with torch.no_grad():
-                dst.copy_(src)
+            if adopt and rows is None and _same_layout(src, dst):
+                target.data = src.t() if id(target) in transposed else src
+            else:
+                if id(target) not in filled and tuple(target.shape) in spares:  # pages already mapped
+                    target.data = spares.pop(tuple(target.shape))
+                    hf_view = target.t() if id(target) in transposed else target
+                    dst = hf_view if rows is None else hf_view.narrow(0, start, rows)
+                with torch.no_grad(), _one_torch_thread():
+                    dst.copy_(src)
             filled[id(target)] = filled.get(id(target), 0) + dst.shape[0]
+            if pack is not None and filled[id(target)] == hf_view.shape[0]:
+                if id(target) in linears:
+                    _pack_linear(*linears[id(target)], pack)
+                    spares[tuple(target.shape)] = target.data
+                elif target is self.lm_head:
+                    self._pack_lm_head(pack)
 
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue  # derived from the config, never trusted from a file
-            parts = name.split(".")
-            if name == "model.embed_tokens.weight":
-                put(self.lm_head if self.embed_tokens is None else self.embed_tokens, name, tensor)
-            elif name == "model.norm.weight":
-                put(self.norm, name, tensor)
-            elif name == "lm_head.weight":
-                if not cfg.tie_word_embeddings:
-                    put(self.lm_head, name, tensor)
-            elif len(parts) >= 5 and parts[0] == "model" and parts[1] == "layers":
-                layer = self.layers[int(parts[2])]
-                assert isinstance(layer, LlamaDecoderLayer)
-                module, kind = parts[-2], parts[-1]
-                if module in qkv_rows:
-                    put(layer.qkv_proj if kind == "weight" else layer.qkv_bias, name, tensor, *qkv_rows[module])
-                elif module in gate_up_rows:
-                    put(layer.gate_up_proj, name, tensor, *gate_up_rows[module])
-                elif module in qk_norm_rows:
-                    start, rows = qk_norm_rows[module]
-                    # One per-head weight [D], repeated for every head of q (or k).
-                    put(layer.qk_norm, name, tensor.expand(rows, d), start, rows)
-                elif module in ("o_proj", "down_proj", "input_layernorm", "post_attention_layernorm"):
-                    put(getattr(layer, module), name, tensor)
-                else:
-                    raise ValueError(f"unexpected checkpoint tensor {name}")
-            else:
-                raise ValueError(f"unexpected checkpoint tensor {name}")
+            self._place(name, tensor, put)
+            del tensor  # not kept alive while the next one is made
 
-        for pname, p in self.named_parameters():
-            rows = p.shape[1] if id(p) in transposed else p.shape[0]
-            if filled.get(id(p), 0) != rows:
-                raise ValueError(f"checkpoint does not cover parameter {pname} ({filled.get(id(p), 0)}/{rows} rows)")
+        for pid, (pname, rows) in expected.items():
+            if filled.get(pid, 0) != rows:
+                raise ValueError(f"checkpoint does not cover parameter {pname} ({filled.get(pid, 0)}/{rows} rows)")
+
+
+@contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """A copy is memory-bound: torch's OpenMP workers only add their wake-up and, on busy cores,
+    their waits (a layer's copies ran 10x slower on two threads of a shared 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _pack_linear(layer: nn.Module, name: str, pack: Any) -> None:
+    packed = pack(getattr(layer, name).detach())
+    delattr(layer, name)  # drop the Parameter; a plain attribute takes its name
+    setattr(layer, name, packed)
+
+
+def _same_layout(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether src could stand for dst as is: same dtype, device, shape and strides, and the
+    whole of its own storage."""
+    return (src.dtype == dst.dtype and src.device == dst.device and src.shape == dst.shape
+            and src.stride() == dst.stride() and src.storage_offset() == 0
+            and src.untyped_storage().nbytes() == src.numel() * src.element_size())
+
+
+class Int8Columns:
+    """The columns of a float32 [hidden, vocab] lm_head (the rows of a tied token embedding) as
+    int8 codes q (same layout) and one float32 scale s per column and run of 32 rows: exact for
+    a GGUF Q8_0 table, whose values are q * s with s = max|w| / 127 per run (an fp16 s times an
+    int8 q: exact in float32), in 1.1 bytes a value instead of 4. gather() rebuilds bit for bit."""
+
+    RUN = 32
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        self.codes, self.scales = codes, scales  # [hidden / 32, 32, vocab] int8, [hidden / 32, 1, vocab]
+
+    @staticmethod
+    def of(w: torch.Tensor, chunk: int = 1024) -> Int8Columns | None:
+        """w's values as codes and scales, or None where one is not q * s exactly (every bit is
+        compared, signed zeros included)."""
+        hidden, vocab = w.shape
+        if w.dtype != torch.float32 or hidden % Int8Columns.RUN or not w.numel() or not w.is_contiguous():
+            return None
+        runs = w.view(hidden // Int8Columns.RUN, Int8Columns.RUN, vocab)
+        codes = torch.empty(runs.shape, dtype=torch.int8)
+        scales = torch.empty(runs.shape[0], 1, vocab, dtype=torch.float32)
+        with _one_torch_thread():
+            for c0 in range(0, vocab, chunk):
+                v = runs[:, :, c0:c0 + chunk]
+                s = v.abs().amax(dim=1, keepdim=True) / 127
+                q = v.div(torch.where(s > 0, s, 1.0)).round_().add_(0.0)  # + 0: no -0 code (int8 has none)
+                codes[:, :, c0:c0 + chunk] = q  # |q| <= 127, as |v| <= 127 s
+                scales[:, :, c0:c0 + chunk] = s
+                if not torch.equal(q.mul_(s).view(torch.int32), v.view(torch.int32)):
+                    return None
+        return Int8Columns(codes, scales)
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids of the embedding: [T, hidden] float32, as lm_head.index_select(1, ids).t()."""
+        q = self.codes.index_select(2, ids).float().mul_(self.scales.index_select(2, ids))
+        return q.view(-1, ids.shape[0]).t().contiguous()
