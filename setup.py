@@ -16,18 +16,33 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
+def stable_pybind11(build_dir: Path) -> Path:
+    """pybind11's CMake dir from a copy under build_dir: pip builds in a fresh isolated environment
+    each time, and a header path that changes would make ninja recompile every file."""
+    import pybind11
+
+    src = Path(pybind11.__file__).resolve().parent
+    dst = build_dir / "pybind11"
+    stamp = dst / ".version"
+    if not stamp.exists() or stamp.read_text() != pybind11.__version__:
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+        stamp.write_text(pybind11.__version__)
+    return dst / Path(pybind11.get_cmake_dir()).relative_to(src)
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
-        import pybind11
-
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        build_dir = Path(self.build_temp).resolve() / ext.name
+        # A build directory in the source tree that survives pip's temporary ones: `pip install -e .`
+        # again recompiles only what changed.
+        build_dir = ROOT / "build" / f"pip-{sys.implementation.cache_tag}"
         build_dir.mkdir(parents=True, exist_ok=True)
         cfg = "Debug" if self.debug else "Release"
         args = [
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
-            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-Dpybind11_DIR={stable_pybind11(build_dir)}",
             f"-DCMAKE_BUILD_TYPE={cfg}",
             f"-DPYENGINE_KERNELS={os.environ.get('PYENGINE_KERNELS', 'AUTO')}",
         ]
