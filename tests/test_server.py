@@ -311,24 +311,18 @@ def test_generation_that_fails_while_running_is_a_500():
     """A request whose logits turn non-finite (one token's embedding poisoned with NaN) ends with the
     engine's error: non-streamed it is an HTTP 500 server_error naming it, not a 200; a request
     without that token still succeeds on the same server."""
-    import torch
+    from tests.test_nonfinite_logits import nan_embedding
 
     llm = LLM(seed=0)
     bad = llm.tokenizer.encode(" sea", add_special_tokens=False)[-1]
-    with torch.no_grad():  # the tied SmolLM2 embeds from lm_head's dense columns (the logits read the packed copy)
-        if llm.model.embed_tokens is not None:
-            llm.model.embed_tokens[bad] = float("nan")
-        else:
-            if llm.model.packed_lm_head is None:
-                llm.model.packed_lm_head = llm.model.lm_head.detach().clone()
-            llm.model.lm_head[:, bad] = float("nan")
-    s = Server(llm)
-    try:
-        r = httpx.post(s.url + "/v1/completions", json={"prompt": "by the sea", "max_tokens": 4}, timeout=60)
-        assert r.status_code == 500, r.text
-        err = r.json()["error"]
-        assert err["type"] == "server_error" and "non-finite logits" in err["message"], err
-        ok = httpx.post(s.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
-        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
-    finally:
-        s.stop()
+    with nan_embedding(llm, bad):  # for the server's whole life
+        s = Server(llm)
+        try:
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "by the sea", "max_tokens": 4}, timeout=60)
+            assert r.status_code == 500, r.text
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and "non-finite logits" in err["message"], err
+            ok = httpx.post(s.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
+            assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+        finally:
+            s.stop()
