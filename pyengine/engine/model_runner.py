@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pyengine.engine.attention_metadata import AttentionMetadata
+from pyengine.models.layers import one_torch_thread
 from pyengine.config import ModelConfig
 
 class ModelRunner:
@@ -64,12 +65,8 @@ class ModelRunner:
         if self.device.type != "cpu" or not getattr(self.model, "owns_cpu_threads", False):
             yield
             return
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with one_torch_thread():
             yield
-        finally:
-            torch.set_num_threads(threads)
 
     def _tensor(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(array))

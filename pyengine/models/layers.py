@@ -5,8 +5,9 @@ copy HF's [out, in] tensors through transposed views.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -78,6 +79,18 @@ def cpu_linear_packer(sample: torch.Tensor) -> Callable[[torch.Tensor], Any] | N
     except (RuntimeError, NotImplementedError):
         return None
     return onednn_prepack
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch at one thread for the block: its OpenMP workers otherwise wake and spin on cores that
+    pyengine's own CPU thread pool (the packed GEMM) or a memory-bound copy needs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def pack_weights(module: nn.Module, names: Iterable[str], pack: Callable[[torch.Tensor], Any]) -> None:

@@ -7,8 +7,7 @@ then gathers its columns (on the CPU, once packed, from Int8Columns where its va
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +18,7 @@ from pyengine import ops
 from pyengine.config import ModelConfig, architecture_of
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.models.layers import (KVCache, LlamaDecoderLayer, RotaryEmbedding, cpu_linear_packer, linear,
-                                    onednn_prepack, param)
+                                    one_torch_thread, onednn_prepack, pack_weights, param)
 from pyengine.ops.kernel_config import get_kernel_config
 
 if TYPE_CHECKING:
@@ -103,9 +102,7 @@ class LlamaForCausalLM(nn.Module):
         if pack is None:
             return False
         for layer in self.layers:
-            for name in LlamaDecoderLayer.LINEAR_NAMES:
-                if isinstance(getattr(layer, name), nn.Parameter):  # else packed already
-                    _pack_linear(layer, name, pack)
+            layer.pack(pack)  # what load_weights(prepack_cpu=True) packed already stays as it is
         if self.packed_lm_head is None:
             self._pack_lm_head(pack)
         self.owns_cpu_threads = pack is not onednn_prepack  # see ModelRunner.step_threads
@@ -203,12 +200,13 @@ class LlamaForCausalLM(nn.Module):
                     target.data = spares.pop(tuple(target.shape))
                     hf_view = target.t() if id(target) in transposed else target
                     dst = hf_view if rows is None else hf_view.narrow(0, start, rows)
-                with torch.no_grad(), _one_torch_thread():
+                with torch.no_grad(), one_torch_thread():
                     dst.copy_(src)
             filled[id(target)] = filled.get(id(target), 0) + dst.shape[0]
             if pack is not None and filled[id(target)] == hf_view.shape[0]:
                 if id(target) in linears:
-                    _pack_linear(*linears[id(target)], pack)
+                    layer, linear_name = linears[id(target)]
+                    pack_weights(layer, (linear_name,), pack)
                     spares[tuple(target.shape)] = target.data
                 elif target is self.lm_head:
                     self._pack_lm_head(pack)
@@ -220,24 +218,6 @@ class LlamaForCausalLM(nn.Module):
         for pid, (pname, rows) in expected.items():
             if filled.get(pid, 0) != rows:
                 raise ValueError(f"checkpoint does not cover parameter {pname} ({filled.get(pid, 0)}/{rows} rows)")
-
-
-@contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """A copy is memory-bound: torch's OpenMP workers only add their wake-up and, on busy cores,
-    their waits (a layer's copies ran 10x slower on two threads of a shared 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _pack_linear(layer: nn.Module, name: str, pack: Any) -> None:
-    packed = pack(getattr(layer, name).detach())
-    delattr(layer, name)  # drop the Parameter; a plain attribute takes its name
-    setattr(layer, name, packed)
 
 
 def _same_layout(src: torch.Tensor, dst: torch.Tensor) -> bool:
@@ -269,7 +249,7 @@ class Int8Columns:
         runs = w.view(hidden // Int8Columns.RUN, Int8Columns.RUN, vocab)
         codes = torch.empty(runs.shape, dtype=torch.int8)
         scales = torch.empty(runs.shape[0], 1, vocab, dtype=torch.float32)
-        with _one_torch_thread():
+        with one_torch_thread():
             for c0 in range(0, vocab, chunk):
                 v = runs[:, :, c0:c0 + chunk]
                 s = v.abs().amax(dim=1, keepdim=True) / 127
