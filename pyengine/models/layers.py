@@ -94,11 +94,12 @@ def one_torch_thread() -> Iterator[None]:
 
 
 def pack_weights(module: nn.Module, names: Iterable[str], pack: Callable[[torch.Tensor], Any]) -> None:
-    """Replace module's [in, out] weights `names` (those present and not None) by pack(weight); the
-    dense parameters go (prepack_for_cpu)."""
+    """Replace module's [in, out] weights `names` (those present, not None and not packed already:
+    a oneDNN-packed weight is an mkldnn tensor) by pack(weight); the dense parameters go
+    (prepack_for_cpu)."""
     for name in names:
         w = getattr(module, name, None)
-        if isinstance(w, torch.Tensor):
+        if isinstance(w, torch.Tensor) and not w.is_mkldnn:
             packed = pack(w.detach())
             delattr(module, name)
             setattr(module, name, packed)
