@@ -42,6 +42,7 @@ import torch
 
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.state_cache import StateMetadata
+from pyengine.engine.step_parts import StepPart, rows_of
 from pyengine.ops.kernel_config import get_kernel_config
 
 _PLAN_KEY = "cuda_paged_attention"
@@ -72,6 +73,22 @@ class PendingStep:
                 and np.array_equal(batch.context_lens, self.context_lens)
                 and np.array_equal(batch.block_tables, self.block_tables)
                 and not batch.num_draft_tokens.any())
+
+
+def default_token_buckets(max_tokens: int) -> list[int]:
+    """Prefill graphs' token capacities: 16, 32, 64, ... up to max_tokens (none below 16)."""
+    out, t = [], 16
+    while t <= max_tokens:
+        out.append(t)
+        t *= 2
+    return out
+
+
+def graph_shape(key: tuple[int, int]) -> tuple[int, int, int, bool]:
+    """(rows b, max query length q, token slots, logits of each row's last token only) of a graph key:
+    decode/verify (b, q): every token's logits, b * q slots; prefill (b, -t): t slots, one row may hold them all."""
+    b, q = key
+    return (b, q, b * q, False) if q > 0 else (b, -q, -q, True)
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:
@@ -109,7 +126,7 @@ class CudaGraphRunner:
     """Captures (lazily, on first use) and replays decode/verify steps of one ModelRunner."""
 
     def __init__(self, model, kv_caches, block_size: int, device: torch.device, max_num_seqs: int,
-                 max_query_len: int, graph_max_context: int, state_cache=None) -> None:
+                 max_query_len: int, graph_max_context: int, state_cache=None, prefill_tokens: int = 0) -> None:
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
         self.state_cache = state_cache  # pyengine.engine.state_cache.StateCache of a hybrid model, or None
         self.buckets = default_buckets(max_num_seqs)
@@ -119,7 +136,10 @@ class CudaGraphRunner:
         # On a CPU device nothing is captured: the same padded static-buffer path runs eagerly (so the
         # padding and async-decode logic run in the CPU tests).
         self.use_graphs = device.type == "cuda"
-        T = self.max_rows * self.max_q
+        # prefill graphs (steps with prefill rows, see execute_mixed): token capacities 16, 32, ... up to
+        # prefill_tokens (0: none)
+        self.prefill_buckets = default_token_buckets(prefill_tokens)
+        T = max(self.max_rows * self.max_q, prefill_tokens)
         self.T = T
         # A graph of bucket b has 2b rows: the step's rows, then padding rows that own the token
         # slots after the step's tokens (at most q each: the rows' shape limits hold) or none.
@@ -144,12 +164,14 @@ class CudaGraphRunner:
         self.dev_state = torch.zeros(self.row_cap, S + 1, dtype=torch.int32, device=device)
         self.dev_init = torch.ones(self.row_cap, dtype=torch.bool, device=device)
         self.copy_done = torch.cuda.Event() if self.use_graphs else None
-        # key -> (graph, its static (logits, hidden) outputs)
+        # key -> (graph, its static (logits, hidden) outputs); decode/verify keys (b, q), prefill keys
+        # (b, -t): b rows (the longest may hold all t tokens), logits of each row's last token
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.last_hidden: torch.Tensor | None = None  # the last step's final hidden states (MTP reads them)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.num_replays = 0
         self.num_eager = 0
+        self.num_mixed = 0  # steps with prefill rows run through a prefill graph (execute_mixed)
 
     def _split(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The int64 and int32 views of a staging/device byte buffer."""
@@ -186,24 +208,71 @@ class CudaGraphRunner:
         b = next(x for x in self.buckets if x >= rows)
         return b, q
 
+    def prefill_key_for(self, part: StepPart) -> tuple[int, int] | None:
+        """(bucket rows, -token capacity) when prefill rows can replay a prefill graph: at most
+        prefill_buckets[-1] tokens, each row wanting at most its last token's logits."""
+        rows, n = part.num_rows, part.num_tokens
+        if not self.prefill_buckets or rows == 0 or rows > self.max_rows or n > self.prefill_buckets[-1]:
+            return None
+        if self.state_cache is not None or part.num_decode_rows:  # recurrent state: prefill rows run eagerly
+            return None
+        nl = part.num_logits
+        if int(nl.max()) > 1 or not np.array_equal(part.logits_indices, part.query_start_loc[1:][nl == 1] - 1):
+            return None
+        if part.block_tables.shape[1] > self.width or int(part.context_lens.max()) > self.width * self.block_size:
+            return None
+        b = next(x for x in self.buckets if x >= rows)
+        return b, -next(t for t in self.prefill_buckets if t >= n)
+
+    @torch.inference_mode()
+    def execute_mixed(self, batch) -> torch.Tensor | None:
+        """A step with prefill rows (and maybe decode/verify rows before them) as at most two replays:
+        the decode rows on their decode/verify graph, the prefill rows on a prefill graph. Returns
+        the step's logits in logits_indices order (last_hidden: every token's hidden state), or None
+        when a part does not fit a graph (the caller runs the step eagerly)."""
+        d, rows = int(batch.num_decode_rows), len(batch.context_lens)
+        if not self.prefill_buckets or d == rows:
+            return None
+        prefill = rows_of(batch, d, rows)
+        pkey = self.prefill_key_for(prefill)
+        decode = rows_of(batch, 0, d) if d else None
+        dkey = self.bucket_for(decode) if decode is not None else None
+        if pkey is None or (decode is not None and dkey is None):
+            return None
+        logits, hidden = [], []
+        if decode is not None:
+            logits.append(self._execute_part(decode, dkey)[:decode.num_tokens])
+            hidden.append(self.last_hidden)
+        out = self._execute_part(prefill, pkey)
+        hidden.append(self.last_hidden)
+        want = np.nonzero(prefill.num_logits)[0]
+        if not len(want) or want[-1] == len(want) - 1:  # rows 0..m-1 want logits: a view
+            logits.append(out[:len(want)])
+        else:
+            logits.append(out.index_select(0, torch.from_numpy(want).to(out.device)))
+        self.last_hidden = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+        self.num_mixed += 1
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
     # ---- one step -------------------------------------------------------------------------------
-    def _views(self, b: int, q: int):
+    def _views(self, key: tuple[int, int]):
+        b, q, n, _ = graph_shape(key)
         T, R, r = self.T, self.row_cap, 2 * b
-        n = b * q
         d = self.dev64
         return (d[0:n], d[T:T + n], d[2 * T:2 * T + n], d[3 * T:3 * T + r], d[3 * T + R:3 * T + R + r + 1],
                 self.dev32[:r])
 
-    def _meta(self, b: int, q: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-        ids, pos, slots, ctx, qsl64, tables = self._views(b, q)
+    def _meta(self, key: tuple[int, int]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        ids, pos, slots, ctx, qsl64, tables = self._views(key)
         qsl = qsl64.to(torch.int32)  # inside the graph: the step's own (ragged) row starts
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_start_loc=qsl,
-                                 context_lens=ctx.to(torch.int32), max_query_len=q,
+                                 context_lens=ctx.to(torch.int32), max_query_len=graph_shape(key)[1],
                                  max_context_len=self.width * self.block_size, block_size=self.block_size)
         return meta, ids, pos
 
-    def _forward(self, b: int, q: int) -> torch.Tensor:
-        meta, ids, pos = self._meta(b, q)
+    def _forward(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        b, q, n, last_only = graph_shape(key)
+        meta, ids, pos = self._meta(key)
         if self.state_cache is None:
             hidden = self.model(ids, pos, meta, self.kv_caches)
         else:
@@ -211,15 +280,18 @@ class CudaGraphRunner:
             state = StateMetadata(conv=self.state_cache.conv, ssm=self.state_cache.ssm,
                                   state_idx=self.dev_state[:2 * b, :S], num_accepted=self.dev_state[:2 * b, S],
                                   has_initial_state=self.dev_init[:2 * b], query_start_loc=meta.query_start_loc,
-                                  num_decode_rows=2 * b, num_decode_tokens=b * q)
+                                  num_decode_rows=2 * b, num_decode_tokens=n)
             hidden = self.model(ids, pos, meta, self.kv_caches, state=state)
+        if last_only:  # each row's last token (an empty padding row repeats the token before it)
+            last = (self._views(key)[4][1:] - 1).clamp_(min=0)
+            return self.model.compute_logits(hidden.index_select(0, last)), hidden
         return self.model.compute_logits(hidden), hidden
 
-    def _capture(self, b: int, q: int) -> tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor]]:
+    def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor]]:
         # Inputs as they are now: padding only (slot -1, context 0, PAD state slots): the warm-up
         # and the capture write no KV or state and read none.
         self.np64[3 * self.T + self.row_cap] = 0  # query_start_loc[0]
-        self._fill_padding(0, 0, b, q)
+        self._fill_padding(0, 0, key)
         self.dev_bytes.copy_(self.host_bytes)
         if self.state_cache is not None:
             self.dev_state.copy_(self.host_state)  # PAD slots: the warm-up must not touch live state
@@ -227,18 +299,19 @@ class CudaGraphRunner:
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
             for _ in range(2):  # warm-up: cuBLAS handles and workspaces, lazy module init
-                self._forward(b, q)
+                self._forward(key)
         torch.cuda.current_stream(self.device).wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(b, q)
+            out = self._forward(key)
         torch.cuda.synchronize(self.device)
         return graph, out
 
-    def _fill_padding(self, rows: int, n: int, b: int, q: int) -> None:
-        """Padding rows [rows, 2b) own the token slots [n, b * q), q at most each (then none)."""
+    def _fill_padding(self, rows: int, n: int, key: tuple[int, int]) -> None:
+        """Padding rows [rows, 2b) own the token slots [n, slots), q at most each (then none)."""
+        b, q, slots, _ = graph_shape(key)
         T, R, h = self.T, self.row_cap, self.np64
-        lo, hi, r = n, b * q, 2 * b
+        lo, hi, r = n, slots, 2 * b
         h[lo:hi] = 0                      # input ids
         h[T + lo:T + hi] = 0              # positions
         h[2 * T + lo:2 * T + hi] = -1     # slots: no KV write
@@ -272,12 +345,18 @@ class CudaGraphRunner:
         if self.use_graphs and key not in self.graphs:
             return None
         self._stage(key, rows, np.arange(rows + 1), None, pos, slots, ctx, table)
-        logits = self._run(key, rows, token_ids)
+        logits = self._run(key, rows, token_ids)[:rows]
         return PendingStep(key, logits, seq_ids, pos, slots, ctx, table)
 
     @torch.inference_mode()
     def execute(self, batch, key: tuple[int, int]) -> torch.Tensor:
-        b, q = key
+        """Logits of every token of a decode/verify step (bucket_for's key); last_hidden its hidden states."""
+        n = int(batch.query_start_loc[len(batch.context_lens)])
+        logits = self._execute_part(batch, key)
+        return logits if n == len(logits) else logits[:n]
+
+    def _execute_part(self, batch, key: tuple[int, int]) -> torch.Tensor:
+        """Stage a batch (or StepPart), capture its graph on first use, replay: the graph's static logits."""
         rows = len(batch.context_lens)
         self._stage(key, rows, batch.query_start_loc, batch.input_ids, batch.positions, batch.slot_mapping,
                     batch.context_lens, batch.block_tables)
@@ -285,15 +364,14 @@ class CudaGraphRunner:
             self.np_state[:rows, :-1] = np.asarray(batch.state_slots, dtype=np.int32).reshape(rows, -1)
             self.np_state[:rows, -1] = np.maximum(np.asarray(batch.num_accepted_prev, dtype=np.int32), 1)
         if self.use_graphs and key not in self.graphs:
-            self.graphs[key] = self._capture(b, q)
-            return self.execute(batch, key)  # _capture overwrote the staging padding: stage again
+            self.graphs[key] = self._capture(key)
+            return self._execute_part(batch, key)  # _capture overwrote the staging padding: stage again
         return self._run(key, int(batch.query_start_loc[rows]))
 
     def _stage(self, key: tuple[int, int], rows: int, query_start_loc, input_ids, positions, slot_mapping,
                context_lens, block_tables) -> None:
         """A step's inputs into the host staging buffers (input_ids None: left as they are, the
         device copy of launch_next replaces them), padding up to the bucket."""
-        b, q = key
         n = int(query_start_loc[rows])
         if self.copy_done is not None:
             self.copy_done.synchronize()  # the previous step's copy has left the staging buffers
@@ -304,13 +382,14 @@ class CudaGraphRunner:
         h[2 * T:2 * T + n] = slot_mapping
         h[3 * T:3 * T + rows] = context_lens
         h[3 * T + R:3 * T + R + rows + 1] = query_start_loc
-        self._fill_padding(rows, n, b, q)
+        self._fill_padding(rows, n, key)
         self.np32[:rows, :block_tables.shape[1]] = block_tables
 
     def _run(self, key: tuple[int, int], n: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Copy the staged inputs to the device (then token_ids over the first ids, device to
-        device), run the step (its graph replayed, else eagerly) and return the first n logits."""
-        b, q = key
+        device), run the step (its graph replayed, else eagerly) and return its logits (all the graph's:
+        the caller keeps its rows'); last_hidden: the first n tokens' hidden states."""
+        b = key[0]
         if self.use_graphs:
             host, dev = self.staged[b]
             dev.copy_(host, non_blocking=True)
@@ -329,6 +408,6 @@ class CudaGraphRunner:
             self.num_replays += 1
         else:
             self.num_eager += 1
-            out, hidden = self._forward(b, q)
+            out, hidden = self._forward(key)
         self.last_hidden = hidden[:n]  # static buffers: valid until the next replay
-        return out if n == len(out) else out[:n]
+        return out

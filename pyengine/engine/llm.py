@@ -46,6 +46,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 _INT32_MAX = 2**31 - 1
 MAX_NUM_SEQS = 1 << 16  # rows of a step: the scheduler and CUDA graph buffers are sized by it
+# Steps with prefill rows of up to this many tokens replay prefill graphs (CudaGraphRunner.execute_mixed):
+# an eager step costs the Python of every layer, ~10 ms for SmolLM2; longer prefills amortise it
+PREFILL_GRAPH_TOKENS = 2048
 
 
 def _positive(name: str, value: Any, allow_none: bool = False, limit: int = _INT32_MAX) -> None:
@@ -161,6 +164,10 @@ class LLM:
                                      "the target's vocabulary")
                 _check_same_tokens(spec.model, draft_tokenizer, self.tokenizer)
                 draft = (draft_model, draft_config)
+            elif spec is not None and spec.method == "eagle3":  # the head's one KV layer joins the budget
+                from pyengine.models.eagle3 import load_eagle3
+
+                draft = load_eagle3(spec.model, self.model, self.model_config, self.device, self.dtype)
             limit = self.model_config.max_position_embeddings
             if max_model_len is not None and max_model_len > limit:
                 raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({limit})")
@@ -204,7 +211,8 @@ class LLM:
                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                  max_query_len=1 + (spec.num_speculative_tokens if spec else 0),
                                  cuda_graphs=not enforce_eager and self.device.type == "cuda",
-                                 num_state_slots=state.num_slots, num_state_checkpoints=state.num_checkpoints)
+                                 num_state_slots=state.num_slots, num_state_checkpoints=state.num_checkpoints,
+                                 prefill_graph_tokens=min(cfg.max_num_batched_tokens, PREFILL_GRAPH_TOKENS))
             self.engine = LLMEngine(runner, self.model_config, self.tokenizer, cfg, draft_model=draft)
 
     def _check_cpu_batch_invariant(self) -> None:
