@@ -77,8 +77,8 @@ class LLMEngine:
         sc.num_state_slots = cfg.num_state_slots
         sc.num_state_checkpoints = cfg.num_state_checkpoints
         sc.state_checkpoint_interval = cfg.state_checkpoint_interval
-        # A draft model (or MTP layer) writes k - 1 positions past the verify tokens before the next append.
-        sc.drafter_lookahead = self.k if spec is not None and spec.method in ("draft_model", "mtp") else 0
+        # A draft model (or MTP layer, EAGLE-3 head) writes k - 1 positions past the verify tokens before the next append.
+        sc.drafter_lookahead = self.k if spec is not None and spec.method in ("draft_model", "mtp", "eagle3") else 0
         self.scheduler = _C.Scheduler(sc)
         self.proposer: Proposer | None = None
         if spec is not None:

@@ -30,6 +30,7 @@ class ModelRunner:
         # A proposer that reads the target's hidden states (MTP) sets keep_hidden; execute() then
         # leaves every token's final hidden state of the step in last_hidden.
         self.keep_hidden = False
+        self.keep_aux = False  # keep_aux_hidden: last_hidden holds the model's aux states instead (EAGLE-3)
         self.last_hidden: torch.Tensor | None = None
         self.last_rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         # ---- CUDA graphs (pyengine/cuda_graph_runner.py): decode/verify steps; the rest eager ----
@@ -85,9 +86,22 @@ class ModelRunner:
             block_size=self.block_size,
         )
 
+    def keep_aux_hidden(self, layers: tuple[int, ...]) -> None:
+        """Keep, instead of the final hidden states, the residual stream at the input of these
+        layers, concatenated per token (an EAGLE-3 head reads them; the model's set_aux_layers).
+        Graph-replayed steps refresh them too: they land in a buffer the graphs write."""
+        if not hasattr(self.model, "set_aux_layers"):
+            raise ValueError(f"{self.config.architecture}: this model cannot give its intermediate hidden states "
+                             "(EAGLE-3 needs a Llama-family target)")
+        self.model.set_aux_layers(layers, self.graph_runner.T if self.graph_runner is not None else 0)
+        self.keep_hidden = self.keep_aux = True
+
     def _keep(self, batch, hidden: torch.Tensor | None) -> None:
-        """The step's final hidden states with the rows they belong to: seq ids, first positions,
-        query starts (a proposer that reads them: MTP)."""
+        """The step's final hidden states (or aux states: keep_aux) with the rows they belong to:
+        seq ids, first positions, query starts (a proposer that reads them: MTP, EAGLE-3)."""
+        if self.keep_aux and hidden is not None:
+            aux = self.model.aux_out if self.last_graph_key is not None else self.model.last_aux
+            hidden = aux[:hidden.shape[0]]
         self.last_hidden = hidden
         self.last_rows = (np.array(batch.seq_ids), np.array(batch.num_computed), np.array(batch.query_start_loc))
 

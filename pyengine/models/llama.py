@@ -53,6 +53,11 @@ class LlamaForCausalLM(nn.Module):
         # A tied lm_head whose dense copy went once packed: token embedding reads these instead.
         self.embedding_columns: Int8Columns | None = None
         self._cpu_pack: Any = None  # the packer load_weights(prepack_cpu=True) used
+        # EAGLE-3 (set_aux_layers): the layers whose input stream a forward keeps, and the last one's
+        self.aux_layers: tuple[int, ...] | None = None
+        self.last_aux: torch.Tensor | None = None
+        self.aux_out: torch.Tensor | None = None
+        self._aux_stacks: list[tuple[int, int, CpuLlamaStack]] = []
 
     @torch.inference_mode()
     def forward(
@@ -62,23 +67,83 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
-        """input_ids/positions [T] int64 -> final-norm hidden states [T, hidden]."""
-        if self.embedding_columns is not None:
-            h = self.embedding_columns.gather(input_ids)
-        elif self.embed_tokens is None:
-            h = self.lm_head.index_select(1, input_ids).t().contiguous()
-        else:
-            h = F.embedding(input_ids, self.embed_tokens)
+        """input_ids/positions [T] int64 -> final-norm hidden states [T, hidden]. With aux layers
+        set (set_aux_layers), the residual streams at their inputs go to last_aux as well."""
+        h = self.embed(input_ids)
         cos, sin = self.rotary_emb(positions)  # [T, D], shared by all heads and layers
+        aux: dict[int, torch.Tensor] | None = None if self.aux_layers is None else {}
         stack = self.cpu_stack
         if stack is not None and get_kernel_config().cpu_layer_stack and stack.applies(meta, kv_caches):
-            h, residual = stack(h, cos, sin, meta, kv_caches)
+            if aux is None:
+                h, residual = stack(h, cos, sin, meta, kv_caches)
+            else:
+                h, residual = self._stack_segments(h, cos, sin, meta, kv_caches, aux)
         else:
             residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches):
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                if aux is not None and i in self.aux_layers:
+                    aux[i] = h.clone() if residual is None else h + residual  # the layer adds in place
                 h, residual = layer(h, residual, cos, sin, meta, kv_cache)
         assert residual is not None
+        if aux is not None:
+            if len(self.layers) in self.aux_layers:
+                aux[len(self.layers)] = h + residual
+            self._store_aux(aux)
         return ops.fused_add_rms_norm(h, residual, self.norm, self.config.rms_norm_eps)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, hidden] (an EAGLE-3 head without its own table reads them too)."""
+        if self.embedding_columns is not None:
+            return self.embedding_columns.gather(input_ids)
+        if self.embed_tokens is None:
+            return self.lm_head.index_select(1, input_ids).t().contiguous()
+        return F.embedding(input_ids, self.embed_tokens)
+
+    # ---- EAGLE-3: the residual stream at the input of a few layers (pyengine/models/eagle3.py) ----
+    def set_aux_layers(self, layers: tuple[int, ...] | None, max_graph_tokens: int = 0) -> None:
+        """From now on every forward also keeps the residual stream at the input of each layer in
+        `layers` (0: the embeddings, num_layers: before the final norm), concatenated in that order
+        as last_aux [T, len(layers) * hidden]. A step of at most max_graph_tokens tokens writes it
+        into aux_out, a buffer of fixed address, so that a captured CUDA graph's replay refreshes it."""
+        if layers is not None and not all(0 <= i <= len(self.layers) for i in layers):
+            raise ValueError(f"aux hidden-state layers {layers} must be in 0..{len(self.layers)}")
+        self.aux_layers = layers
+        self.last_aux = None
+        self.aux_out = None
+        if layers is not None and max_graph_tokens > 0:
+            self.aux_out = torch.zeros(max_graph_tokens, len(layers) * self.config.hidden_size, dtype=self.dtype,
+                                       device=self.norm.device)
+        self._aux_stacks = []
+        if layers is not None and self.cpu_stack is not None:
+            # The C++ stack runs in segments cut at the aux layers. A segment's first layer takes the
+            # stream x = h + residual as its "embedding" (residual = x, norm(x)): the same rounded
+            # values and the same norm as the unsplit stack's fused add, so the same bits.
+            from pyengine.models.llama_cpu_stack import CpuLlamaStack
+
+            cuts = sorted({0, len(self.layers), *layers})
+            for a, b in zip(cuts, cuts[1:]):
+                segment = CpuLlamaStack.build(self.layers[a:b], self.config, self.dtype)
+                assert segment is not None, "the whole stack was built, so each slice of it is"
+                self._aux_stacks.append((a, b, segment))
+
+    def _stack_segments(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                        kv_caches: list[KVCache], aux: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        residual: torch.Tensor | None = None
+        for a, b, segment in self._aux_stacks:
+            x = h if residual is None else h + residual
+            if a in self.aux_layers:
+                aux[a] = x.clone()  # the stack overwrites its input
+            h, residual = segment(x, cos, sin, meta, kv_caches[a:b])
+        assert residual is not None
+        return h, residual
+
+    def _store_aux(self, aux: dict[int, torch.Tensor]) -> None:
+        states = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
+        out = self.aux_out
+        if out is not None and states.shape[0] <= out.shape[0]:
+            out[:states.shape[0]].copy_(states)
+            states = out[:states.shape[0]]
+        self.last_aux = states
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -177,12 +242,13 @@ class LlamaForCausalLM(nn.Module):
             for name in LlamaDecoderLayer.LINEAR_NAMES:
                 linears[id(getattr(layer, name))] = (layer, name)
         transposed.update(linears)
-        pack = cpu_linear_packer(self.lm_head) if prepack_cpu and self.lm_head.device.type == "cpu" else None
+        # A loader may have packed some linears already (loader/gguf_codes.py), lm_head included.
+        pack = (self._cpu_pack or cpu_linear_packer(self.lm_head)) if prepack_cpu and self.lm_head.device.type == "cpu" else None
         self._cpu_pack = pack
         filled: dict[int, int] = {}  # parameter id -> HF rows copied so far
         spares: dict[tuple[int, ...], torch.Tensor] = {}  # a packed linear's dense storage, for the next layer's
         expected = {id(p): (pname, p.shape[1] if id(p) in transposed else p.shape[0])
-                    for pname, p in self.named_parameters()}
+                    for pname, p in self.named_parameters() if not (p is self.lm_head and self.packed_lm_head is not None)}
 
         def put(target: Any, name: str, src: torch.Tensor, start: int = 0, rows: int | None = None) -> None:
             if target is None:

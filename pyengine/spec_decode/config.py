@@ -7,7 +7,9 @@ from typing import Any
 
 @dataclass
 class SpeculativeConfig:
-    method: str  # "ngram", "suffix", "draft_model" or "mtp" (the target's own multi-token-prediction layers)
+    # "ngram", "suffix", "draft_model", "mtp" (the target's own multi-token-prediction layers) or
+    # "eagle3" (an EAGLE-3 head: model is its directory)
+    method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -36,8 +38,8 @@ class SpeculativeConfig:
         method = d.get("method") or ("draft_model" if d.get("model") else None)
         if method == "draft":
             method = "draft_model"
-        if method not in ("ngram", "suffix", "draft_model", "mtp"):
-            raise ValueError(f"speculative_config.method must be 'ngram', 'suffix', 'draft_model' or 'mtp', "
+        if method not in METHODS:
+            raise ValueError(f"speculative_config.method must be 'ngram', 'suffix', 'draft_model', 'mtp' or 'eagle3', "
                              f"got {method!r}")
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
@@ -66,6 +68,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.model is not used by method {method!r}")
         if method == "draft_model" and not cfg.model:
             raise ValueError("speculative_config.model (the draft model's path) is required for a draft model")
+        if method == "eagle3" and not cfg.model:
+            raise ValueError("speculative_config.model (the EAGLE-3 head's directory) is required for method 'eagle3'")
         if method == "mtp" and cfg.model is not None:
             raise ValueError("speculative_config.model is not used by method 'mtp' (the target's own MTP layers draft)")
         if cfg.model is not None and not isinstance(cfg.model, str):
@@ -73,6 +77,7 @@ class SpeculativeConfig:
         return cfg
 
 
+METHODS = ("ngram", "suffix", "draft_model", "mtp", "eagle3")
 MAX_LOOKUP_LEN = 2**31 - 1  # the ngram lookup's lengths are int32 in the scheduler
 # speculative_config key -> (field, type, lowest, highest)
 SUFFIX_KEYS = {"suffix_decoding_max_tree_depth": ("suffix_max_depth", int, 1, 1024),

@@ -20,6 +20,10 @@ Those writes reach position n + k - 3, inside the blocks the previous step reser
 (SchedulerConfig.drafter_lookahead = k): no allocation happens inside the draft loop.
 Positions the target did not compute (a prefix-cache hit) are skipped: their MTP entries are
 whatever the block's earlier owner wrote, or zeros. That changes drafts only, never the output.
+
+An EAGLE-3 head (pyengine/spec_decode/eagle3.py) drafts the same way: `layer` is any module with
+make_kv_cache, forward(ids, positions, prev_hidden, meta, kv_cache) and compute_logits, and
+target_hidden maps the target's kept states to the layer's prev_hidden for the catch-up.
 """
 from __future__ import annotations
 
@@ -37,15 +41,16 @@ from pyengine.spec_decode.draft_sampling import DraftRow, DraftSampler
 
 class MtpProposer:
     def __init__(self, cfg: SpeculativeConfig, runner: ModelRunner, get_request: Callable[[int], Any], seed: int,
-                 max_model_len: int) -> None:
-        self.mtp = getattr(runner.model, "mtp", None)
-        if self.mtp is None:
+                 max_model_len: int, layer: Any = None) -> None:
+        """layer: the drafting layer (default: the target's own MTP layer, runner.model.mtp)."""
+        self.layer = layer if layer is not None else getattr(runner.model, "mtp", None)
+        if self.layer is None:
             raise ValueError(f"{runner.config.architecture}: speculative method 'mtp' needs the model's MTP layers "
                              "(load the model with load_mtp=True)")
         self.k, self.runner, self.get_request = cfg.num_speculative_tokens, runner, get_request
         self.block_size, self.device = runner.block_size, runner.device
         runner.keep_hidden = True
-        self.kv_cache = self.mtp.make_kv_cache(runner.num_kv_blocks, runner.block_size, runner.device)
+        self.kv_cache = self.layer.make_kv_cache(runner.num_kv_blocks, runner.block_size, runner.device)
         self.max_position = runner.config.max_position_embeddings
         self.valid: dict[int, int] = {}
         self.gone: set[int] = set()  # forgotten since the target's last step: its rows there are stale
@@ -95,13 +100,13 @@ class MtpProposer:
         if not feeds:
             return
         index = torch.from_numpy(np.concatenate(hidden_index)).to(hidden.device)
-        out = self._forward(feeds, hidden.index_select(0, index))
+        out = self._forward(feeds, self.target_hidden(hidden.index_select(0, index)))
         if not drafting:
             return
         ends = np.cumsum([len(tokens) for _, _, tokens in feeds]) - 1  # each feed row's last token
         prev = out.index_select(0, torch.from_numpy(ends[[f for f, _, _ in drafting]]).to(out.device))
         rows = [row for _, row, _ in drafting]
-        self.sampler.sample(rows, self.mtp.compute_logits(prev))
+        self.sampler.sample(rows, self.layer.compute_logits(prev))
         active = list(range(len(rows)))  # rows still drafting, aligned with prev
         for j in range(1, max(r.k for r in rows)):
             keep = [pos for pos, i in enumerate(active) if rows[i].k > j]
@@ -109,7 +114,7 @@ class MtpProposer:
             step_feeds = [(feeds[drafting[i][0]][0], drafting[i][2] - 2 + j, np.array([rows[i].drafts[j - 1]]))
                           for i in active]
             prev = self._forward(step_feeds, prev.index_select(0, torch.tensor(keep, device=prev.device)))
-            self.sampler.sample([rows[i] for i in active], self.mtp.compute_logits(prev))
+            self.sampler.sample([rows[i] for i in active], self.layer.compute_logits(prev))
         self.sampler.keep(rows)
         scheduler.set_draft_tokens_batch(np.array([r.seq_id for r in rows], dtype=np.int64),
                                          np.fromiter((t for r in rows for t in r.drafts), np.int32),
@@ -124,6 +129,10 @@ class MtpProposer:
     def draft_probs(self, seq_ids: Sequence[int], num_draft_tokens: Sequence[int]) -> torch.Tensor | None:
         return self.sampler.draft_probs(seq_ids, num_draft_tokens)
 
+    def target_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's kept states of the catch-up positions -> the layer's prev_hidden (MTP: as is)."""
+        return hidden
+
     def _forward(self, feeds: list[tuple[np.ndarray, int, np.ndarray]], prev_hidden: torch.Tensor) -> torch.Tensor:
         """The MTP layer over varlen rows (block table, first position, tokens) with one hidden state
         per token -> its output for every token [T, hidden]."""
@@ -132,5 +141,5 @@ class MtpProposer:
         input_ids = torch.from_numpy(batch.input_ids).to(self.device)
         positions = torch.from_numpy(batch.positions).to(self.device)
         self.num_forwards += 1
-        return self.mtp(input_ids, positions, prev_hidden, meta, self.kv_cache)
+        return self.layer(input_ids, positions, prev_hidden, meta, self.kv_cache)
 

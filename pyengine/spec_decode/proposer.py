@@ -28,7 +28,8 @@ def build_proposer(spec: SpeculativeConfig, runner: Any, get_request: Callable[[
                    max_model_len: int, draft: tuple | None = None) -> Proposer:
     """The proposer for spec.method. runner: the target's ModelRunner (a draft model shares its
     block geometry); get_request: seq id -> the engine's Request (running requests only); draft:
-    (model, ModelConfig) when LLM preloaded the draft model, else it is loaded from spec.model."""
+    (model, ModelConfig) when LLM preloaded the draft model (else it is loaded from spec.model), or
+    the EAGLE-3 head and its config (method "eagle3": always preloaded)."""
     if spec.method == "ngram":
         from pyengine.spec_decode.ngram import NgramProposer
 
@@ -41,6 +42,13 @@ def build_proposer(spec: SpeculativeConfig, runner: Any, get_request: Callable[[
         from pyengine.spec_decode.mtp import MtpProposer
 
         return MtpProposer(spec, runner, get_request, seed, max_model_len)
+    if spec.method == "eagle3":
+        from pyengine.spec_decode.eagle3 import Eagle3Proposer
+
+        if draft is None:
+            raise ValueError("speculative method 'eagle3': LLM loads the head (pyengine.models.eagle3.load_eagle3) "
+                             "and passes it as draft")
+        return Eagle3Proposer(spec, runner, get_request, seed, max_model_len, head=draft[0])
     from pyengine.spec_decode.draft_model import DraftModelProposer
 
     return DraftModelProposer(spec, runner, get_request, seed, max_model_len, draft=draft)
