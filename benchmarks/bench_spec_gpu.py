@@ -4,7 +4,9 @@ adaptive and fixed), each speculative method with KernelConfig.graph_ragged_veri
 step whose rows carry different draft counts replays the graph of its longest row) and off (such
 steps run eagerly, as before), all in one run. Reports tokens/s, the ratio to plain decoding,
 steps replayed vs eager, where the time went (steps and seconds by kind: replayed or eager, with
-drafts or not, with a prefill row or not) and whether every output equals plain decoding's.
+drafts or not, with a prefill row or not; a step with prefill rows on prefill graphs counts as
+replayed), steps launched ahead (async), the measured graph replay times the draft-length policy
+weighs (by bucket, q = 1..k+1) and whether every output equals plain decoding's.
 
     python3 benchmarks/bench_spec_gpu.py --gguf PATH --prompts spec_bench.jsonl --out results.json
 """
@@ -40,10 +42,12 @@ def time_steps(llm: LLM) -> dict:
 
     def timed() -> list:
         verify0, prefill0 = engine.scheduler.stats()["num_verify_rows"], engine.counters["prefill_tokens"]
+        mixed0 = engine.runner.graph_runner.num_mixed
         start = time.perf_counter()
         out = step()
         seconds = time.perf_counter() - start
-        kind = ("graph" if engine.runner.last_graph_key is not None else "eager")
+        graphed = engine.runner.last_graph_key is not None or engine.runner.graph_runner.num_mixed > mixed0
+        kind = "graph" if graphed else "eager"
         kind += "_prefill" if engine.counters["prefill_tokens"] > prefill0 else ""
         kind += "_drafts" if engine.scheduler.stats()["num_verify_rows"] > verify0 else ""
         k = kinds.setdefault(kind, {"steps": 0, "seconds": 0.0})
@@ -84,9 +88,10 @@ def main() -> None:
             llm = LLM(args.gguf, device="cuda", dtype="bfloat16", max_num_seqs=batch, max_model_len=2048,
                       speculative_config=spec, kernel_config={"graph_ragged_verify": ragged})
             conversations = [[{"role": "user", "content": q}] for q in prompts]
-            llm.chat(warm[:batch], params, use_tqdm=False)  # warm-up: graphs captured
+            # warm-up: graphs captured (decode, verify and the prefill graphs of many prompt lengths)
+            llm.chat(warm, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
             g = llm.engine.runner.graph_runner
-            replays0, steps0 = g.num_replays, llm.stats()["num_steps"]
+            replays0, steps0, async0 = g.num_replays, llm.stats()["num_steps"], llm.engine.num_async_steps
             kinds = time_steps(llm)
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -99,6 +104,8 @@ def main() -> None:
             row[name] = {"tokens_per_s": round(sum(map(len, tokens)) / seconds, 1),
                          "graph_steps": g.num_replays - replays0, "steps": stats["num_steps"] - steps0,
                          "acceptance_rate": stats.get("acceptance_rate"),
+                         "async_steps": llm.engine.num_async_steps - async0,
+                         "replay_ms_by_q": {b: [round(1e3 * t, 3) for t in v] for b, v in g.replay_seconds.items()},
                          "step_kinds": {k: {"steps": v["steps"], "ms": round(1e3 * v["seconds"], 1)}
                                         for k, v in sorted(kinds.items())},
                          "identical_to_plain": tokens == reference}

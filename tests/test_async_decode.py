@@ -113,8 +113,8 @@ def test_async_request_added_mid_run(tiny: str, block_size: int) -> None:
     assert eng.num_async_steps > 0 and eng.num_async_discarded > 0
 
 
-def test_no_launch_without_graphs_or_with_speculation(tiny: str) -> None:
-    """Only the graph runner's decode steps launch ahead; speculative decoding never does."""
+def test_no_launch_without_graphs_or_with_fixed_speculation(tiny: str) -> None:
+    """Only the graph runner's decode steps launch ahead; fixed-length speculation never does."""
     prompts = make_prompts(2)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = LLM(model=tiny, device="cpu")
@@ -126,4 +126,42 @@ def test_no_launch_without_graphs_or_with_speculation(tiny: str) -> None:
     r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, r.block_size, r.device, llm.engine.cfg.max_num_seqs, 3,
                                      llm.engine.cfg.max_model_len + 3 + r.block_size)
     assert [o[0] for o in outputs(llm, prompts, params)] == [o[0] for o in outputs(plain, prompts, params)]
+    assert llm.engine.num_async_steps == 0
+
+
+def spec_llm(tiny: str, spec: dict, max_q: int, **kw) -> LLM:
+    llm = LLM(model=tiny, device="cpu", speculative_config=spec, **kw)
+    r = llm.engine.runner
+    r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, r.block_size, r.device, llm.engine.cfg.max_num_seqs,
+                                     max_q, llm.engine.cfg.max_model_len + max_q + r.block_size)
+    return llm
+
+
+@pytest.mark.parametrize("step_cost", [(1.0, 100.0), (1.0, 0.2)])
+def test_adaptive_speculation_launches_ahead_when_it_plans_no_drafts(tiny: str, step_cost) -> None:
+    """The draft-length policy plans the next step while this one's tokens are on their way; a
+    plan without drafts launches the next step ahead. Dear verify tokens (b / a = 100): drafts
+    never pay, nearly every step launches ahead. Cheaper ones (0.2): some steps draft, others
+    launch ahead. Tokens equal plain decoding's."""
+    prompts = make_prompts(6)
+    params = [SamplingParams(temperature=0, max_tokens=10 + 4 * (i % 3), ignore_eos=True) for i in range(6)]
+    plain = outputs(LLM(model=tiny, device="cpu", max_num_seqs=3), prompts, params)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "step_cost": step_cost}
+    llm = spec_llm(tiny, spec, 4, max_num_seqs=3)
+    assert outputs(llm, prompts, params) == plain
+    eng = llm.engine
+    assert eng.num_async_steps > 0, "no step used a forward launched ahead"
+    if step_cost[1] > 1:  # warm-up probes only
+        assert eng.stats()["num_draft_tokens"] <= eng.k * eng.draft_length.WARMUP_STEPS * 3
+    else:
+        assert eng.stats()["num_accepted_tokens"] > 0
+
+
+def test_no_launch_ahead_for_proposers_that_read_hidden_states(tiny: str) -> None:
+    """A launched step's hidden states are not the runner's: proposers that read them never launch ahead."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "step_cost": (1.0, 100.0)}
+    llm = spec_llm(tiny, spec, 3)
+    llm.engine.runner.keep_hidden = True
+    outputs(llm, make_prompts(2), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert llm.engine.num_async_steps == 0

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pyengine.spec_decode.config import SpeculativeConfig
-from pyengine.spec_decode.draft_length import (CUDA_DEFAULT, DEFAULT_STEP_COST, DraftLengthPolicy, device_rates,
+from pyengine.spec_decode.draft_length import DraftLengthPolicy
+from pyengine.spec_decode.step_cost import (CUDA_DEFAULT, DEFAULT_STEP_COST, device_rates,
                                                modelled_step_cost, weight_footprint)
 
 # accept(row, step) -> the chance that each draft of that row is accepted (given the earlier ones were)
@@ -301,7 +302,7 @@ def test_engine_draft_lengths_do_not_depend_on_the_clock(monkeypatch, smollm2_pa
     assert any(0 < sum(p) < 4 * len(p) for p in plans[DraftLengthPolicy.WARMUP_STEPS:]), \
         "past the warm-up, lengths never between none and all: the test proves nothing"
     # the policy's line is the cost model's, for this model on this CPU
-    from pyengine.spec_decode.draft_length import runner_step_cost
+    from pyengine.spec_decode.step_cost import runner_step_cost
 
     assert llm.engine.draft_length.cost_line() == runner_step_cost(llm.engine.runner)
 

@@ -14,9 +14,16 @@ otherwise the forward is discarded and the step runs as usual (its own writes fo
 one's on the stream). Outputs are therefore identical with or without it: a predicted step is the
 step the scheduler asks for, computed by the same graph on the same inputs. A discarded step writes
 K/V only at the next position of its rows, in blocks those rows hold alone and that carry no hash
-(the position is not yet computed), so nothing any request can read is touched. Speculative
-decoding, sampled (non-greedy) rows, recurrent-state models and steps with prefill rows or waiting
-requests never launch ahead.
+(the position is not yet computed), so nothing any request can read is touched. Sampled
+(non-greedy) rows, recurrent-state models and steps with prefill rows or waiting requests never
+launch ahead.
+
+Under speculation a step launches ahead only with the draft-length policy, when it plans no drafts
+for the next step (_plan_next): the plan for step N + 1 is made while step N's tokens are on
+their way, from the policy state the next step would see (a step without drafts teaches the
+policy only that its rows found none, shown to it first), and the next step proposes with that
+plan. Proposers that read the target's hidden states (MTP, EAGLE-3) never launch ahead: a
+launched step's hidden states are not the runner's.
 """
 from __future__ import annotations
 
@@ -101,6 +108,8 @@ class LLMEngine:
         self.num_async_steps = 0  # steps that used a forward launched by the step before
         self.num_async_discarded = 0  # launched forwards whose step was not the predicted one
         self._tok_dev = self._tok_host = self._tok_ready = None  # greedy tokens: device, pinned host, event
+        self._next_plan: tuple[np.ndarray, np.ndarray] | None = None  # (seq ids, draft lengths) planned ahead
+        self._observed = False  # this step's rows were shown to the draft-length policy already
         self.num_logprob_requests = 0  # unfinished requests that asked for logprobs
         self._token_text: dict[int, str] = {}  # token id -> its text, for Logprob.decoded_token
 
@@ -200,9 +209,10 @@ class LLMEngine:
         else:
             self.decode_time += elapsed
             self.counters["decode_tokens"] += int(num_committed.sum())
-        if self.draft_length is not None:
+        if self.draft_length is not None and not self._observed:
             rows = batch.num_decode_rows
             self.draft_length.observe_rows(batch.request_slots[:rows], batch.num_draft_tokens[:rows], counts[:rows])
+        self._observed = False
         return touched
 
     def _propose(self) -> None:
@@ -211,9 +221,15 @@ class LLMEngine:
         view = self.scheduler.decode_view()
         if not view.num_rows:
             return
+        plan, self._next_plan = self._next_plan, None
         if self.draft_length is None:
             max_drafts = np.full(view.num_rows, self.k, dtype=np.int32)
+        elif plan is not None and np.array_equal(plan[0], view.seq_ids):
+            max_drafts = plan[1]
         else:
+            if self._pending is not None:  # launched for the planned rows, which this step does not run
+                self._pending = None
+                self.num_async_discarded += 1
             max_drafts = self.draft_length.draft_lengths(view.request_slots, view.seq_ids, self._can_finish_last(view))
         self.proposer.propose(self.scheduler, view, max_drafts)
 
@@ -316,14 +332,31 @@ class LLMEngine:
         nobody waiting for admission, and no row that this step's token finishes by length."""
         g = self.runner.graph_runner
         # record_logits reads this step's logits after sampling: the next replay would overwrite them
-        if (not self.async_decode or self.cfg.record_logits or self.num_logprob_requests or self.proposer is not None
+        if (not self.async_decode or self.cfg.record_logits or self.num_logprob_requests
                 or g is None or g.state_cache is not None):
+            return False
+        if self.proposer is not None and (self.draft_length is None or self.runner.keep_hidden):
             return False
         rows = batch.num_rows
         if key[1] != 1 or batch.num_decode_rows != rows or self.scheduler.num_waiting:
             return False
         # this step's token is a row's last one when it has one token left
-        return bool((batch.tokens_left > 1).all())
+        if not (batch.tokens_left > 1).all():
+            return False
+        return self.proposer is None or self._plan_next(batch)
+
+    def _plan_next(self, batch) -> bool:
+        """Speculation: plan the next step's drafts now, for this step's rows (all decode rows
+        without drafts, all continuing); True when it plans none, so the next step may be
+        launched ahead. This step is shown to the policy first (as the end of the step would);
+        the next _propose uses the plan if its rows are these."""
+        rows = batch.num_rows
+        slots, seq_ids = np.array(batch.request_slots[:rows]), np.array(batch.seq_ids[:rows])
+        self.draft_length.observe_rows(slots, batch.num_draft_tokens[:rows], np.ones(rows, dtype=np.int32))
+        self._observed = True
+        lengths = self.draft_length.draft_lengths(slots, seq_ids, None)
+        self._next_plan = (seq_ids, lengths)
+        return not lengths.any()
 
     def _record_logits(self, batch, logits: torch.Tensor, num_committed: np.ndarray) -> None:
         """Each committed token's logits (fp32, CPU) onto its request: a row's logits are its

@@ -2,126 +2,12 @@
 step-cost model it weighs them with (a deterministic function of the model and the device)."""
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
-StepCost = tuple[float, float]  # (a, b): a decode step that feeds n tokens costs a + b n (seconds)
-# Only b / a matters to the policy. Without a model to derive it from: a bandwidth-bound step, a token
-# fed costing 1% of the step's fixed cost.
-DEFAULT_STEP_COST: StepCost = (1.0, 0.01)
-
-
-def check_step_cost(value: Any, name: str = "step_cost") -> StepCost:
-    """(a, b) as floats: a > 0 the fixed cost of a decode step, b >= 0 the cost of each token it
-    feeds (any unit: only b / a matters). ValueError otherwise."""
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise ValueError(f"{name} must be a pair (a, b): a decode step feeding n tokens costs a + b * n, "
-                         f"got {value!r}")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        raise ValueError(f"{name} must hold two numbers, got {value!r}")
-    a, b = float(value[0]), float(value[1])
-    if not (math.isfinite(a) and math.isfinite(b) and a > 0.0 and b >= 0.0):
-        raise ValueError(f"{name} needs a finite a > 0 (the step's fixed cost) and a finite b >= 0 (the cost of "
-                         f"each token fed), got {value!r}")
-    return a, b
-
-
-@dataclass(frozen=True)
-class DeviceRates:
-    """Sustained rates of a device class: rough constants (about 80% of peak memory bandwidth and
-    65% of dense peak FLOP/s), never measured."""
-    bandwidth: float  # bytes/s: streaming the weights
-    flops_16: float  # FLOP/s: fp16/bf16 matmuls
-    flops_32: float  # FLOP/s: fp32 matmuls (no TF32)
-    overhead: float  # seconds a step costs besides its forward (host work, launches)
-
-
-# CUDA devices by name (first match, case-insensitive, in torch.cuda.get_device_name), others the
-# default: rates below an H100's balance, so that verify tokens look dearer there, not cheaper.
-CUDA_DEVICES: tuple[tuple[str, DeviceRates], ...] = (
-    ("H200", DeviceRates(3.9e12, 6.4e14, 4.4e13, 5e-4)),  # GH200 too
-    ("H100 PCIe", DeviceRates(1.6e12, 4.9e14, 3.3e13, 5e-4)),
-    ("H100 NVL", DeviceRates(3.1e12, 5.4e14, 3.9e13, 5e-4)),
-    ("H100", DeviceRates(2.7e12, 6.4e14, 4.4e13, 5e-4)),  # SXM
-)
-CUDA_DEFAULT = DeviceRates(1.0e12, 1.0e14, 1.5e13, 5e-4)
-# CPUs: per core (torch's thread count), by torch's SIMD capability; bandwidth saturates at a socket's.
-CPU_BANDWIDTH_PER_CORE, CPU_BANDWIDTH_MAX = 8e9, 1.2e11
-CPU_FLOPS_PER_CORE = {"AVX512": 9.6e10, "AVX2": 4.8e10}  # fp32 FMA units; bf16 is counted as fp32
-CPU_FLOPS_PER_CORE_DEFAULT = 1.6e10
-CPU_OVERHEAD = 1e-3
-
-
-def device_rates(device: torch.device | str, device_name: str | None = None, cpu_cores: int | None = None,
-                 cpu_capability: str | None = None) -> DeviceRates:
-    """The rates of a device: CUDA by name (None: torch.cuda.get_device_name), CPU by cores (None:
-    torch.get_num_threads()) and SIMD capability (None: torch.backends.cpu.get_cpu_capability())."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        name = (device_name if device_name is not None else torch.cuda.get_device_name(device)).lower()
-        return next((rates for key, rates in CUDA_DEVICES if key.lower() in name), CUDA_DEFAULT)
-    if device.type != "cpu":
-        return CUDA_DEFAULT
-    cores = max(1, cpu_cores if cpu_cores is not None else torch.get_num_threads())
-    capability = cpu_capability if cpu_capability is not None else torch.backends.cpu.get_cpu_capability()
-    per_core = next((f for key, f in CPU_FLOPS_PER_CORE.items() if capability.upper().startswith(key)),
-                    CPU_FLOPS_PER_CORE_DEFAULT)
-    return DeviceRates(min(cores * CPU_BANDWIDTH_PER_CORE, CPU_BANDWIDTH_MAX), cores * per_core, cores * per_core,
-                       CPU_OVERHEAD)
-
-
-def modelled_step_cost(num_params: int, weight_bytes: int, device: torch.device | str, dtype: torch.dtype,
-                       **device_kw: Any) -> StepCost:
-    """(a, b) of a decode step on this device (device_kw: device_rates' overrides):
-        a = weight_bytes / bandwidth + overhead   streaming the weights once, and the host's work
-        b = 2 num_params / FLOP/s                 the matmuls of one more token fed
-    A sum, not the roofline's max: a token is charged its FLOPs even where they would hide under the
-    weight stream, which errs towards fewer drafts. Attention is left out (its KV reads and FLOPs grow
-    with the context, not with the weights)."""
-    rates = device_rates(device, **device_kw)
-    flops = rates.flops_32 if dtype == torch.float32 else rates.flops_16
-    return weight_bytes / rates.bandwidth + rates.overhead, 2.0 * num_params / flops
-
-
-VOCAB_TABLES = ("embed_tokens", "lm_head", "packed_lm_head")  # pyengine's models' names for them
-
-
-def weight_footprint(model: torch.nn.Module) -> tuple[int, int]:
-    """(matmul parameters, bytes) of the weights a step streams: each weight of two or more dims
-    that the model's modules hold, once (Parameters and plain attributes: dense or oneDNN-prepacked
-    tensors, pyengine's PackedLinear at its packed size); of the vocabulary tables (VOCAB_TABLES)
-    only the smallest, the lm_head the logits read (the input embedding is only gathered from)."""
-    seen: set[int] = set()
-    weights: list[tuple[int, int]] = []
-    vocab: list[tuple[int, int]] = []
-    for module in model.modules():
-        for name, value in [*module._parameters.items(), *vars(module).items()]:
-            if value is None or id(value) in seen:
-                continue
-            seen.add(id(value))
-            if isinstance(value, torch.Tensor):
-                if value.dim() < 2 or value.numel() == 0:
-                    continue
-                numel, size = value.numel(), value.numel() * value.element_size()
-            elif all(hasattr(value, a) for a in ("packed_bytes", "in_features", "out_features")):
-                numel, size = int(value.in_features) * int(value.out_features), int(value.packed_bytes)  # PackedLinear
-            else:
-                continue
-            (vocab if name in VOCAB_TABLES else weights).append((numel, size))
-    if vocab:
-        weights.append(min(vocab, key=lambda w: w[1]))
-    return sum(n for n, _ in weights), sum(size for _, size in weights)
-
-
-def runner_step_cost(runner: Any) -> StepCost:
-    """The modelled (a, b) of a ModelRunner's decode steps: its model's weights on its device."""
-    num_params, weight_bytes = weight_footprint(runner.model)
-    return modelled_step_cost(num_params, weight_bytes, runner.device, runner.dtype)
-
+from pyengine.spec_decode.step_cost import (DEFAULT_STEP_COST, GraphCosts, StepCost, check_step_cost,
+                                            runner_graph_costs, runner_step_cost)
 
 class DraftLengthPolicy:
     """How many drafts each request proposes this step: the lengths with the best expected goodput.
@@ -159,18 +45,27 @@ class DraftLengthPolicy:
     already, so a draft there pays only if it is always accepted. The engine knows which rows can
     still be last (a row's most remaining tokens >= another's fewest, see LLMEngine); where it
     cannot tell (a request may stop at EOS or a stop string any time) every row can.
+
+    Steps replayed from CUDA graphs (graph_costs: rows -> a step's cost by its most drafts d = 0..k)
+    pad every row to the longest, so a draft costs nothing once the step's d is chosen and the
+    choice is d alone: the d with the best expected tokens per second, (R + sum_i h_i sum_{j<d} P_ij)
+    / cost[d], every eligible row drafting d, and none (d = 0, the next step launched ahead) unless
+    that beats d = 0 by `margin`. Probes come in groups there: a step with drafts or a stale row
+    probes every row unverified for half the interval, so probes share the steps that pay for them.
     """
 
     WARMUP_STEPS = 4  # first steps: probes on a few rows only (the batch's estimate starts optimistic)
 
     def __init__(self, k: int, probe_every: int = 48, decay: float = 0.95, margin: float = 0.05,
-                 prior_weight: float = 1.0, *, step_cost: StepCost | None = None) -> None:
+                 prior_weight: float = 1.0, *, step_cost: StepCost | None = None,
+                 graph_costs: GraphCosts | None = None) -> None:
         # margin: speculate only for an expected gain above it; the model omits the proposal and
         # verification overheads, so near break-even plain decoding is the safer choice
         self.k, self.probe_every, self.decay, self.margin = k, probe_every, decay, margin
         self.prior_weight = prior_weight
         # (a, b): T(n) = a + b n; None: DEFAULT_STEP_COST (for_runner gives the modelled one)
         self.step_cost = DEFAULT_STEP_COST if step_cost is None else check_step_cost(step_cost)
+        self.graph_costs = graph_costs  # rows -> cost by most drafts 0..k (graph-replayed steps), or None
         # Batch-wide decayed counts per position; start optimistic (c = 1 with one trial's weight).
         self.pool_trials, self.pool_accepts = np.ones(k), np.ones(k)
         # Per-request statistics live in row `request slot` (the scheduler's dense index) of these
@@ -189,8 +84,11 @@ class DraftLengthPolicy:
     @classmethod
     def for_runner(cls, k: int, runner: Any, step_cost: StepCost | None = None, **kw: Any) -> "DraftLengthPolicy":
         """The policy for a ModelRunner's steps: step_cost if given (SpeculativeConfig.step_cost),
-        else the cost model's for its model and device (runner_step_cost); nothing is timed."""
-        return cls(k, step_cost=step_cost if step_cost is not None else runner_step_cost(runner), **kw)
+        else the cost model's for its model and device (runner_step_cost); a runner that replays
+        CUDA graphs also gives the graphs' measured costs (runner_graph_costs), unless step_cost was given."""
+        graph_costs = runner_graph_costs(runner, k) if step_cost is None else None
+        return cls(k, step_cost=step_cost if step_cost is not None else runner_step_cost(runner),
+                   graph_costs=graph_costs, **kw)
 
     # ---- the plan ------------------------------------------------------------------------------
     def draft_lengths(self, slots: np.ndarray, seq_ids: np.ndarray,
@@ -217,15 +115,35 @@ class DraftLengthPolicy:
             probed = np.arange(num_rows) < max(1, self.k // probe)
             lengths = np.where(eligible & probed, probe, 0)
         else:
-            lengths = self._best_lengths(rows, eligible, *self.cost_line())
+            table = self.graph_costs(num_rows) if self.graph_costs is not None else None
+            if table is None:
+                lengths = self._best_lengths(rows, eligible, *self.cost_line())
+                interval = self.probe_every * max(1.0, num_rows / self.k)
+            else:
+                lengths = self._padded_lengths(rows, eligible, table)
+                interval = self.probe_every
             # The next position of a row left unverified for long enough: probe it (and beyond).
-            interval = self.probe_every * max(1.0, num_rows / self.k)
             can_grow = np.nonzero(eligible & (lengths < self.k))[0]
-            stale = can_grow[self.idle[rows[can_grow], lengths[can_grow]] >= interval]
+            idle = self.idle[rows[can_grow], lengths[can_grow]]
+            stale = can_grow[idle >= interval]
+            if table is not None and (len(stale) or lengths.any()):  # probes share the step that pays
+                stale = can_grow[idle >= interval / 2]
             self.probes[rows[stale]] = lengths[stale]
             lengths[stale] = np.minimum(lengths[stale] + probe, self.k)
         self.planned[rows] = lengths
         return lengths.astype(np.int32)
+
+    def _padded_lengths(self, rows: np.ndarray, eligible: np.ndarray, cost: np.ndarray) -> np.ndarray:
+        """Graph steps: every eligible row drafts the d with the best expected tokens per second
+        (cost[d]: a step whose longest row drafts d), or none (see the class docstring)."""
+        p = self.acceptance(rows) * eligible[:, None]
+        h = self.found[rows] / self.asked[rows]
+        tokens = len(rows) + np.concatenate(([0.0], np.cumsum(h @ p)))  # expected tokens by d = 0..k
+        rate = tokens / cost[:self.k + 1]
+        d = int(np.argmax(rate))
+        if d == 0 or rate[d] <= (1.0 + self.margin) * rate[0]:
+            return np.zeros(len(rows), dtype=np.int64)
+        return np.where(eligible, d, 0)
 
     def _best_lengths(self, rows: np.ndarray, eligible: np.ndarray, a: float, b: float) -> np.ndarray:
         """Greedy marginal allocation of drafts over the eligible rows (see the class docstring).

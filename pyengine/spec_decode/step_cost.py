@@ -1,0 +1,155 @@
+"""The step-cost model of the draft-length policy: what a decode step that feeds n tokens costs.
+
+Two forms. A line T(n) = a + b n (seconds; only b / a matters) modelled from the model's weights and
+the device's rates, never timed: eager steps, where every token fed costs its matmuls. And, for
+steps replayed from CUDA graphs, a table per batch bucket: the measured replay time of the bucket's
+graph for each query length (every row is padded to the longest, so a step costs what its longest
+row asks, whatever the other rows draft), plus the host time a step with drafts cannot hide (the
+next step is launched ahead only when no row drafts). The table is measured once per bucket
+(CudaGraphRunner.step_costs) and fixed afterwards.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+StepCost = tuple[float, float]  # (a, b): a decode step that feeds n tokens costs a + b n (seconds)
+# Only b / a matters to the policy. Without a model to derive it from: a bandwidth-bound step, a token
+# fed costing 1% of the step's fixed cost.
+DEFAULT_STEP_COST: StepCost = (1.0, 0.01)
+
+
+def check_step_cost(value: Any, name: str = "step_cost") -> StepCost:
+    """(a, b) as floats: a > 0 the fixed cost of a decode step, b >= 0 the cost of each token it
+    feeds (any unit: only b / a matters). ValueError otherwise."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"{name} must be a pair (a, b): a decode step feeding n tokens costs a + b * n, "
+                         f"got {value!r}")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"{name} must hold two numbers, got {value!r}")
+    a, b = float(value[0]), float(value[1])
+    if not (math.isfinite(a) and math.isfinite(b) and a > 0.0 and b >= 0.0):
+        raise ValueError(f"{name} needs a finite a > 0 (the step's fixed cost) and a finite b >= 0 (the cost of "
+                         f"each token fed), got {value!r}")
+    return a, b
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """Sustained rates of a device class: rough constants (about 80% of peak memory bandwidth and
+    65% of dense peak FLOP/s), never measured."""
+    bandwidth: float  # bytes/s: streaming the weights
+    flops_16: float  # FLOP/s: fp16/bf16 matmuls
+    flops_32: float  # FLOP/s: fp32 matmuls (no TF32)
+    overhead: float  # seconds a step costs besides its forward (host work, launches)
+
+
+# CUDA devices by name (first match, case-insensitive, in torch.cuda.get_device_name), others the
+# default: rates below an H100's balance, so that verify tokens look dearer there, not cheaper.
+CUDA_DEVICES: tuple[tuple[str, DeviceRates], ...] = (
+    ("H200", DeviceRates(3.9e12, 6.4e14, 4.4e13, 5e-4)),  # GH200 too
+    ("H100 PCIe", DeviceRates(1.6e12, 4.9e14, 3.3e13, 5e-4)),
+    ("H100 NVL", DeviceRates(3.1e12, 5.4e14, 3.9e13, 5e-4)),
+    ("H100", DeviceRates(2.7e12, 6.4e14, 4.4e13, 5e-4)),  # SXM
+)
+CUDA_DEFAULT = DeviceRates(1.0e12, 1.0e14, 1.5e13, 5e-4)
+# CPUs: per core (torch's thread count), by torch's SIMD capability; bandwidth saturates at a socket's.
+CPU_BANDWIDTH_PER_CORE, CPU_BANDWIDTH_MAX = 8e9, 1.2e11
+CPU_FLOPS_PER_CORE = {"AVX512": 9.6e10, "AVX2": 4.8e10}  # fp32 FMA units; bf16 is counted as fp32
+CPU_FLOPS_PER_CORE_DEFAULT = 1.6e10
+CPU_OVERHEAD = 1e-3
+
+
+def device_rates(device: torch.device | str, device_name: str | None = None, cpu_cores: int | None = None,
+                 cpu_capability: str | None = None) -> DeviceRates:
+    """The rates of a device: CUDA by name (None: torch.cuda.get_device_name), CPU by cores (None:
+    torch.get_num_threads()) and SIMD capability (None: torch.backends.cpu.get_cpu_capability())."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = (device_name if device_name is not None else torch.cuda.get_device_name(device)).lower()
+        return next((rates for key, rates in CUDA_DEVICES if key.lower() in name), CUDA_DEFAULT)
+    if device.type != "cpu":
+        return CUDA_DEFAULT
+    cores = max(1, cpu_cores if cpu_cores is not None else torch.get_num_threads())
+    capability = cpu_capability if cpu_capability is not None else torch.backends.cpu.get_cpu_capability()
+    per_core = next((f for key, f in CPU_FLOPS_PER_CORE.items() if capability.upper().startswith(key)),
+                    CPU_FLOPS_PER_CORE_DEFAULT)
+    return DeviceRates(min(cores * CPU_BANDWIDTH_PER_CORE, CPU_BANDWIDTH_MAX), cores * per_core, cores * per_core,
+                       CPU_OVERHEAD)
+
+
+def modelled_step_cost(num_params: int, weight_bytes: int, device: torch.device | str, dtype: torch.dtype,
+                       **device_kw: Any) -> StepCost:
+    """(a, b) of a decode step on this device (device_kw: device_rates' overrides):
+        a = weight_bytes / bandwidth + overhead   streaming the weights once, and the host's work
+        b = 2 num_params / FLOP/s                 the matmuls of one more token fed
+    A sum, not the roofline's max: a token is charged its FLOPs even where they would hide under the
+    weight stream, which errs towards fewer drafts. Attention is left out (its KV reads and FLOPs grow
+    with the context, not with the weights)."""
+    rates = device_rates(device, **device_kw)
+    flops = rates.flops_32 if dtype == torch.float32 else rates.flops_16
+    return weight_bytes / rates.bandwidth + rates.overhead, 2.0 * num_params / flops
+
+
+VOCAB_TABLES = ("embed_tokens", "lm_head", "packed_lm_head")  # pyengine's models' names for them
+
+
+def weight_footprint(model: torch.nn.Module) -> tuple[int, int]:
+    """(matmul parameters, bytes) of the weights a step streams: each weight of two or more dims
+    that the model's modules hold, once (Parameters and plain attributes: dense or oneDNN-prepacked
+    tensors, pyengine's PackedLinear at its packed size); of the vocabulary tables (VOCAB_TABLES)
+    only the smallest, the lm_head the logits read (the input embedding is only gathered from)."""
+    seen: set[int] = set()
+    weights: list[tuple[int, int]] = []
+    vocab: list[tuple[int, int]] = []
+    for module in model.modules():
+        for name, value in [*module._parameters.items(), *vars(module).items()]:
+            if value is None or id(value) in seen:
+                continue
+            seen.add(id(value))
+            if isinstance(value, torch.Tensor):
+                if value.dim() < 2 or value.numel() == 0:
+                    continue
+                numel, size = value.numel(), value.numel() * value.element_size()
+            elif all(hasattr(value, a) for a in ("packed_bytes", "in_features", "out_features")):
+                numel, size = int(value.in_features) * int(value.out_features), int(value.packed_bytes)  # PackedLinear
+            else:
+                continue
+            (vocab if name in VOCAB_TABLES else weights).append((numel, size))
+    if vocab:
+        weights.append(min(vocab, key=lambda w: w[1]))
+    return sum(n for n, _ in weights), sum(size for _, size in weights)
+
+
+def runner_step_cost(runner: Any) -> StepCost:
+    """The modelled (a, b) of a ModelRunner's decode steps: its model's weights on its device."""
+    num_params, weight_bytes = weight_footprint(runner.model)
+    return modelled_step_cost(num_params, weight_bytes, runner.device, runner.dtype)
+
+
+GraphCosts = Callable[[int], "np.ndarray | None"]  # rows -> seconds of a step by its most drafts d = 0..k
+
+
+def runner_graph_costs(runner: Any, k: int) -> GraphCosts | None:
+    """rows -> cost[d], d = 0..k, of a ModelRunner's graph-replayed steps: the measured replay of the
+    rows' bucket graph of query length d + 1 (CudaGraphRunner.step_costs, measured once per bucket),
+    plus for d > 0 the device's host overhead (a step with drafts is not launched ahead, so its
+    host work is not hidden behind the GPU). None when the runner replays no graphs."""
+    graphs = getattr(runner, "graph_runner", None)
+    if graphs is None or not graphs.use_graphs:
+        return None
+    overhead = device_rates(runner.device).overhead
+
+    def costs(rows: int) -> np.ndarray | None:
+        replay = graphs.step_costs(rows)
+        if replay is None or len(replay) < k + 1:
+            return None
+        out = np.array(replay[:k + 1], dtype=np.float64)
+        out[1:] += overhead
+        return out
+
+    return costs

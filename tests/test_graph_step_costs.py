@@ -1,0 +1,81 @@
+"""The draft-length policy on graph-replayed steps (graph_costs: a step costs what its longest row
+drafts, every row padded to it): it picks one draft count d for the step, the one with the best
+expected tokens per second, or none; probes come in groups. runner_graph_costs adds the host
+overhead of a step with drafts to the graphs' measured replays."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from pyengine.spec_decode.draft_length import DraftLengthPolicy
+from pyengine.spec_decode.step_cost import device_rates, runner_graph_costs
+from tests.test_draft_length_policy import mostly, simulate
+
+K = 4
+
+
+def policy(cost_by_d: list[float], **kw) -> DraftLengthPolicy:
+    table = np.array(cost_by_d, dtype=np.float64)
+    return DraftLengthPolicy(K, step_cost=(1.0, 0.01), graph_costs=lambda rows: table, **kw)
+
+
+def test_flat_costs_and_good_acceptance_draft_the_full_length_on_every_row() -> None:
+    # a launch-bound model: a verify step costs what a decode step does, plus the host's share
+    chosen = simulate(K, rows=16, accept=0.7, cost=(1.0, 0.01), policy=policy([1.0, 1.3, 1.3, 1.3, 1.3]))
+    assert mostly(chosen[-100:], K)
+
+
+def test_dear_verify_steps_draft_nothing() -> None:
+    # 30% acceptance cannot pay a step that costs 60% more
+    chosen = simulate(K, rows=16, accept=0.3, cost=(1.0, 0.01), policy=policy([1.0, 1.6, 1.7, 1.8, 1.9]))
+    assert mostly(chosen[-100:], 0)
+
+
+@pytest.mark.parametrize("accept", [0.5, 0.8])
+def test_the_chosen_count_is_the_best_rate(accept: float) -> None:
+    """One step's choice against brute force over d, from the policy's own estimates."""
+    cost = [1.0, 1.2, 1.5, 1.9, 2.4]
+    p = policy(cost)
+    simulate(K, rows=8, accept=accept, cost=(1.0, 0.01), policy=p, steps=60)
+    rows = np.arange(8)
+    est = p.acceptance(rows)
+    h = p.found[rows] / p.asked[rows]
+    tokens = [8 + sum(float(h @ est[:, j]) for j in range(d)) for d in range(K + 1)]
+    rates = [t / c for t, c in zip(tokens, cost)]
+    best = int(np.argmax(rates))
+    want = best if best and rates[best] > 1.05 * rates[0] else 0
+    got = p._padded_lengths(rows, np.ones(8, dtype=bool), np.array(cost))
+    assert set(got.tolist()) == {want}
+    assert 0 < want < K if accept == 0.5 else want > 0
+
+
+def test_rows_that_cannot_finish_last_get_nothing() -> None:
+    p = policy([1.0, 1.1, 1.1, 1.1, 1.1])
+    simulate(K, rows=4, accept=0.9, cost=(1.0, 0.01), policy=p, steps=20)
+    got = p.draft_lengths(np.arange(4), np.arange(4) + 100, np.array([True, False, True, False]))
+    assert got[1] == got[3] == 0 and got[0] == got[2] > 0
+
+
+def test_probes_come_in_groups() -> None:
+    """Drafts never pay, yet the rows' next positions are probed now and then: the probes of all
+    rows stale for half the interval share one step, so few steps carry drafts."""
+    p = policy([1.0, 3.0, 3.0, 3.0, 3.0], probe_every=20)
+    chosen = simulate(K, rows=16, accept=0.2, cost=(1.0, 0.01), policy=p, steps=400)[DraftLengthPolicy.WARMUP_STEPS:]
+    probe_steps = chosen.any(axis=1)
+    assert 0 < probe_steps.sum() <= 400 / 20 + 2, probe_steps.sum()
+    assert chosen[probe_steps].astype(bool).sum(axis=1).mean() >= 8, "probes should be grouped"
+
+
+def test_runner_graph_costs_adds_the_host_overhead_to_steps_with_drafts() -> None:
+    replays = np.array([1e-3, 1.1e-3, 1.2e-3, 1.3e-3, 1.4e-3])
+    graphs = types.SimpleNamespace(use_graphs=True, step_costs=lambda rows: replays if rows <= 64 else None)
+    runner = types.SimpleNamespace(graph_runner=graphs, device="cpu")
+    costs = runner_graph_costs(runner, 3)
+    overhead = device_rates("cpu").overhead
+    assert np.allclose(costs(16), [1e-3, 1.1e-3 + overhead, 1.2e-3 + overhead, 1.3e-3 + overhead])
+    assert costs(65) is None
+    assert runner_graph_costs(types.SimpleNamespace(graph_runner=None, device="cpu"), 3) is None
+    no_graphs = types.SimpleNamespace(graph_runner=types.SimpleNamespace(use_graphs=False), device="cpu")
+    assert runner_graph_costs(no_graphs, 3) is None
