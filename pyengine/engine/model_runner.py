@@ -16,7 +16,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, block_size: int, num_kv_blocks: int,
                  device: torch.device, dtype: torch.dtype, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_query_len: int = 1, cuda_graphs: bool = False,
-                 num_state_slots: int = 0, num_state_checkpoints: int = 0) -> None:
+                 num_state_slots: int = 0, num_state_checkpoints: int = 0, prefill_graph_tokens: int = 0) -> None:
         self.model, self.config, self.block_size = model, config, block_size
         self.device, self.dtype, self.num_kv_blocks = device, dtype, num_kv_blocks
         # Unwritten slots are never read: attention reads only positions below each row's context.
@@ -42,7 +42,8 @@ class ModelRunner:
             ok, _ = graphs_supported(model, config, dtype, device)
             if ok:
                 self.graph_runner = CudaGraphRunner(model, self.kv_caches, block_size, device, max_num_seqs,
-                                                    max_query_len, max_model_len + max_query_len + block_size)
+                                                    max_query_len, max_model_len + max_query_len + block_size,
+                                                    prefill_tokens=prefill_graph_tokens)
 
         # ---- recurrent state (hybrid models, pyengine/state_cache.py): only when the model declares it ----
         self.state_cache = None
@@ -116,6 +117,13 @@ class ModelRunner:
             if key is not None:
                 self.last_graph_key = key
                 logits = self.graph_runner.execute(batch, key)
+                if self.keep_hidden:
+                    self._keep(batch, self.graph_runner.last_hidden)
+                return logits
+            # prefill rows: a prefill graph (None: eager). Not with aux states, which both replays would
+            # write at the same rows of the model's aux buffer.
+            logits = None if self.keep_aux else self.graph_runner.execute_mixed(batch)
+            if logits is not None:
                 if self.keep_hidden:
                     self._keep(batch, self.graph_runner.last_hidden)
                 return logits

@@ -16,7 +16,7 @@ class SpeculativeConfig:
     model: str | None = None
     adaptive_draft_length: bool = True  # False: always propose up to k (tests pin every path)
     # The adaptive policy's decode-step cost a + b * tokens fed (only b / a matters); None: modelled
-    # from the model's weights and the device (pyengine.spec_decode.draft_length.modelled_step_cost)
+    # from the model's weights and the device (pyengine.spec_decode.step_cost.modelled_step_cost)
     step_cost: tuple[float, float] | None = None
     # method "suffix" (pyengine/spec_decode/suffix.py): longest context indexed, drafts per matched
     # context token, the least share of a context's continuations a draft may have, and the finished
@@ -49,7 +49,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.adaptive_draft_length must be a bool, got {adaptive!r}")
         step_cost = d.get("step_cost")
         if step_cost is not None:
-            from pyengine.spec_decode.draft_length import check_step_cost
+            from pyengine.spec_decode.step_cost import check_step_cost
 
             step_cost = check_step_cost(step_cost, "speculative_config.step_cost")
         cfg = cls(method=method, num_speculative_tokens=k, model=d.get("model"), adaptive_draft_length=adaptive,
