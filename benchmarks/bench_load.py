@@ -2,7 +2,7 @@
 Q4_1), then one chat answer, each run in a fresh process.
 
 Per run: seconds for `import pyengine`, for LLM() to be ready (and how much of that the C++ packer
-of the CPU GEMM took), for the answer (16 greedy tokens), and the process's peak resident memory
+of the CPU GEMM took: PackedLinear's constructor and from_gguf), for the answer (16 greedy tokens), and the process's peak resident memory
 (the kernel's maxrss: what `/usr/bin/time -v` reports as "Maximum resident set size"). Reports
 the medians over the runs and writes results/load_cpu.json (one entry per --label).
 --pythonpath runs another checkout's pyengine (an older commit extracted with `git archive`, the
@@ -41,6 +41,15 @@ try:  # the share of the load spent in the C++ packer (PackedLinear's constructo
         init(self, *args, **kwargs)
         packing[0] += time.perf_counter() - start
     gemm.PackedLinear.__init__ = timed
+    if hasattr(gemm.PackedLinear, "from_gguf"):  # packing straight from the GGUF blocks
+        from_gguf = gemm.PackedLinear.from_gguf.__func__
+        def timed_gguf(cls, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return from_gguf(cls, *args, **kwargs)
+            finally:
+                packing[0] += time.perf_counter() - start
+        gemm.PackedLinear.from_gguf = classmethod(timed_gguf)
 except ImportError:
     pass
 t1b = time.perf_counter()

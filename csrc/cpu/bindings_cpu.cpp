@@ -78,6 +78,24 @@ void register_cpu_ops(py::module_& m) {
         py::gil_scoped_release release;  // the pool's threads run while Python may do other work
         self.matmul(ptr(x), x_row_stride, m, ptr(bias), ptr(y));
       });
+  cpu.def(
+      "pack_gguf",
+      [](int32_t ggml_type, uintptr_t row_addresses, int64_t k, int64_t n) -> py::object {
+        const GgufRows rows{ggml_type, ptr<const uint8_t* const>(row_addresses)};
+        std::optional<PackedWeight> w;
+        {
+          py::gil_scoped_release release;
+          w = PackedWeight::from_gguf(rows, k, n);
+        }
+        return w ? py::cast(std::move(*w)) : py::none();
+      },
+      "an fp32 [k, n] PackedWeight from n rows of GGUF blocks (row_addresses: n uint64 addresses; "
+      "cpu_gguf_pack.h), or None where they cannot be packed");
+  cpu.def("gguf_q8_0_columns", [](uintptr_t row_addresses, int64_t k, int64_t n, uintptr_t codes, uintptr_t scales) {
+    py::gil_scoped_release release;
+    return gguf_q8_0_columns(GgufRows{8, ptr<const uint8_t* const>(row_addresses)}, k, n, ptr<int8_t>(codes),
+                             ptr<float>(scales));
+  }, "n Q8_0 rows of k values -> codes [k][n] int8 and scales [k / 32][n] fp32 (cpu_gguf_pack.h)");
   py::class_<LlamaStack>(cpu, "LlamaStack")
       .def(py::init([](const py::list& layers, int32_t hidden, int32_t num_heads, int32_t num_kv_heads,
                        int32_t head_dim, int32_t intermediate, float eps, float scale, int32_t dtype) {

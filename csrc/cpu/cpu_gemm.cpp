@@ -176,6 +176,14 @@ PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, boo
       }
 }
 
+std::optional<PackedWeight> PackedWeight::from_gguf(const GgufRows& rows, int64_t k, int64_t n) {
+  if (!check(k, n, DType::kFloat32).empty()) return std::nullopt;
+  PackedWeight w(nullptr, 0, 1, DType::kFloat32, false);  // an empty weight (check fails: nothing read)
+  if (!pack_gguf_rows(rows, k, n, w.packed_)) return std::nullopt;
+  w.k_ = w.k_steps_ = k, w.n_ = n, w.panels_ = ceil_div(n, kPanel), w.format_ = gguf_panel_format(rows.ggml_type);
+  return w;
+}
+
 void PackedWeight::matmul(const void* x, int64_t x_row_stride, int64_t m, const void* bias, void* y) const {
   if (m <= 0 || panels_ == 0) return;  // panels_ == 0 also wherever check() fails (no PE_HAVE_GEMM)
 #ifdef PE_HAVE_GEMM

@@ -21,10 +21,12 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "cpu_gemm_affine.h"
+#include "cpu_gguf_pack.h"
 #include "cpu_ops.h"
 #include "cpu_vec.h"
 
@@ -44,6 +46,10 @@ class PackedWeight {
   // w: [K, N] row-major ("in, out") of `dtype`; check() must have passed. compact: fp32 weights
   // that fit cpu_gemm_affine.h's formats are stored that way (same results, fewer bytes).
   PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, bool compact = true);
+  // An fp32 weight [K, N] packed straight from GGUF blocks (cpu_gguf_pack.h): the weights the fp32
+  // constructor packs from their dequantised values, without making them. nullopt where
+  // pack_gguf_rows refuses them, or check(k, n, fp32) fails.
+  static std::optional<PackedWeight> from_gguf(const GgufRows& rows, int64_t k, int64_t n);
 
   int64_t k() const { return k_; }
   int64_t n() const { return n_; }

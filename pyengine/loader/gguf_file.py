@@ -9,7 +9,7 @@ on the CPU each linear is packed as soon as it is complete (LlamaForCausalLM.loa
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pyengine.config import ModelConfig
+from pyengine.loader.gguf_codes import pack_from_codes, rows_of
 from pyengine.loader.gguf_dequant import decode, dequantize
 from pyengine.loader.gguf_reader import GGUFFile, GGUFTensor
 from pyengine.models import build_model, model_config_from_hf
@@ -106,7 +107,7 @@ def config_from_fields(fields: dict[str, Any], tensor_names: set[str]) -> ModelC
     return model_config_from_hf(cfg)
 
 
-def _hf_name(name: str, config: ModelConfig) -> str | None:
+def hf_name_of(name: str, config: ModelConfig) -> str | None:
     """The HF name of a GGUF tensor; None for one the model does not load."""
     if name == "rope_freqs.weight":
         return None  # consumed by the config (llama3 frequency factors)
@@ -122,27 +123,33 @@ def _hf_name(name: str, config: ModelConfig) -> str | None:
     return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
 
 
-def iter_gguf_weights(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype,
+                      skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of every weight, each a new tensor the consumer may keep. A matrix comes
     as the transposed view of an [in, out] array (the layout of the model's linears and of a tied
     lm_head), except an untied embedding, which the model keeps row-major. The embedding and
     output come first: they are the largest, and the model packs them and drops their dense
-    copies before the layers arrive."""
+    copies before the layers arrive. skip: GGUF names to leave out (packed from their codes)."""
     order = sorted(reader.tensors, key=lambda t: t.name not in _GLOBAL_NAMES)
     for tensor in order:
-        hf_name = _hf_name(tensor.name, config)
-        if hf_name is not None:
+        hf_name = hf_name_of(tensor.name, config)
+        if hf_name is not None and tensor.name not in skip:
             yield hf_name, _weight(reader, tensor, hf_name, config).to(dtype)
+
+
+def _row_order(tensor: GGUFTensor, config: ModelConfig) -> Callable[[np.ndarray], np.ndarray]:
+    """How the tensor's rows (axis 0 of any array over them) go into HF's order."""
+    kind = tensor.name.split(".")[-2]
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    if config.architecture == "LlamaForCausalLM" and kind in heads:  # qwen2/qwen3 files keep HF's layout
+        return lambda a: _unpermute_rope(a, heads[kind])
+    return lambda a: a
 
 
 def _weight(reader: GGUFFile, tensor: GGUFTensor, hf_name: str, config: ModelConfig) -> torch.Tensor:
     shape = tensor.shape
     rows, cols = int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
-    blocks = decode(reader.data(tensor), tensor.ggml_type, rows, cols)
-    kind = tensor.name.split(".")[-2]
-    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
-    if config.architecture == "LlamaForCausalLM" and kind in heads:  # qwen2/qwen3 files keep HF's layout
-        blocks = blocks.map_rows(lambda a: _unpermute_rope(a, heads[kind]))
+    blocks = decode(reader.data(tensor), tensor.ggml_type, rows, cols).map_rows(_row_order(tensor, config))
     if len(shape) == 2 and (hf_name != "model.embed_tokens.weight" or config.tie_word_embeddings):
         w = torch.from_numpy(blocks.to_float(transposed=True)).t()
     else:
@@ -152,9 +159,12 @@ def _weight(reader: GGUFFile, tensor: GGUFTensor, hf_name: str, config: ModelCon
     return w
 
 
-def load_gguf(path: str, dtype: torch.dtype, prepack_cpu: bool = False) -> tuple[nn.Module, ModelConfig, Tokenizer]:
+def load_gguf(path: str, dtype: torch.dtype, prepack_cpu: bool = False,
+              from_codes: bool = True) -> tuple[nn.Module, ModelConfig, Tokenizer]:
     """prepack_cpu: pack the linears for the CPU while loading (see LlamaForCausalLM.load_weights);
-    the caller then runs prepack_for_cpu."""
+    the caller then runs prepack_for_cpu. from_codes (with prepack_cpu): pack Q4_0 / Q4_1 / Q8_0
+    linears straight from the file's codes (gguf_codes.py; the same packed weights, no float32
+    copy); False dequantises them first, as every other type is."""
     with _open(path) as reader:
         fields = read_fields(reader)
         tensor_names = {t.name for t in reader.tensors}
@@ -178,7 +188,10 @@ def load_gguf(path: str, dtype: torch.dtype, prepack_cpu: bool = False) -> tuple
         tokenizer.eos_token_ids = config.eos_token_ids
         model = build_model(config, dtype)
         try:
-            model.load_weights(iter_gguf_weights(reader, config, dtype), adopt=True,  # type: ignore[operator]
+            packed: set[str] = set()
+            if prepack_cpu and from_codes:
+                packed = pack_from_codes(model, reader, config, lambda t: rows_of(reader, t, _row_order(t, config)))
+            model.load_weights(iter_gguf_weights(reader, config, dtype, skip=packed), adopt=True,  # type: ignore[operator]
                                prepack_cpu=prepack_cpu)
         except ValueError as exc:
             raise ValueError(f"{path}: {str(exc).splitlines()[0]}") from None

@@ -1,6 +1,7 @@
 """The CPU decode GEMM (csrc/cpu/cpu_gemm.h): an [in, out] weight packed once into the C++ layout."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pyengine.ops.cpu.extension import DTYPE_CODE, kernels, raise_error
@@ -30,6 +31,24 @@ class PackedLinear:
         self.packed = kernels.PackedWeight(w.data_ptr(), self.in_features, self.out_features, DTYPE_CODE[w.dtype],
                                            compact)
         kernels.set_num_threads(torch.get_num_threads())
+
+    @classmethod
+    def from_gguf(cls, ggml_type: int, rows: np.ndarray, in_features: int) -> PackedLinear | None:
+        """An fp32 [in_features, len(rows)] weight packed straight from GGUF Q4_0 / Q4_1 / Q8_0
+        blocks: rows (uint64) holds the address of each output's first block (a row of the file's
+        tensor, anywhere: fused and reordered matrices need no copy), valid during the call. Its
+        weights are the dequantised values bit for bit (csrc/cpu/cpu_gguf_pack.h says why): the
+        PackedLinear the constructor makes of them, without making them. None for another type or
+        a non-finite scale (the caller then dequantises)."""
+        if rows.dtype != np.uint64 or rows.ndim != 1 or not rows.flags.c_contiguous:
+            raise ValueError(f"PackedLinear.from_gguf takes a contiguous uint64 array of row addresses, got {rows.dtype}")
+        kernels.set_num_threads(torch.get_num_threads())  # the pool packs too
+        packed = kernels.pack_gguf(ggml_type, rows.ctypes.data, in_features, rows.shape[0])
+        if packed is None:
+            return None
+        self = cls.__new__(cls)
+        self.dtype, self.in_features, self.out_features, self.packed = torch.float32, in_features, rows.shape[0], packed
+        return self
 
     @property
     def bits_per_weight(self) -> int:

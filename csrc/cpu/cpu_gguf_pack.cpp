@@ -1,0 +1,120 @@
+// cpu_gguf_pack.h: GGUF Q4_0 / Q4_1 / Q8_0 rows -> compact panels, and Q8_0 rows -> column codes.
+#include "cpu_gguf_pack.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+#include "common/common.h"
+#include "cpu_thread_pool.h"
+
+namespace pyengine::cpu {
+namespace {
+
+// IEEE fp16 -> fp32, exact (every fp16 value is an fp32 value); inf and NaN stay so.
+float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  const uint32_t sign = static_cast<uint32_t>(h >> 15) << 31, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  float f;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in fp32
+    f = std::ldexp(static_cast<float>(man), -24);
+    return sign ? -f : f;
+  }
+  const uint32_t bits = sign | (exp == 0x1F ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+struct BlockLayout {
+  int bytes;       // per block of 32 inputs
+  int code_start;  // bytes before qs
+};
+
+BlockLayout layout_of(GgufBlockType t) {
+  switch (t) {
+    case GgufBlockType::kQ4_0: return {18, 2};
+    case GgufBlockType::kQ4_1: return {20, 4};
+    case GgufBlockType::kQ8_0: return {34, 2};
+  }
+  return {0, 0};
+}
+
+// One panel (16 output columns) of all K / 32 blocks; false on a non-finite d or m.
+bool pack_panel(const GgufRows& src, GgufBlockType type, int64_t blocks, int64_t p, int64_t n, uint32_t* dst) {
+  const BlockLayout lay = layout_of(type);
+  const PanelFormat f = gguf_panel_format(src.ggml_type);
+  const int64_t words = affine_block_words(f);
+  std::memset(dst, 0, static_cast<size_t>(blocks * words) * sizeof(uint32_t));  // padding columns: s = m = q = 0
+  for (int c = 0; c < kPanelCols && p * kPanelCols + c < n; ++c) {
+    const uint8_t* row = src.rows[p * kPanelCols + c];
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = row + b * lay.bytes;
+      uint32_t* block = dst + b * words;
+      float* sm = reinterpret_cast<float*>(block);
+      uint8_t* q = reinterpret_cast<uint8_t*>(block + 32);
+      const float d = half_to_float(blk);
+      const float m = type == GgufBlockType::kQ4_1 ? half_to_float(blk + 2) : type == GgufBlockType::kQ4_0 ? -8.0f * d : 0.0f;
+      if (!std::isfinite(d) || !std::isfinite(m)) return false;
+      sm[c] = d, sm[kPanelCols + c] = m;
+      const uint8_t* g = blk + lay.code_start;
+      if (f == PanelFormat::kAffine8) {
+        for (int i = 0; i < kAffineRun; ++i) q[i * kPanelCols + c] = g[i];
+      } else {  // panel line j holds inputs 2j (low nibble) and 2j + 1; file byte i holds inputs i and i + 16
+        for (int j = 0; j < 8; ++j) {
+          q[j * kPanelCols + c] = static_cast<uint8_t>((g[2 * j] & 0x0F) | (g[2 * j + 1] << 4));
+          q[(j + 8) * kPanelCols + c] = static_cast<uint8_t>((g[2 * j] >> 4) | (g[2 * j + 1] & 0xF0));
+        }
+      }
+    }
+  }
+  return true;
+}
+
+bool known(int32_t ggml_type) { return gguf_panel_format(ggml_type) != PanelFormat::kDense; }
+
+}  // namespace
+
+PanelFormat gguf_panel_format(int32_t ggml_type) {
+  switch (static_cast<GgufBlockType>(ggml_type)) {
+    case GgufBlockType::kQ4_0:
+    case GgufBlockType::kQ4_1: return PanelFormat::kAffine4;
+    case GgufBlockType::kQ8_0: return PanelFormat::kAffine8;
+  }
+  return PanelFormat::kDense;
+}
+
+bool pack_gguf_rows(const GgufRows& src, int64_t k, int64_t n, PanelStore& out) {
+  if (!known(src.ggml_type) || k % kAffineRun != 0 || k <= 0 || n <= 0) return false;
+  const auto type = static_cast<GgufBlockType>(src.ggml_type);
+  const int64_t blocks = k / kAffineRun, panels = ceil_div(n, kPanelCols);
+  const int64_t panel_words = blocks * affine_block_words(gguf_panel_format(src.ggml_type));
+  out.resize(static_cast<size_t>(panels * panel_words));  // every word written below
+  std::atomic<bool> ok{true};
+  constexpr int64_t kPanelsPerChunk = 8;  // chunks of a few tens of KiB: both cores busy, little waiting
+  shared_pool().run_chunks(ceil_div(panels, kPanelsPerChunk), [&](int64_t chunk) {
+    const int64_t end = std::min(panels, (chunk + 1) * kPanelsPerChunk);
+    for (int64_t p = chunk * kPanelsPerChunk; p < end && ok.load(std::memory_order_relaxed); ++p)
+      if (!pack_panel(src, type, blocks, p, n, out.data() + p * panel_words)) ok.store(false);
+  });
+  return ok.load();
+}
+
+bool gguf_q8_0_columns(const GgufRows& src, int64_t k, int64_t n, int8_t* codes, float* scales) {
+  if (static_cast<GgufBlockType>(src.ggml_type) != GgufBlockType::kQ8_0 || k % kAffineRun != 0) return false;
+  const int64_t blocks = k / kAffineRun;
+  constexpr int64_t kTile = 64;  // rows per tile: each code line written 64 bytes at a time
+  shared_pool().run_chunks(ceil_div(n, kTile), [&](int64_t tile) {
+    const int64_t j0 = tile * kTile, j1 = std::min(n, j0 + kTile);
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t j = j0; j < j1; ++j) {
+        const uint8_t* blk = src.rows[j] + b * 34;
+        scales[b * n + j] = half_to_float(blk);
+        for (int i = 0; i < kAffineRun; ++i) codes[(b * kAffineRun + i) * n + j] = static_cast<int8_t>(blk[2 + i]);
+      }
+  });
+  return true;
+}
+
+}  // namespace pyengine::cpu

@@ -1,0 +1,125 @@
+"""Packing GGUF Q4_0 / Q4_1 / Q8_0 weights straight from their blocks (csrc/cpu/cpu_gguf_pack.h,
+loader/gguf_codes.py) gives the very weights, and logits, of packing their dequantised values."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pyengine.loader.gguf_dequant import Q4_0, Q4_1, Q8_0, dequantize
+
+cpu_ops = pytest.importorskip("pyengine.ops.cpu")
+PackedLinear = cpu_ops.PackedLinear
+
+LAYOUTS = {Q4_0: [("d", "<f2"), ("qs", "u1", (16,))], Q4_1: [("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))],
+           Q8_0: [("d", "<f2"), ("qs", "i1", (32,))]}
+
+
+def random_blocks(ggml_type: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """A [rows, cols] tensor's raw bytes, scales spanning normal, subnormal, negative and zero fp16."""
+    rng = np.random.default_rng(seed)
+    blocks = np.zeros((rows, cols // 32), dtype=np.dtype(LAYOUTS[ggml_type]))
+    d = rng.standard_normal(blocks.shape) * 10.0 ** rng.integers(-7, 2, blocks.shape)
+    d.flat[:4] = [0.0, -0.0, 6e-8, -3e-6]  # zero, negative zero, subnormals
+    blocks["d"] = d.astype(np.float16)
+    if ggml_type == Q4_1:
+        blocks["m"] = (rng.standard_normal(blocks.shape) * 0.1).astype(np.float16)
+    blocks["qs"] = rng.integers(-128 if ggml_type == Q8_0 else 0, 128 if ggml_type == Q8_0 else 256,
+                                blocks["qs"].shape)
+    return blocks.view(np.uint8).reshape(rows, -1)
+
+
+def addresses(raw: np.ndarray, order: np.ndarray) -> np.ndarray:
+    return (np.uint64(raw.ctypes.data) + order.astype(np.uint64) * np.uint64(raw.shape[1])).astype(np.uint64)
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q8_0])
+def test_from_gguf_is_packing_the_dequantised_weights(ggml_type):
+    rows, cols = 40, 96  # 40 outputs: a partial last panel
+    raw = random_blocks(ggml_type, rows, cols)
+    order = np.random.default_rng(1).permutation(rows)  # rows taken in another order (rope, fused)
+    dense = torch.from_numpy(dequantize(raw.reshape(-1), ggml_type, (rows, cols))[order].T.copy())  # [in, out]
+    reference = PackedLinear(dense)
+    if reference.isa != "avx2" and reference.isa != "avx512":
+        pytest.skip("no packed GEMM here")
+    packed = PackedLinear.from_gguf(ggml_type, addresses(raw, order), cols)
+    assert packed is not None and packed.bits_per_weight == (8 if ggml_type == Q8_0 else 4)
+    assert (packed.in_features, packed.out_features) == (cols, rows)
+    eye = torch.eye(cols)
+    assert torch.equal(packed(eye), dense + 0.0)  # the weights themselves (-0 reads back as +0)
+    x = torch.randn(7, cols)
+    assert torch.equal(packed(x), reference(x))
+
+
+def test_from_gguf_refuses_what_it_cannot_pack():
+    raw = random_blocks(Q4_1, 16, 64)
+    raw.view(np.dtype(LAYOUTS[Q4_1]))["m"][3, 1] = np.inf
+    assert PackedLinear.from_gguf(Q4_1, addresses(raw, np.arange(16)), 64) is None
+    raw8 = random_blocks(Q8_0, 16, 64)
+    raw8.view(np.dtype(LAYOUTS[Q8_0]))["d"][0, 0] = np.nan
+    assert PackedLinear.from_gguf(Q8_0, addresses(raw8, np.arange(16)), 64) is None
+    assert PackedLinear.from_gguf(12, addresses(raw8, np.arange(16)), 64) is None  # Q4_K: not from codes
+    with pytest.raises(ValueError):
+        PackedLinear.from_gguf(Q8_0, np.arange(16, dtype=np.int64), 64)
+
+
+def _load(path: str, from_codes: bool):
+    from pyengine.loader.gguf_file import load_gguf
+
+    model, config, tokenizer = load_gguf(path, torch.float32, prepack_cpu=True, from_codes=from_codes)
+    model.prepack_for_cpu()
+    return model, config, tokenizer
+
+
+def _same_model(a, b) -> None:
+    """Every packed linear rebuilds the same weights; same embedding rows; same logits."""
+    from tests.utils_paged import greedy_generate
+
+    for la, lb in zip(a[0].layers, b[0].layers):
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            wa, wb = getattr(la, name), getattr(lb, name)
+            assert isinstance(wa, PackedLinear) and wa.bits_per_weight == wb.bits_per_weight
+            eye = torch.eye(wa.in_features)
+            assert torch.equal(wa(eye), wb(eye)), name
+    eye = torch.eye(a[1].hidden_size)
+    assert torch.equal(a[0].packed_lm_head(eye), b[0].packed_lm_head(eye))
+    ids = torch.arange(a[1].vocab_size)
+    assert torch.equal(a[0].embedding_columns.gather(ids), b[0].embedding_columns.gather(ids))
+    prompts = [a[2].encode("The capital of France is"), a[2].encode("def fib(n):")]
+    tokens_a, logits_a = greedy_generate(a[0], a[1], prompts, 8)
+    tokens_b, logits_b = greedy_generate(b[0], b[1], prompts, 8)
+    assert tokens_a == tokens_b
+    for x, y in zip(logits_a, logits_b):
+        assert torch.equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def dequantised_model(smollm2_path):
+    model = _load(smollm2_path, from_codes=False)
+    if not isinstance(model[0].lm_logits_weight, PackedLinear):
+        pytest.skip("this CPU runs oneDNN, not pyengine's packed GEMM")
+    return model
+
+
+def test_default_model_packed_from_codes_is_bit_identical(smollm2_path, dequantised_model):
+    model = _load(smollm2_path, from_codes=True)
+    assert model[0].lm_head.numel() == 0 and model[0].cpu_stack is not None
+    _same_model(model, dequantised_model)
+
+
+def test_a_linear_the_codes_cannot_pack_is_dequantised(smollm2_path, dequantised_model, monkeypatch):
+    """A refusal (here of the lm_head and of one decoder linear) sends just that weight down the
+    dequantising path; the model is the same."""
+    calls = []
+    from_gguf = PackedLinear.from_gguf.__func__
+
+    def refuse_some(cls, ggml_type, rows, in_features):
+        calls.append(len(rows))
+        if len(calls) in (1, 10):  # the tied embedding (first in the file), then a layer's linear
+            return None
+        return from_gguf(cls, ggml_type, rows, in_features)
+
+    monkeypatch.setattr(PackedLinear, "from_gguf", classmethod(refuse_some))
+    model = _load(smollm2_path, from_codes=True)
+    assert calls[0] == model[1].vocab_size and len(calls) == 1 + 4 * model[1].num_hidden_layers
+    _same_model(model, dequantised_model)
