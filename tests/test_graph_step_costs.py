@@ -70,12 +70,37 @@ def test_probes_come_in_groups() -> None:
 
 def test_runner_graph_costs_adds_the_host_overhead_to_steps_with_drafts() -> None:
     replays = np.array([1e-3, 1.1e-3, 1.2e-3, 1.3e-3, 1.4e-3])
-    graphs = types.SimpleNamespace(use_graphs=True, step_costs=lambda rows: replays if rows <= 64 else None)
+    measured = []
+    graphs = types.SimpleNamespace(use_graphs=True, step_costs=lambda rows: replays if rows <= 64 else None,
+                                   measure_step_costs=lambda: measured.append(1))
     runner = types.SimpleNamespace(graph_runner=graphs, device="cpu")
     costs = runner_graph_costs(runner, 3)
+    assert measured == [1], "the replays are measured once, when the costs are made"
     overhead = device_rates("cpu").overhead
     assert np.allclose(costs(16), [1e-3, 1.1e-3 + overhead, 1.2e-3 + overhead, 1.3e-3 + overhead])
     assert costs(65) is None
     assert runner_graph_costs(types.SimpleNamespace(graph_runner=None, device="cpu"), 3) is None
     no_graphs = types.SimpleNamespace(graph_runner=types.SimpleNamespace(use_graphs=False), device="cpu")
     assert runner_graph_costs(no_graphs, 3) is None
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("accept", [0.05, 0.5])
+def test_quiet_spells_plan_what_a_full_plan_would(graphs: bool, accept: float) -> None:
+    """The shortcut for steps after a plan without drafts (same rows, no probe due) gives the very
+    lengths the full plan gives, step for step, probes included."""
+    def make() -> DraftLengthPolicy:
+        if graphs:
+            return policy([1.0, 1.5, 1.6, 1.7, 1.8], probe_every=10)
+        return DraftLengthPolicy(K, step_cost=(1.0, 0.3), probe_every=10)
+
+    full = make()
+    full._still_quiet = lambda *a: False
+    fast = make()
+    calls = []
+    orig = fast._still_quiet
+    fast._still_quiet = lambda *a: calls.append(orig(*a)) or calls[-1]
+    a = simulate(K, rows=6, accept=accept, cost=(1.0, 0.01) if graphs else (1.0, 0.3), policy=full, steps=300)
+    b = simulate(K, rows=6, accept=accept, cost=(1.0, 0.01) if graphs else (1.0, 0.3), policy=fast, steps=300)
+    assert np.array_equal(a, b)
+    assert sum(calls) > 50, "the shortcut should serve most steps of a batch that does not speculate"

@@ -172,7 +172,7 @@ class CudaGraphRunner:
         self.num_replays = 0
         self.num_eager = 0
         self.num_mixed = 0  # steps with prefill rows run through a prefill graph (execute_mixed)
-        self.replay_seconds: dict[int, np.ndarray] = {}  # bucket -> step_costs' measured replays, q = 1..max_q
+        self.replay_seconds: dict[int, np.ndarray] = {}  # bucket -> measured replay seconds, q = 1..max_q
 
     def _split(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The int64 and int32 views of a staging/device byte buffer."""
@@ -255,41 +255,43 @@ class CudaGraphRunner:
         self.num_mixed += 1
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
-    @torch.inference_mode()
-    def step_costs(self, rows: int, replays: int = 5) -> np.ndarray | None:
-        """Seconds of one replay of the decode/verify graphs of `rows`' bucket, query length 1..max_q
-        (the draft-length policy's step costs): captured where missing and timed once per bucket on
-        padding inputs (no KV read or written), the same numbers afterwards. None without graphs
-        or for more rows than the largest bucket. Call it between steps, never while a step
-        launched ahead is pending (a replay overwrites the graph's static logits)."""
-        if not self.use_graphs or rows < 1 or rows > self.max_rows:
+    def step_costs(self, rows: int) -> np.ndarray | None:
+        """Seconds of one replay of the decode/verify graph of `rows`' bucket for query lengths
+        1..max_q (measure_step_costs' numbers), or None: not measured, or more rows than the largest bucket."""
+        if rows < 1 or rows > self.max_rows:
             return None
-        b = next(x for x in self.buckets if x >= rows)
-        if b in self.replay_seconds:
-            return self.replay_seconds[b]
-        self.copy_done.synchronize()  # the staging buffers are free
-        times = []
-        for q in range(1, self.max_q + 1):
-            key = (b, q)
-            if key not in self.graphs:
-                self.graphs[key] = self._capture(key)
-            self.np64[3 * self.T + self.row_cap] = 0
-            self._fill_padding(0, 0, key)
-            self.dev_bytes.copy_(self.host_bytes)
-            if self.state_cache is not None:
-                self.np_state[:2 * b, :-1] = -1
-                self.dev_state.copy_(self.host_state)
-            graph = self.graphs[key][0]
-            graph.replay()  # warm
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / replays)
-        self.replay_seconds[b] = np.array(times)
-        return self.replay_seconds[b]
+        return self.replay_seconds.get(next(x for x in self.buckets if x >= rows))
+
+    @torch.inference_mode()
+    def measure_step_costs(self, replays: int = 5) -> None:
+        """Time, once, the replay of each bucket's graphs of query length 1 and max_q (captured
+        here, kept for the steps that need them) on padding inputs (no KV read or written), and
+        interpolate the lengths between: the draft-length policy's step costs, fixed afterwards.
+        At start-up, before any step: captures mid-run would cost more than the steps they time."""
+        if not self.use_graphs:
+            return
+        ends = sorted({1, self.max_q})
+        for b in self.buckets:
+            measured = []
+            for q in ends:
+                key = (b, q)
+                if key not in self.graphs:
+                    self.graphs[key] = self._capture(key)
+                self.np64[3 * self.T + self.row_cap] = 0
+                self._fill_padding(0, 0, key)
+                self.dev_bytes.copy_(self.host_bytes)
+                if self.state_cache is not None:
+                    self.dev_state.copy_(self.host_state)  # PAD slots (set by _fill_padding)
+                graph = self.graphs[key][0]
+                graph.replay()  # warm
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(replays):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                measured.append(start.elapsed_time(end) / 1e3 / replays)
+            self.replay_seconds[b] = np.interp(np.arange(1, self.max_q + 1), ends, measured)
 
     # ---- one step -------------------------------------------------------------------------------
     def _views(self, key: tuple[int, int]):

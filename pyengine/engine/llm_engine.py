@@ -35,11 +35,12 @@ import torch
 
 from pyengine import _C
 from pyengine.config import ModelConfig
+from pyengine.engine.greedy_sampler import GreedySampler
 from pyengine.engine.model_runner import ModelRunner
 from pyengine.engine.output_processor import OutputProcessor, Request
 from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
-from pyengine.spec_decode.rejection_sampler import RejectionSampler, greedy_argmax
-from pyengine.engine.sampler import RequestGenerators, finite_rows, token_logprobs
+from pyengine.spec_decode.rejection_sampler import RejectionSampler
+from pyengine.engine.sampler import RequestGenerators, token_logprobs
 from pyengine.outputs import Logprob
 from pyengine.sampling_params import SamplingParams
 from pyengine.spec_decode.config import SpeculativeConfig
@@ -107,7 +108,7 @@ class LLMEngine:
         self._pending = None
         self.num_async_steps = 0  # steps that used a forward launched by the step before
         self.num_async_discarded = 0  # launched forwards whose step was not the predicted one
-        self._tok_dev = self._tok_host = self._tok_ready = None  # greedy tokens: device, pinned host, event
+        self.greedy = GreedySampler(cfg.max_num_seqs)  # all-greedy steps: argmax where the logits are
         self._next_plan: tuple[np.ndarray, np.ndarray] | None = None  # (seq ids, draft lengths) planned ahead
         self._observed = False  # this step's rows were shown to the draft-length policy already
         self.num_logprob_requests = 0  # unfinished requests that asked for logprobs
@@ -183,6 +184,8 @@ class LLMEngine:
             logits = self.runner.execute(batch)
             if self._all_greedy_single(batch, logits):
                 tokens, counts, first_bad = self._sample_greedy(batch, logits, self.runner.last_graph_key)
+            elif self._all_greedy(batch):
+                tokens, counts, first_bad = self.greedy.verify(batch, logits)
             else:
                 tokens, counts, first_bad = self._sample(batch, logits)
         if first_bad is not None:
@@ -278,43 +281,25 @@ class LLMEngine:
             first_bad[rows] = bad
         return out.flat_tokens.cpu().numpy().astype(np.int32), counts, first_bad
 
+    def _all_greedy(self, batch) -> bool:
+        reqs = self.requests
+        return all(reqs[s].params.is_greedy for s in batch.seq_ids.tolist())
+
     def _all_greedy_single(self, batch, logits: torch.Tensor) -> bool:
         """Every row wants one token (num_logits 1, no drafts) and is greedy: the rejection
         sampler's plain-greedy case, where each row's token is its argmax."""
         rows = batch.num_rows
         if logits.shape[0] != rows or batch.num_draft_tokens.any() or not (batch.num_logits == 1).all():
             return False
-        reqs = self.requests
-        return all(reqs[s].params.is_greedy for s in batch.seq_ids.tolist())
+        return self._all_greedy(batch)
 
     def _sample_greedy(self, batch, logits: torch.Tensor,
                        key: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Argmax per row (the tokens the rejection sampler gives these rows), and first_bad as
         _sample gives it (None: every row finite, else 0 for a row with NaN / inf logits, -1 for
-        the others). On the GPU: argmax and the finite flags into static device buffers, their
-        asynchronous copies to pinned memory and one event wait; the next step's forward is
-        launched before that wait where it can be (module docstring)."""
-        n = logits.shape[0]
-        ready = None
-        if logits.is_cuda:
-            if self._tok_dev is None or self._tok_dev.shape[0] < n:
-                size = max(n, self.cfg.max_num_seqs)
-                self._tok_dev = torch.empty(size, dtype=torch.int64, device=logits.device)
-                self._tok_host = torch.empty(size, dtype=torch.int64, pin_memory=True)
-                self._fin_dev = torch.empty(size, dtype=torch.bool, device=logits.device)
-                self._fin_host = torch.empty(size, dtype=torch.bool, pin_memory=True)
-                self._tok_ready = torch.cuda.Event()
-            tok, host = self._tok_dev[:n], self._tok_host[:n]
-            fin, fin_host = self._fin_dev[:n], self._fin_host[:n]
-            torch.argmax(logits, dim=-1, out=tok)
-            fin.copy_(finite_rows(logits, tok))  # before a launched step's replay overwrites logits
-            host.copy_(tok, non_blocking=True)
-            fin_host.copy_(fin, non_blocking=True)
-            ready = self._tok_ready
-            ready.record()
-        else:
-            tok = host = greedy_argmax(logits)
-            fin_host = finite_rows(logits, tok)
+        the others), through GreedySampler.start; the next step's forward is launched before the
+        wait for the host copies where it can be (module docstring)."""
+        tok, host, fin_host, ready = self.greedy.start(logits)
         if key is not None and self._may_launch_next(batch, key):
             self._pending = self.runner.graph_runner.launch_next(batch, key, tok)
         if ready is not None:

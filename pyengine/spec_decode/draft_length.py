@@ -80,6 +80,8 @@ class DraftLengthPolicy:
         self.probes = np.zeros(0, dtype=np.int64)  # this step's probes: first probed position, -1: none
         self.fit_sums = [0.0] * 5  # opt-in calibration (observe_step): decayed sums of 1, n, t, n*n, n*t
         self.steps = 0
+        # (slots, seq ids, eligible rows, first step a probe is due) of a plan without drafts (_still_quiet)
+        self._quiet: tuple[np.ndarray, np.ndarray, int, float] | None = None
 
     @classmethod
     def for_runner(cls, k: int, runner: Any, step_cost: StepCost | None = None, **kw: Any) -> "DraftLengthPolicy":
@@ -106,6 +108,8 @@ class DraftLengthPolicy:
         self.steps += 1
         self.idle[rows] += 1
         eligible = np.ones(num_rows, dtype=bool) if can_finish_last is None else np.asarray(can_finish_last, dtype=bool)
+        if self._still_quiet(rows, seq_ids, eligible):
+            return np.zeros(num_rows, dtype=np.int32)
         # Probes (and the warm-up) stay cheap where verify tokens cost compute: about k extra
         # tokens per step whatever the batch size.
         probe = max(1, min(self.k, round(self.k / num_rows)))
@@ -130,8 +134,24 @@ class DraftLengthPolicy:
                 stale = can_grow[idle >= interval / 2]
             self.probes[rows[stale]] = lengths[stale]
             lengths[stale] = np.minimum(lengths[stale] + probe, self.k)
+            if not lengths.any():  # quiet until the first eligible row's next position goes stale
+                first_probe = self.steps + interval - int(self.idle[rows[eligible], 0].max(initial=0))
+                self._quiet = (rows.copy(), np.array(seq_ids, dtype=np.int64), int(eligible.sum()), first_probe)
         self.planned[rows] = lengths
         return lengths.astype(np.int32)
+
+    def _still_quiet(self, rows: np.ndarray, seq_ids: np.ndarray, eligible: np.ndarray) -> bool:
+        """The last full plan drafted nothing for these same rows, no probe is due yet and no row
+        became eligible: this plan is the same (a step without drafts changes no estimate, only
+        the idle counts, which the probe deadline accounts for). Saves the plan's cost on the
+        host in the long runs where speculation does not pay."""
+        quiet, self._quiet = self._quiet, None
+        if quiet is None or self.steps >= quiet[3] or int(eligible.sum()) > quiet[2]:
+            return False
+        if not (np.array_equal(rows, quiet[0]) and np.array_equal(seq_ids, quiet[1])):
+            return False
+        self._quiet = quiet
+        return True
 
     def _padded_lengths(self, rows: np.ndarray, eligible: np.ndarray, cost: np.ndarray) -> np.ndarray:
         """Graph steps: every eligible row drafts the d with the best expected tokens per second
@@ -182,6 +202,7 @@ class DraftLengthPolicy:
         replaces step_cost; lengths are then a function of the samples given, in order."""
         for i, v in enumerate((1.0, num_tokens, seconds, num_tokens * num_tokens, num_tokens * seconds)):
             self.fit_sums[i] = self.decay * self.fit_sums[i] + v
+        self._quiet = None  # the cost line moved
 
     def observe_rows(self, slots: np.ndarray, num_drafts: np.ndarray, num_committed: np.ndarray) -> None:
         """The decode rows of a step (request slots): drafts verified and tokens committed per row

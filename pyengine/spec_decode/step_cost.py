@@ -6,7 +6,7 @@ steps replayed from CUDA graphs, a table per batch bucket: the measured replay t
 graph for each query length (every row is padded to the longest, so a step costs what its longest
 row asks, whatever the other rows draft), plus the host time a step with drafts cannot hide (the
 next step is launched ahead only when no row drafts). The table is measured once per bucket
-(CudaGraphRunner.step_costs) and fixed afterwards.
+(CudaGraphRunner.measure_step_costs, at start-up) and fixed afterwards.
 """
 from __future__ import annotations
 
@@ -136,12 +136,13 @@ GraphCosts = Callable[[int], "np.ndarray | None"]  # rows -> seconds of a step b
 
 def runner_graph_costs(runner: Any, k: int) -> GraphCosts | None:
     """rows -> cost[d], d = 0..k, of a ModelRunner's graph-replayed steps: the measured replay of the
-    rows' bucket graph of query length d + 1 (CudaGraphRunner.step_costs, measured once per bucket),
+    rows' bucket graph of query length d + 1 (CudaGraphRunner.measure_step_costs, run here once),
     plus for d > 0 the device's host overhead (a step with drafts is not launched ahead, so its
     host work is not hidden behind the GPU). None when the runner replays no graphs."""
     graphs = getattr(runner, "graph_runner", None)
     if graphs is None or not graphs.use_graphs:
         return None
+    graphs.measure_step_costs()
     overhead = device_rates(runner.device).overhead
 
     def costs(rows: int) -> np.ndarray | None:

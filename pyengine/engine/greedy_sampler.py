@@ -1,0 +1,87 @@
+"""Greedy steps without the general sampler: every row's token is an argmax.
+
+Where every row of a step is greedy, the tokens the rejection sampler would give are a function of
+the argmax of each logits row alone: a decode row takes its argmax; a verify row keeps its drafts
+while each equals the argmax at its position, then takes the argmax after the last one kept. So a
+step needs one argmax and one finite check where the logits are, one copy to pinned host memory and
+one wait, and the acceptance bookkeeping in NumPy on the host (the general sampler runs a dozen
+small torch ops per step there). The copies are asynchronous, so the engine can launch the next
+step's forward between start() and the wait (async decode).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pyengine.engine.sampler import finite_rows
+from pyengine.spec_decode.rejection_sampler import greedy_argmax
+
+
+class GreedySampler:
+    def __init__(self, min_rows: int) -> None:
+        self.min_rows = min_rows  # buffers hold at least this many rows
+        self._tok_dev = self._tok_host = self._fin_dev = self._fin_host = None
+        self._ready: torch.cuda.Event | None = None
+
+    def start(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        """Argmax and finite flag of each logits row: (device argmax, host argmax, host finite
+        flags, the event to wait for before reading the host tensors; None on the CPU, where they
+        are ready). The host tensors are reused by the next call."""
+        n = logits.shape[0]
+        if not logits.is_cuda:
+            tok = greedy_argmax(logits)
+            return tok, tok, finite_rows(logits, tok), None
+        if self._tok_dev is None or self._tok_dev.shape[0] < n:
+            size = max(n, self.min_rows)
+            self._tok_dev = torch.empty(size, dtype=torch.int64, device=logits.device)
+            self._tok_host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self._fin_dev = torch.empty(size, dtype=torch.bool, device=logits.device)
+            self._fin_host = torch.empty(size, dtype=torch.bool, pin_memory=True)
+            self._ready = torch.cuda.Event()
+        tok, host = self._tok_dev[:n], self._tok_host[:n]
+        fin, fin_host = self._fin_dev[:n], self._fin_host[:n]
+        torch.argmax(logits, dim=-1, out=tok)
+        fin.copy_(finite_rows(logits, tok))  # before a launched step's replay overwrites the logits
+        host.copy_(tok, non_blocking=True)
+        fin_host.copy_(fin, non_blocking=True)
+        self._ready.record()
+        return tok, host, fin_host, self._ready
+
+    def verify(self, batch, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(tokens, counts per row, first_bad) of a step whose rows are all greedy, as
+        LLMEngine._sample gives them: row r's num_logits[r] logits rows start its 1 + d_r target
+        positions (d_r its drafts, none for prefill rows); first_bad None when every logits row
+        that gave a token was finite, else per row the first of its tokens whose was not (-1: none)."""
+        _, host, fin_host, ready = self.start(logits)
+        if ready is not None:
+            ready.synchronize()
+        target = host.numpy()
+        finite = fin_host.numpy()
+        num_logits = np.asarray(batch.num_logits, dtype=np.int64)
+        d = np.asarray(batch.num_draft_tokens, dtype=np.int64)
+        starts = np.cumsum(num_logits) - num_logits
+        k = int(d.max(initial=0))
+        accepted = np.zeros(len(d), dtype=np.int64)
+        if k:
+            cols = np.arange(k)
+            valid = cols[None, :] < d[:, None]
+            qs = np.asarray(batch.query_start_loc, dtype=np.int64)[:-1]
+            ids = np.asarray(batch.input_ids)
+            drafts = ids[np.minimum(qs[:, None] + 1 + cols, len(ids) - 1)]
+            argmax = target[np.minimum(starts[:, None] + cols, max(len(target) - 1, 0))]
+            accepted = np.cumprod(valid & (drafts == argmax), axis=1).sum(axis=1)
+        counts = np.where(num_logits > 0, accepted + 1, 0)
+        total = int(counts.sum())
+        offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+        idx = np.repeat(starts, counts) + offsets
+        tokens = target[idx].astype(np.int32)
+        first_bad = None
+        ok = finite[idx]
+        if not ok.all():
+            first_bad = np.full(len(counts), -1, dtype=np.int64)
+            rows = np.repeat(np.arange(len(counts)), counts)
+            bad = np.nonzero(~ok)[0]
+            # per row its first bad offset: the bad entries come in row order, offsets rising
+            first = np.unique(rows[bad], return_index=True)
+            first_bad[first[0]] = offsets[bad[first[1]]]
+        return tokens, counts.astype(np.int32), first_bad
