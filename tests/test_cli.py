@@ -36,8 +36,9 @@ def cli(*args: str, timeout: float = 600) -> Result:
 
 
 def assert_usage_error(r: Result, *words: str) -> str:
-    """Exit 2, exactly one stderr line starting with 'error:', no traceback; returns the line."""
-    lines = r.stderr.splitlines()
+    """Exit 2, exactly one stderr line starting with 'error:' (besides the loading notice of a
+    slow load: pyengine/loader/notice.py), no traceback; returns the line."""
+    lines = [line for line in r.stderr.splitlines() if not line.startswith("pyengine: loading ")]
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("error: "), r.stderr

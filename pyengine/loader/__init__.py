@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pyengine.config import ModelConfig
+from pyengine.loader.notice import slow_notice
 from pyengine.tokenizer import Tokenizer
 
 __all__ = ["load_model", "default_model_path"]
@@ -35,9 +36,20 @@ def load_model(path: str | None, device: str = "cpu", dtype: torch.dtype = torch
     checkpoint's multi-token-prediction layers (model.mtp), for speculative method "mtp"."""
     if path is None:
         path = default_model_path()
-    on_cpu = torch.device(device).type == "cpu"
     if not os.path.exists(path):
         raise ValueError(f"model file not found: {path}")
+    with slow_notice(_describe(path)):  # one stderr line if this takes more than a moment
+        return _load(path, device, dtype, load_mtp)
+
+
+def _describe(path: str) -> str:
+    """The model's file or folder name, and a file's size."""
+    name = os.path.basename(os.path.normpath(path))
+    return name if os.path.isdir(path) else f"{name} ({os.path.getsize(path) / 1e6:.0f} MB)"
+
+
+def _load(path: str, device: str, dtype: torch.dtype, load_mtp: bool) -> tuple[nn.Module, ModelConfig, Tokenizer]:
+    on_cpu = torch.device(device).type == "cpu"
     if os.path.isdir(path):
         from pyengine.loader.hf_dir import load_hf_dir
 
