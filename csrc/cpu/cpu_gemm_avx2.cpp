@@ -159,6 +159,53 @@ PE_AVX2 void decode_block(const uint8_t* block, float* w) {
   }
 }
 
+// One or two rows of x against a whole affine panel (`blocks` 32-input blocks), each line of
+// weights rebuilt in registers by decode_block's fma and used at once -> acc [R][16]. Per output
+// the same weights and the same k-ordered FMA chain from +0 as decode_block + kernel_f32, minus
+// their store and reload of every weight and sum: at batch 1 a step is bound by instructions more
+// than by memory (~1 instruction a weight there, ~0.7 here).
+// acc rows += x[r][k] * (w0 | w1): one k of one or two rows (kernel_affine).
+template <int R>
+PE_AVX2_INLINE void fma_rows(const float* xk, int64_t xs, __m256 w0, __m256 w1, __m256 (&acc)[4]) {
+  const __m256 x0 = _mm256_broadcast_ss(xk);
+  acc[0] = _mm256_fmadd_ps(x0, w0, acc[0]), acc[1] = _mm256_fmadd_ps(x0, w1, acc[1]);
+  if constexpr (R == 2) {
+    const __m256 x1 = _mm256_broadcast_ss(xk + xs);
+    acc[2] = _mm256_fmadd_ps(x1, w0, acc[2]), acc[3] = _mm256_fmadd_ps(x1, w1, acc[3]);
+  }
+}
+
+template <int R, int Bits>
+PE_AVX2 void kernel_affine(const float* x, int64_t xs, const uint8_t* block, int64_t blocks, float* acc) {
+  static_assert(R == 1 || R == 2);
+  constexpr int64_t kBlockBytes = affine_block_words(Bits == 4 ? PanelFormat::kAffine4 : PanelFormat::kAffine8) * 4;
+  __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t bk = 0; bk < blocks; ++bk, block += kBlockBytes) {
+    for (int64_t line = 0; line < kBlockBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * kBlockBytes + line), _MM_HINT_T0);
+    const float* sm = reinterpret_cast<const float*>(block);
+    const __m256 s0 = _mm256_loadu_ps(sm), s1 = _mm256_loadu_ps(sm + 8);
+    const __m256 m0 = _mm256_loadu_ps(sm + 16), m1 = _mm256_loadu_ps(sm + 24);
+    const uint8_t* q = block + 128;
+    const float* xk = x + bk * kAffineRun;
+    if constexpr (Bits == 4) {
+      const __m256i low_nibble = _mm256_set1_epi32(0xF);
+      for (int j = 0; j < kAffineRun / 2; ++j) {
+        const __m256i c0 = line_codes<Bits>(q + 16 * j), c1 = line_codes<Bits>(q + 16 * j + 8);
+        fma_rows<R>(xk + 2 * j, xs, _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(_mm256_and_si256(c0, low_nibble)), m0),
+             _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(_mm256_and_si256(c1, low_nibble)), m1), sums);
+        fma_rows<R>(xk + 2 * j + 1, xs, _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)), m0),
+             _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4)), m1), sums);
+      }
+    } else {
+      for (int j = 0; j < kAffineRun; ++j)
+        fma_rows<R>(xk + j, xs, _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(line_codes<Bits>(q + 16 * j)), m0),
+                    _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(line_codes<Bits>(q + 16 * j + 8)), m1), sums);
+    }
+  }
+  for (int i = 0; i < 2 * R; ++i) _mm256_storeu_ps(acc + 8 * i, sums[i]);
+}
+
 // y rows [0, rows) (stride ys, `cols` valid columns) = acc [rows][16] + bias, rounded to T.
 PE_AVX2_INLINE __m128i to_bf16x8(__m256 v) {  // round to nearest even, NaN kept quiet (cpu_vec.h's from_float)
   const __m256i bits = _mm256_castps_si256(v);
@@ -275,6 +322,14 @@ void avx2_matmul_f32(const uint32_t* packed, PanelFormat format, int64_t k, int6
             kF32Block[rg - 1](xc + g * x_row_stride, x_row_stride, wp, k, acc, true);
             store_rows(acc, rg, b, yc + g * n + p * kPanel, n, cols);
           }
+          continue;
+        }
+        if (rows <= 2) {  // weights rebuilt in registers (kernel_affine)
+          using Fused = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*);
+          static constexpr Fused kFused[2][2] = {{&kernel_affine<1, 4>, &kernel_affine<2, 4>},
+                                                 {&kernel_affine<1, 8>, &kernel_affine<2, 8>}};
+          kFused[format == PanelFormat::kAffine4 ? 0 : 1][rows - 1](xc, x_row_stride, block, blocks, acc);
+          store_rows(acc, static_cast<int>(rows), b, yc + p * kPanel, n, cols);
           continue;
         }
         // One row group: each 32-input block rebuilt into L1 and consumed at once, the group's
