@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -151,7 +152,7 @@ class TrainHead(nn.Module):
         draft-vocabulary logits of each step j [B, T, Vd]; step j's row p is the head at position
         p after j chained steps (valid for p >= j)."""
         B, T = tokens.shape
-        cos, sin = self.rope(torch.arange(T, device=tokens.device))
+        cos, sin = (t.to(aux.dtype) for t in self.rope(torch.arange(T, device=tokens.device)))  # bf16 on CUDA
         e = rms(F.embedding(tokens, self.embed).to(aux.dtype), self.input_layernorm, self.eps)
         g = self.fc(aux)
         keys: list[torch.Tensor] = []
@@ -240,8 +241,9 @@ def _train(head: TrainHead, batches: list, seconds: float, steps: int, max_steps
         frac = (time.monotonic() - start) / seconds if max_steps is None else n / max_steps
         if frac >= 1.0:
             break
-        for group in opt.param_groups:  # warm-up, then cosine to a tenth
-            group["lr"] = lr * min(1.0, (n + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        warm = min(1.0, max((n + 1) / 50, frac / 0.05))  # warm-up: 50 steps or 5% of the budget
+        for group in opt.param_groups:  # then cosine to a tenth
+            group["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         tok, feats, tgt = batches[rng.randrange(len(batches))]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             logits = head.unroll(tok, feats, steps)
@@ -364,7 +366,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"train": stats, "bytes": size, "total_seconds": time.monotonic() - t0,
                               "num_sequences": len(seqs), "num_tokens": sum(map(len, seqs))}
     if args.eval_prompts:
-        del llm, batches
+        del llm, batches, model, head, embed
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()  # the training LLM's KV cache, before the evaluation's
         result["eval"] = evaluate(args.model, args.device, args.out, eval_prompts, min(args.max_new_tokens, 64))
     print(json.dumps(result), flush=True)
     return result

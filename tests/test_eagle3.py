@@ -211,6 +211,19 @@ def test_bad_checkpoints_are_refused(target: str, head: str, tmp_path, tensors, 
         LLM(target, device="cpu", speculative_config={"method": "eagle3", "model": path, "num_speculative_tokens": 2})
 
 
-def test_config_needs_a_head() -> None:
-    with pytest.raises(ValueError, match="EAGLE-3 head's directory"):
-        LLM(device="cpu", speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+def test_other_targets_need_a_head(target: str) -> None:
+    with pytest.raises(ValueError, match="needs speculative_config.model"):
+        LLM(target, device="cpu", speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+
+
+def test_cli_flags(target: str, head: str) -> None:
+    import contextlib
+    import io
+
+    from pyengine.entrypoints.generate import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["--model", target, "--device", "cpu", "--prompt", "t5 t6 t7", "--max-tokens", "8", "--no-chat",
+              "--spec", "eagle3", "--draft-model", head, "--num-spec-tokens", "3", "--json"])
+    assert json.loads(out.getvalue())["stats"]["num_draft_tokens"] > 0

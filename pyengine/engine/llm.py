@@ -165,9 +165,10 @@ class LLM:
                 _check_same_tokens(spec.model, draft_tokenizer, self.tokenizer)
                 draft = (draft_model, draft_config)
             elif spec is not None and spec.method == "eagle3":  # the head's one KV layer joins the budget
-                from pyengine.models.eagle3 import load_eagle3
+                from pyengine.models.eagle3 import default_head, load_eagle3
 
-                draft = load_eagle3(spec.model, self.model, self.model_config, self.device, self.dtype)
+                draft = load_eagle3(spec.model or default_head(model), self.model, self.model_config, self.device,
+                                    self.dtype)
             limit = self.model_config.max_position_embeddings
             if max_model_len is not None and max_model_len > limit:
                 raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({limit})")

@@ -24,7 +24,7 @@ def add_engine_args(p: argparse.ArgumentParser, default_spec: str | None = None)
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     p.add_argument("--spec", choices=["ngram", "suffix", "draft", "mtp", "eagle3"], default=default_spec,
                    help="speculative decoding method (suffix: suffix decoding over the request and recent ones; "
-                        "mtp: the model's own multi-token-prediction layer; eagle3: an EAGLE-3 head, --draft-model DIR)")
+                        "mtp: the model's own multi-token-prediction layer; eagle3: an EAGLE-3 head, --draft-model DIR or the one shipped for the default model)")
     p.add_argument("--num-spec-tokens", type=int, default=4)
     p.add_argument("--draft-model", help="draft model path for --spec draft, EAGLE-3 head directory for --spec eagle3")
     p.add_argument("--max-model-len", type=int)
@@ -50,9 +50,7 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
         if not args.draft_model:
             fail("--spec draft needs --draft-model PATH")
         return {"model": args.draft_model, "num_speculative_tokens": args.num_spec_tokens}
-    if args.spec == "eagle3":
-        if not args.draft_model:
-            fail("--spec eagle3 needs --draft-model DIR (the EAGLE-3 head)")
+    if args.spec == "eagle3":  # without --draft-model: the head shipped for the default model
         return {"method": "eagle3", "model": args.draft_model, "num_speculative_tokens": args.num_spec_tokens}
     if args.draft_model:
         fail(f"--draft-model is for --spec draft or eagle3, not --spec {args.spec}")

@@ -107,6 +107,22 @@ class Eagle3Head(nn.Module):
             pack_weights(self, LINEARS, pack)
 
 
+# The head trained for the default model (scripts/train_eagle3.py), shipped in the package.
+SHIPPED_HEAD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "heads",
+                            "smollm2-135m-instruct-eagle3")
+
+
+def default_head(target_path: str | None) -> str:
+    """speculative_config without model: the shipped head, which fits the default target only."""
+    if target_path is not None:
+        raise ValueError("speculative method 'eagle3' needs speculative_config.model (the head's directory) for a "
+                         "target other than the default model")
+    if not os.path.isfile(os.path.join(SHIPPED_HEAD, "config.json")):
+        raise ValueError(f"no EAGLE-3 head is shipped at {SHIPPED_HEAD}; train one with scripts/train_eagle3.py "
+                         "and pass its directory as speculative_config.model")
+    return SHIPPED_HEAD
+
+
 def aux_layer_ids(cfg: dict[str, Any], target_layers: int) -> tuple[int, ...]:
     """The target layers whose input stream feeds fc: the checkpoint's, else vLLM's default."""
     ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(

@@ -8,7 +8,7 @@ from typing import Any
 @dataclass
 class SpeculativeConfig:
     # "ngram", "suffix", "draft_model", "mtp" (the target's own multi-token-prediction layers) or
-    # "eagle3" (an EAGLE-3 head: model is its directory)
+    # "eagle3" (an EAGLE-3 head: model is its directory; None: the head shipped for the default model)
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
@@ -68,8 +68,6 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.model is not used by method {method!r}")
         if method == "draft_model" and not cfg.model:
             raise ValueError("speculative_config.model (the draft model's path) is required for a draft model")
-        if method == "eagle3" and not cfg.model:
-            raise ValueError("speculative_config.model (the EAGLE-3 head's directory) is required for method 'eagle3'")
         if method == "mtp" and cfg.model is not None:
             raise ValueError("speculative_config.model is not used by method 'mtp' (the target's own MTP layers draft)")
         if cfg.model is not None and not isinstance(cfg.model, str):
