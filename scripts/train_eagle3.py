@@ -10,8 +10,8 @@
      --ttt-steps times on its own outputs, each step attending to the first step's keys before it
      and to its own chain (exactly what the proposer's KV cache holds), a loss on every step.
 
-    python scripts/train_eagle3.py --device cuda --minutes 6 --out pyengine/heads/smollm2-eagle3
-    python scripts/train_eagle3.py --device cpu --minutes 0.5 --num-prompts 24 --max-new-tokens 40 --out /tmp/h
+    python scripts/train_eagle3.py --device cuda --deadline-minutes 8.3 --out pyengine/heads/smollm2-135m-instruct-eagle3
+    python scripts/train_eagle3.py --device cpu --out /tmp/head   # a smoke run (CPU_DEFAULTS)
 """
 from __future__ import annotations
 
@@ -110,9 +110,9 @@ def aux_states(model: Any, build_metadata: Any, seqs: list[list[int]], layers: t
 
 def pick_draft_vocab(seqs: list[list[int]], vocab: int, size: int) -> torch.Tensor:
     """The `size` most frequent target ids of the data (ties: lower id first), sorted."""
-    counts = torch.bincount(torch.tensor([t for s in seqs for t in s], dtype=torch.long), minlength=vocab)
-    order = sorted(range(vocab), key=lambda t: (-int(counts[t]), t))
-    return torch.tensor(sorted(order[:min(size, vocab)]), dtype=torch.long)
+    counts = np.bincount(np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs]), minlength=vocab)
+    order = np.lexsort((np.arange(vocab), -counts))  # by count descending, then id
+    return torch.from_numpy(np.sort(order[:min(size, vocab)]))
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -316,20 +316,30 @@ def init_from_target(head: TrainHead, target: Any, ids: torch.Tensor) -> None:
         head.norm.copy_(target.norm.float())
 
 
+# Defaults by device: the shipped head's recipe on CUDA (about 8 minutes of an H100 with
+# --deadline-minutes 8.3), a smoke run under 5 minutes on a 2-core CPU.
+CUDA_DEFAULTS = dict(minutes=6.0, num_prompts=8000, max_new_tokens=256, draft_vocab=8192, ttt_steps=5, lr=5e-4,
+                     batch_tokens=16384)
+CPU_DEFAULTS = dict(minutes=2.0, num_prompts=32, max_new_tokens=48, draft_vocab=2048, ttt_steps=2, lr=2e-3,
+                    batch_tokens=512)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="target (default: pyengine's default model, SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--minutes", type=float, default=6.0, help="training time budget (data generation not included)")
+    p.add_argument("--minutes", type=float, help="training time budget (data generation not included)")
+    p.add_argument("--deadline-minutes", type=float,
+                   help="the whole run's budget: training stops early enough to save and evaluate within it")
     p.add_argument("--max-steps", type=int, help="train this many steps instead (tests)")
-    p.add_argument("--num-prompts", type=int, default=3000)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, help=f"at most {len(TEMPLATES) * len(TOPICS) * len(STYLES)} with the evaluation's")
+    p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--out", required=True)
-    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--draft-vocab", type=int)
     p.add_argument("--intermediate-size", type=int, help="the head's MLP width (default: the target's)")
-    p.add_argument("--ttt-steps", type=int, default=5)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--batch-tokens", type=int, help="tokens per training batch (default 16384 CUDA, 2048 CPU)")
+    p.add_argument("--ttt-steps", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--batch-tokens", type=int, help="tokens per training batch")
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts drafted with the result (0: none)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -338,10 +348,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     device = resolve_device(args.device)
     cuda = device.type == "cuda"
-    batch_tokens = args.batch_tokens or (16384 if cuda else 2048)
+    for key, value in (CUDA_DEFAULTS if cuda else CPU_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    batch_tokens = args.batch_tokens
     t0 = time.monotonic()
     llm = LLM(args.model, device=args.device, max_num_seqs=256 if cuda else 32, gpu_memory_utilization=0.3, seed=args.seed)
     texts = make_prompts(args.num_prompts + args.eval_prompts, args.seed)
+    if len(texts) < args.num_prompts + args.eval_prompts:
+        p.error(f"--num-prompts + --eval-prompts must be at most {len(texts)}")
     prompts = [encode_chat(llm.tokenizer, t) for t in texts]
     train_prompts, eval_prompts = prompts[:args.num_prompts], prompts[args.num_prompts:]
     answers = generate_answers(llm, train_prompts, args.max_new_tokens)
@@ -361,7 +376,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     batches = make_batches(seqs, [len(x) for x in train_prompts], aux, t2d, batch_tokens, device)
     del aux
     print(f"features and {len(batches)} batches ready at {time.monotonic() - t0:.0f}s", flush=True)
-    stats = train(head, batches, args.minutes * 60, args.ttt_steps, args.max_steps, args.lr, args.seed)
+    seconds = args.minutes * 60
+    if args.deadline_minutes is not None:  # ~45 s kept for saving and the evaluation's load
+        seconds = max(30.0, min(seconds, args.deadline_minutes * 60 - (time.monotonic() - t0) - 45))
+    stats = train(head, batches, seconds, args.ttt_steps, args.max_steps, args.lr, args.seed)
     size = save_head(head, ids, cfg.vocab_size, args.out)
     result: dict[str, Any] = {"train": stats, "bytes": size, "total_seconds": time.monotonic() - t0,
                               "num_sequences": len(seqs), "num_tokens": sum(map(len, seqs))}

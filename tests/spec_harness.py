@@ -2,6 +2,7 @@
 batch shape, and accept a divergence only at a proven numerical near-tie."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 
 from pyengine import LLM, SamplingParams
 from tests.scripted_proposer import make_llm
+from tests.tiny_models import make_prompts
 from tests.utils_paged import make_meta
 
 NEAR_TIE = 1e-4
@@ -74,6 +76,32 @@ def run(model: str, prompts: list[list[int]], max_tokens: int = 24, spec: dict |
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(o.error is None for o in outs), [o.error for o in outs]
     return [o.outputs[0].token_ids for o in outs], llm.stats(), rec, llm
+
+
+@functools.lru_cache(maxsize=None)
+def plain_greedy(path: str, n: int, max_tokens: int) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.Tensor, ...]]:
+    """Plain greedy outputs of make_prompts(n) and every committed token's logits (cached)."""
+    llm = LLM(path, device="cpu")
+    llm.engine.cfg.record_logits = True
+    reqs = llm.run_requests([(None, p) for p in make_prompts(n)],
+                            [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)] * n)
+    return tuple(tuple(r.output_token_ids) for r in reqs), tuple(torch.stack(r.logits) for r in reqs)
+
+
+def spec_equals_plain(path: str, spec: dict, batch: int, max_tokens: int, **llm_kw: Any) -> tuple[dict, RecordingScheduler]:
+    """Greedy decoding of make_prompts(batch) with speculation equals plain_greedy bit for bit:
+    tokens and every committed token's logits. Returns the run's stats and its recorded steps."""
+    llm = LLM(path, device="cpu", speculative_config=spec, **llm_kw)
+    llm.engine.cfg.record_logits = True
+    rec = RecordingScheduler(llm.engine.scheduler)
+    llm.engine.scheduler = rec
+    reqs = llm.run_requests([(None, p) for p in make_prompts(batch)],
+                            [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)] * batch)
+    tokens, logits = plain_greedy(path, batch, max_tokens)
+    assert [tuple(r.output_token_ids) for r in reqs] == list(tokens)
+    for r, ref in zip(reqs, logits):
+        assert torch.equal(torch.stack(r.logits), ref), f"request {r.request_id}: logits differ from plain decoding"
+    return llm.stats(), rec
 
 
 @torch.inference_mode()

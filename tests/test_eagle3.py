@@ -7,7 +7,6 @@ sizes 1 / 16; random sampling keeps the target distribution (chi-square); bad ch
 with a ValueError naming the problem."""
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import os
@@ -18,8 +17,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from pyengine import LLM, SamplingParams
-from tests.spec_harness import RecordingScheduler, check_second_token_follows_target
+from pyengine import LLM
+from tests.spec_harness import RecordingScheduler, check_second_token_follows_target, spec_equals_plain
 from tests.tiny_models import _COMMON, make_prompts, write_tokenizer
 
 MAX_TOKENS = 24
@@ -84,32 +83,10 @@ def head(target: str, tmp_path_factory) -> str:
     return path
 
 
-def _record(llm: LLM) -> LLM:
-    llm.engine.cfg.record_logits = True
-    return llm
-
-
-@functools.lru_cache(maxsize=None)
-def _plain(path: str, n: int) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.Tensor, ...]]:
-    llm = _record(LLM(path, device="cpu"))
-    reqs = llm.run_requests([(None, p) for p in make_prompts(n)],
-                            [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)] * n)
-    return tuple(tuple(r.output_token_ids) for r in reqs), tuple(torch.stack(r.logits) for r in reqs)
-
-
 def _spec_run(target: str, head: str, batch: int, k: int, block_size: int, **kw) -> tuple[dict, RecordingScheduler]:
     spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k, "adaptive_draft_length": False}
     kw.setdefault("max_num_batched_tokens", 64)  # prompts admitted over several steps: mixed steps, prefix hits
-    llm = _record(LLM(target, device="cpu", speculative_config=spec, block_size=block_size, **kw))
-    rec = RecordingScheduler(llm.engine.scheduler)
-    llm.engine.scheduler = rec
-    reqs = llm.run_requests([(None, p) for p in make_prompts(batch)],
-                            [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)] * batch)
-    tokens, logits = _plain(target, batch)
-    assert [tuple(r.output_token_ids) for r in reqs] == list(tokens)
-    for r, ref in zip(reqs, logits):
-        assert torch.equal(torch.stack(r.logits), ref), f"request {r.request_id}: logits differ from plain decoding"
-    return llm.stats(), rec
+    return spec_equals_plain(target, spec, batch, MAX_TOKENS, block_size=block_size, **kw)
 
 
 @pytest.mark.parametrize("batch,k,block_size", [(1, 1, 16), (1, 4, 1), (8, 2, 1), (8, 3, 16), (8, 4, 16)])

@@ -5,13 +5,9 @@ heterogeneous prompts, k = 1..4, block sizes 1/16/64, prefix caching, mixed pref
 preemption; random sampling keeps the target distribution (chi-square)."""
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
 
-from pyengine import LLM, SamplingParams
-from tests.spec_harness import RecordingScheduler, check_second_token_follows_target, run
+from tests.spec_harness import check_second_token_follows_target, plain_greedy, run, spec_equals_plain
 
 from tests.tiny_models import make_deepseek_checkpoint, make_prompts
 
@@ -25,34 +21,10 @@ def target(tmp_path_factory) -> str:
     return path
 
 
-def _record(llm: LLM) -> LLM:
-    llm.engine.cfg.record_logits = True
-    return llm
-
-
-@functools.lru_cache(maxsize=None)
-def _plain(path: str, n: int) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.Tensor, ...]]:
-    llm = _record(LLM(path, device="cpu"))
-    reqs = llm.run_requests([(None, p) for p in make_prompts(n)],
-                            [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)] * n)
-    return tuple(tuple(r.output_token_ids) for r in reqs), tuple(torch.stack(r.logits) for r in reqs)
-
-
 def _spec_equals_plain(path: str, batch: int, k: int, block_size: int, prefix: bool, **kw):
-    prompts = make_prompts(batch)
     spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive_draft_length": False}
     kw.setdefault("max_num_batched_tokens", 64)  # prompts admitted over several steps: prefix hits, mixed steps
-    llm = _record(LLM(path, device="cpu", speculative_config=spec, block_size=block_size,
-                      enable_prefix_caching=prefix, **kw))
-    rec = RecordingScheduler(llm.engine.scheduler)
-    llm.engine.scheduler = rec
-    reqs = llm.run_requests([(None, p) for p in prompts],
-                            [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)] * batch)
-    tokens, logits = _plain(path, batch)
-    assert [tuple(r.output_token_ids) for r in reqs] == list(tokens)
-    for r, ref in zip(reqs, logits):
-        assert torch.equal(torch.stack(r.logits), ref), f"request {r.request_id}: logits differ from plain decoding"
-    st = llm.stats()
+    st, rec = spec_equals_plain(path, spec, batch, MAX_TOKENS, block_size=block_size, enable_prefix_caching=prefix, **kw)
     assert st["num_draft_tokens"] > 0 and 0 < st["acceptance_rate"] < 1, st
     return st, rec
 
@@ -81,7 +53,7 @@ def test_preemption_and_tiny_token_budget(target: str) -> None:
 def test_mtp_with_adaptive_draft_length(target: str) -> None:
     prompts = make_prompts(8)
     outs = run(target, prompts, max_tokens=MAX_TOKENS, spec={"method": "mtp", "num_speculative_tokens": 3})[0]
-    assert [tuple(o) for o in outs] == list(_plain(target, 8)[0])
+    assert [tuple(o) for o in outs] == list(plain_greedy(target, 8, MAX_TOKENS)[0])
 
 
 def test_random_sampling_keeps_target_distribution(target: str) -> None:
