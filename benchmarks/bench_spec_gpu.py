@@ -84,10 +84,11 @@ def main() -> None:
             llm = LLM(args.gguf, device="cuda", dtype="bfloat16", max_num_seqs=batch, max_model_len=2048,
                       speculative_config=spec, kernel_config={"graph_ragged_verify": ragged})
             conversations = [[{"role": "user", "content": q}] for q in prompts]
-            # warm-up: the graphs the timed run needs, captured (decode, verify, and prefill graphs,
-            # keyed by the prompts' lengths and admission pattern): the timed prompts with their words
-            # reversed (same lengths, nothing a prefix or suffix cache could reuse)
+            # warm-up: the graphs the timed run needs, captured (every prefill graph, then decode and
+            # verify graphs): the timed prompts with their words reversed (same lengths, nothing a
+            # prefix or suffix cache could reuse)
             mirrored = [[{"role": "user", "content": " ".join(q.split()[::-1])}] for q in prompts]
+            llm.engine.runner.graph_runner.capture_prefill_graphs()
             llm.chat(mirrored, params, use_tqdm=False)
             g = llm.engine.runner.graph_runner
             replays0, steps0, async0 = g.num_replays, llm.stats()["num_steps"], llm.engine.num_async_steps

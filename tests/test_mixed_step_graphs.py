@@ -61,6 +61,10 @@ def test_token_buckets_and_shapes() -> None:
     assert default_token_buckets(8) == []
     assert graph_shape((4, 3)) == (4, 3, 12, False)
     assert graph_shape((2, -64)) == (2, 64, 64, True)
+    g = CudaGraphRunner(None, [], 16, torch.device("cpu"), 32, 5, 256, prefill_tokens=64)
+    assert g.prefill_keys() == [(b, -t) for b in (1, 2, 4, 8) for t in (16, 32, 64)]
+    assert CudaGraphRunner(None, [], 16, torch.device("cpu"), 3, 5, 256, prefill_tokens=16).prefill_keys() == \
+        [(1, -16), (2, -16), (3, -16)]
 
 
 @pytest.mark.parametrize("block_size", [16, 4])
@@ -110,6 +114,28 @@ def test_long_prefill_runs_eagerly(tiny: str) -> None:
     keys = spy_keys(llm.engine.runner.graph_runner)
     assert staggered(llm, prompts) == eager
     assert keys and all(q > 0 or -q <= 16 for _, q in keys)
+
+
+def test_prefill_graph_eligibility(tiny: str) -> None:
+    """Prefill parts of up to PREFILL_GRAPH_ROWS rows and prefill_tokens tokens get a key; more
+    rows, more tokens or a row wanting logits other than its last token's do not."""
+    from pyengine.engine.step_parts import StepPart
+
+    g = CudaGraphRunner(None, [], 16, torch.device("cpu"), 32, 5, 256, prefill_tokens=64)
+
+    def part(q_lens, logits=None):
+        qsl = np.concatenate(([0], np.cumsum(q_lens)))
+        nl = np.ones(len(q_lens), np.int64) if logits is None else np.array(logits)
+        return StepPart(np.arange(len(q_lens)), np.zeros(qsl[-1]), np.zeros(qsl[-1]), np.zeros(qsl[-1]), qsl,
+                        np.array(q_lens), np.zeros((len(q_lens), 2), np.int32), nl, (qsl[1:] - 1)[nl == 1], 0)
+
+    assert g.prefill_key_for(part([5, 7, 2])) == (4, -16)
+    assert g.prefill_key_for(part([30, 20], logits=[0, 1])) == (2, -64)
+    assert g.prefill_key_for(part([1] * 9)) is None          # more rows than a prefill graph takes
+    assert g.prefill_key_for(part([40, 30])) is None         # more tokens than the largest capacity
+    bad = part([5, 7])
+    bad.logits_indices = np.array([0, 11])                   # a logits row that is not the row's last token
+    assert g.prefill_key_for(bad) is None
 
 
 def test_rows_of_splits_a_batch(tiny: str) -> None:

@@ -44,7 +44,7 @@ import torch
 
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.state_cache import StateMetadata
-from pyengine.engine.step_parts import StepPart, rows_of
+from pyengine.engine.prefill_graphs import PrefillGraphs
 from pyengine.ops.kernel_config import get_kernel_config
 
 _PLAN_KEY = "cuda_paged_attention"
@@ -124,8 +124,9 @@ def graphs_supported(model, config, dtype: torch.dtype, device: torch.device) ->
     return True, ""
 
 
-class CudaGraphRunner:
-    """Captures (lazily, on first use) and replays decode/verify steps of one ModelRunner."""
+class CudaGraphRunner(PrefillGraphs):
+    """Captures (lazily, on first use) and replays decode/verify steps of one ModelRunner (and, through
+    PrefillGraphs, steps with prefill rows)."""
 
     def __init__(self, model, kv_caches, block_size: int, device: torch.device, max_num_seqs: int,
                  max_query_len: int, graph_max_context: int, state_cache=None, prefill_tokens: int = 0) -> None:
@@ -210,54 +211,6 @@ class CudaGraphRunner:
             return None
         b = next(x for x in self.buckets if x >= rows)
         return b, q
-
-    def prefill_key_for(self, part: StepPart) -> tuple[int, int] | None:
-        """(bucket rows, -token capacity) when prefill rows can replay a prefill graph: at most
-        prefill_buckets[-1] tokens, each row wanting at most its last token's logits."""
-        rows, n = part.num_rows, part.num_tokens
-        if not self.prefill_buckets or rows == 0 or rows > self.max_rows or n > self.prefill_buckets[-1]:
-            return None
-        if self.state_cache is not None or part.num_decode_rows:  # recurrent state: prefill rows run eagerly
-            return None
-        nl = part.num_logits
-        if int(nl.max()) > 1 or not np.array_equal(part.logits_indices, part.query_start_loc[1:][nl == 1] - 1):
-            return None
-        if part.block_tables.shape[1] > self.width or int(part.context_lens.max()) > self.width * self.block_size:
-            return None
-        b = next(x for x in self.buckets if x >= rows)
-        return b, -next(t for t in self.prefill_buckets if t >= n)
-
-    @torch.inference_mode()
-    def execute_mixed(self, batch) -> torch.Tensor | None:
-        """A step with prefill rows (and maybe decode/verify rows before them) as at most two replays:
-        the decode rows on their decode/verify graph, the prefill rows on a prefill graph. Returns
-        the step's logits in logits_indices order (last_hidden: every token's hidden state), or None
-        when a part does not fit a graph (the caller runs the step eagerly)."""
-        d, rows = int(batch.num_decode_rows), len(batch.context_lens)
-        if not self.prefill_buckets or d == rows:
-            return None
-        prefill = rows_of(batch, d, rows)
-        pkey = self.prefill_key_for(prefill)
-        decode = rows_of(batch, 0, d) if d else None
-        dkey = self.bucket_for(decode) if decode is not None else None
-        if pkey is None or (decode is not None and dkey is None):
-            return None
-        logits, hidden = [], []
-        if decode is not None:
-            # copies, taken before the prefill graph replays: the graphs share one memory pool, and
-            # a graph captured later may hold its static outputs where the other's temporaries go
-            logits.append(self._execute_part(decode, dkey)[:decode.num_tokens].clone())
-            hidden.append(self.last_hidden.clone())
-        out = self._execute_part(prefill, pkey)
-        hidden.append(self.last_hidden)
-        want = np.nonzero(prefill.num_logits)[0]
-        if not len(want) or want[-1] == len(want) - 1:  # rows 0..m-1 want logits: a view
-            logits.append(out[:len(want)])
-        else:
-            logits.append(out.index_select(0, torch.from_numpy(want).to(out.device)))
-        self.last_hidden = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
-        self.num_mixed += 1
-        return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     def step_costs(self, rows: int) -> np.ndarray | None:
         """Seconds of one replay of the decode/verify graph of `rows`' bucket for query lengths
