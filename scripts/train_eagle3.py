@@ -268,20 +268,39 @@ def _train(head: TrainHead, batches: list, seconds: float, steps: int, max_steps
     return {"steps": n, "seconds": time.monotonic() - start, "top1_by_step": [float(a) for a in recent]}
 
 
+# TrainHead attribute -> its tensor in the HF layout (pyengine/models/eagle3.py)
+HF_NAMES = {"fc": "fc.weight", "q_proj": "midlayer.self_attn.q_proj.weight", "k_proj": "midlayer.self_attn.k_proj.weight",
+            "v_proj": "midlayer.self_attn.v_proj.weight", "o_proj": "midlayer.self_attn.o_proj.weight",
+            "gate_proj": "midlayer.mlp.gate_proj.weight", "up_proj": "midlayer.mlp.up_proj.weight",
+            "down_proj": "midlayer.mlp.down_proj.weight", "lm_head": "lm_head.weight",
+            "input_layernorm": "midlayer.input_layernorm.weight", "hidden_norm": "midlayer.hidden_norm.weight",
+            "post_attention_layernorm": "midlayer.post_attention_layernorm.weight", "norm": "norm.weight"}
+
+
+def _tensor_of(head: TrainHead, attr: str) -> torch.Tensor:
+    m = getattr(head, attr)
+    return m.weight if isinstance(m, nn.Linear) else m
+
+
+def load_head(path: str, embed: torch.Tensor) -> TrainHead:
+    """A saved head back as a TrainHead (fp32): to check it against pyengine's, or to go on training."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "config.json")) as f:
+        head = TrainHead(json.load(f), embed)
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    with torch.no_grad():
+        for attr, name in HF_NAMES.items():
+            _tensor_of(head, attr).copy_(weights[name].float())
+    return head
+
+
 def save_head(head: TrainHead, ids: torch.Tensor, vocab: int, out: str) -> int:
     from safetensors.torch import save_file
 
     os.makedirs(out, exist_ok=True)
-    names = {"fc": "fc.weight", "q_proj": "midlayer.self_attn.q_proj.weight", "k_proj": "midlayer.self_attn.k_proj.weight",
-             "v_proj": "midlayer.self_attn.v_proj.weight", "o_proj": "midlayer.self_attn.o_proj.weight",
-             "gate_proj": "midlayer.mlp.gate_proj.weight", "up_proj": "midlayer.mlp.up_proj.weight",
-             "down_proj": "midlayer.mlp.down_proj.weight", "lm_head": "lm_head.weight",
-             "input_layernorm": "midlayer.input_layernorm.weight", "hidden_norm": "midlayer.hidden_norm.weight",
-             "post_attention_layernorm": "midlayer.post_attention_layernorm.weight", "norm": "norm.weight"}
-    tensors = {}
-    for attr, name in names.items():
-        m = getattr(head, attr)
-        tensors[name] = (m.weight if isinstance(m, nn.Linear) else m).detach().to("cpu", torch.bfloat16).contiguous()
+    tensors = {name: _tensor_of(head, attr).detach().to("cpu", torch.bfloat16).contiguous()
+               for attr, name in HF_NAMES.items()}
     tensors["d2t"] = ids - torch.arange(len(ids))
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[ids] = True

@@ -3,8 +3,9 @@ C++ layer stack runs it, in segments cut at the aux layers) with a head trained 
 scripts/train_eagle3.py's own functions (self-distillation on the target's greedy outputs), so that
 drafts are often but not always right: greedy spec output equals plain output bit for bit (tokens
 and every committed token's logits) at batch 1 and 8 with heterogeneous prompts, k = 1..4, block
-sizes 1 / 16; random sampling keeps the target distribution (chi-square); bad checkpoints are refused
-with a ValueError naming the problem."""
+sizes 1 / 16; random sampling keeps the target distribution (chi-square); the script's training-time
+test computes what the proposer drafts; bad checkpoints are refused with a ValueError naming the
+problem."""
 from __future__ import annotations
 
 import importlib.util
@@ -128,6 +129,41 @@ def test_aux_states_same_on_every_cpu_path(target: str) -> None:
 
 def test_greedy_eagle3_equals_plain_per_layer_path(target: str, head: str) -> None:
     _spec_run(target, head, 8, 3, 16, kernel_config={"cpu_layer_stack": False})
+
+
+@torch.inference_mode()
+def test_training_unroll_is_what_the_proposer_drafts(target: str, head: str) -> None:
+    """The training-time test computes what the proposer computes: step 0 at position p is the
+    catch-up's output there, step j the j-th chained draft after a catch-up up to p - j (its own
+    outputs as hidden states, its KV beside the catch-up's)."""
+    import numpy as np
+
+    from pyengine.models.eagle3 import load_eagle3
+    from pyengine.spec_decode.draft_model import rows_batch
+
+    s = _script()
+    llm = LLM(target, device="cpu")
+    seq = make_prompts(3, seed=5)[1] + [7, 8, 9, 10, 11, 12]
+    aux = s.aux_states(llm.model, llm.engine.runner.build_metadata, [seq], (2, 3, 3), torch.device("cpu"), 512)[0]
+    steps = 3
+    train_logits = s.load_head(head, llm.model.embed(torch.arange(96))).unroll(
+        torch.tensor(seq[1:] + [0])[None], aux[None], steps)
+    ours, _ = load_eagle3(head, llm.model, llm.model_config, torch.device("cpu"), torch.float32)
+    ids = ours.target_ids
+    build = llm.engine.runner.build_metadata
+    n = len(seq)
+    for q in (steps, n // 2, n - 2):  # the last chain step runs at q, its catch-up ended at q - steps + 1
+        kv = ours.make_kv_cache(8, 16, torch.device("cpu"))
+        end = q - steps + 1  # catch-up over positions 0..end - 1
+        feed = rows_batch([(np.arange(8), 0, seq[1:end + 1])], 16)
+        out = ours(torch.tensor(seq[1:end + 1]), torch.arange(end), ours.combine(aux[:end]), build(feed), kv)
+        torch.testing.assert_close(ours.compute_logits(out)[:, ids], train_logits[0][0, :end], rtol=1e-4, atol=1e-4)
+        prev = out[-1:]
+        for j in range(1, steps):
+            p = end - 1 + j
+            feed = rows_batch([(np.arange(8), p, [seq[p + 1]])], 16)
+            prev = ours(torch.tensor([seq[p + 1]]), torch.tensor([p]), prev, build(feed), kv)
+            torch.testing.assert_close(ours.compute_logits(prev)[0, ids], train_logits[j][0, p], rtol=1e-4, atol=1e-4)
 
 
 def test_untrained_head_drafts_rarely_accepted(target: str, head: str, tmp_path) -> None:
