@@ -83,6 +83,7 @@ class DraftLengthPolicy:
         self.steps = 0
         # (slots, seq ids, eligible rows, first step a probe is due) of a plan without drafts (_still_quiet)
         self._quiet: tuple[np.ndarray, np.ndarray, int, float] | None = None
+        self._planned_any = False  # the last plan gave some row drafts
 
     @classmethod
     def for_runner(cls, k: int, runner: Any, step_cost: StepCost | None = None, **kw: Any) -> "DraftLengthPolicy":
@@ -100,17 +101,20 @@ class DraftLengthPolicy:
         decode view: request slots and seq ids). can_finish_last: one bool per request (None: all
         True); a False row gets none (see the class docstring)."""
         rows = np.asarray(slots, dtype=np.int64)
+        num_rows = len(rows)
+        if self._still_quiet(rows, seq_ids, can_finish_last):  # planned stays all zero
+            self.steps += 1
+            self.idle[rows] += 1
+            return np.zeros(num_rows, dtype=np.int32)
         self._claim(rows, np.asarray(seq_ids, dtype=np.int64))
         self.planned[:] = 0
         self.probes[:] = -1
-        num_rows = len(rows)
+        self._planned_any = False
         if not num_rows:
             return np.zeros(0, dtype=np.int32)
         self.steps += 1
         self.idle[rows] += 1
         eligible = np.ones(num_rows, dtype=bool) if can_finish_last is None else np.asarray(can_finish_last, dtype=bool)
-        if self._still_quiet(rows, seq_ids, eligible):
-            return np.zeros(num_rows, dtype=np.int32)
         # Probes (and the warm-up) stay cheap where verify tokens cost compute: about k extra
         # tokens per step whatever the batch size.
         probe = max(1, min(self.k, round(self.k / num_rows)))
@@ -139,15 +143,19 @@ class DraftLengthPolicy:
                 first_probe = self.steps + interval - int(self.idle[rows[eligible], 0].max(initial=0))
                 self._quiet = (rows.copy(), np.array(seq_ids, dtype=np.int64), int(eligible.sum()), first_probe)
         self.planned[rows] = lengths
+        self._planned_any = bool(lengths.any())
         return lengths.astype(np.int32)
 
-    def _still_quiet(self, rows: np.ndarray, seq_ids: np.ndarray, eligible: np.ndarray) -> bool:
+    def _still_quiet(self, rows: np.ndarray, seq_ids: np.ndarray, can_finish_last: np.ndarray | None) -> bool:
         """The last full plan drafted nothing for these same rows, no probe is due yet and no row
         became eligible: this plan is the same (a step without drafts changes no estimate, only
         the idle counts, which the probe deadline accounts for). Saves the plan's cost on the
         host in the long runs where speculation does not pay."""
         quiet, self._quiet = self._quiet, None
-        if quiet is None or self.steps >= quiet[3] or int(eligible.sum()) > quiet[2]:
+        if quiet is None or self.steps + 1 >= quiet[3]:
+            return False
+        eligible = len(rows) if can_finish_last is None else int(np.count_nonzero(can_finish_last))
+        if eligible > quiet[2]:
             return False
         if not (np.array_equal(rows, quiet[0]) and np.array_equal(seq_ids, quiet[1])):
             return False
@@ -211,6 +219,8 @@ class DraftLengthPolicy:
     def observe_rows(self, slots: np.ndarray, num_drafts: np.ndarray, num_committed: np.ndarray) -> None:
         """The decode rows of a step (request slots): drafts verified and tokens committed per row
         (rows this step's plan asked nothing of are ignored)."""
+        if not self._planned_any:  # the plan asked nothing of any row
+            return
         slots = np.asarray(slots, dtype=np.int64)
         asked = np.nonzero(self.planned[slots] > 0)[0]
         if not len(asked):
