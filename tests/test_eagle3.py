@@ -19,6 +19,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from pyengine import LLM
+from pyengine.models.eagle3_train import TrainHead, head_config, load_head, save_head
 from tests.spec_harness import RecordingScheduler, check_second_token_follows_target, spec_equals_plain
 from tests.tiny_models import _COMMON, make_prompts, write_tokenizer
 
@@ -63,11 +64,11 @@ def _train_head(target: str, out: str, steps: int) -> None:
     ids = s.pick_draft_vocab(answers, 96, 64)
     t2d = torch.full((96,), -1, dtype=torch.long)
     t2d[ids] = torch.arange(len(ids))
-    c = s.head_config(llm.model, layers, len(ids), 96)
-    head = s.TrainHead(c, llm.model.embed(torch.arange(96)).detach())
+    c = head_config(llm.model, layers, len(ids), 96)
+    head = TrainHead(c, llm.model.embed(torch.arange(96)).detach())
     batches = s.make_batches(seqs, [len(p) for p in prompts], aux, t2d, 1024, torch.device("cpu"))
     s.train(head, batches, 0.0, 3, steps, 3e-3, 0, log_every=10**9)
-    s.save_head(head, ids, 96, out)
+    save_head(head, ids, 96, out)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +147,7 @@ def test_training_unroll_is_what_the_proposer_drafts(target: str, head: str) -> 
     seq = make_prompts(3, seed=5)[1] + [7, 8, 9, 10, 11, 12]
     aux = s.aux_states(llm.model, llm.engine.runner.build_metadata, [seq], (2, 3, 3), torch.device("cpu"), 512)[0]
     steps = 3
-    train_logits = s.load_head(head, llm.model.embed(torch.arange(96))).unroll(
+    train_logits = load_head(head, llm.model.embed(torch.arange(96))).unroll(
         torch.tensor(seq[1:] + [0])[None], aux[None], steps)
     ours, _ = load_eagle3(head, llm.model, llm.model_config, torch.device("cpu"), torch.float32)
     ids = ours.target_ids
