@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from pyengine import LLM
 from pyengine.models.eagle3_train import TrainHead, head_config, load_head, save_head
-from tests.spec_harness import RecordingScheduler, check_second_token_follows_target, spec_equals_plain
+from tests.spec_harness import RecordingScheduler, check_second_token_follows_target, plain_greedy, spec_equals_plain
 from tests.tiny_models import _COMMON, make_prompts, write_tokenizer
 
 MAX_TOKENS = 24
@@ -165,6 +165,26 @@ def test_training_unroll_is_what_the_proposer_drafts(target: str, head: str) -> 
             feed = rows_batch([(np.arange(8), p, [seq[p + 1]])], 16)
             prev = ours(torch.tensor([seq[p + 1]]), torch.tensor([p]), prev, build(feed), kv)
             torch.testing.assert_close(ours.compute_logits(prev)[0, ids], train_logits[j][0, p], rtol=1e-4, atol=1e-4)
+
+
+def test_graph_static_buffer_path(target: str, head: str) -> None:
+    """Decode/verify steps through CudaGraphRunner's static buffers (run eagerly on the CPU, as
+    replays would run): the aux states come from the model's fixed aux_out buffer, at the step's
+    packed token rows, and greedy output stays plain output."""
+    from pyengine import SamplingParams
+    from pyengine.engine.cuda_graph_runner import CudaGraphRunner
+
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive_draft_length": False}
+    llm = LLM(target, device="cpu", speculative_config=spec, max_num_batched_tokens=64)
+    r, cfg = llm.engine.runner, llm.engine.cfg
+    r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, r.block_size, r.device, cfg.max_num_seqs, 4,
+                                     cfg.max_model_len + 4 + r.block_size)
+    r.keep_aux_hidden(llm.engine.proposer.head.aux_layers)  # aux_out sized for the graphs' tokens
+    assert r.model.aux_out is not None
+    outs = llm.generate(make_prompts(8), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    assert [tuple(o.outputs[0].token_ids) for o in outs] == list(plain_greedy(target, 8, MAX_TOKENS)[0])
+    assert r.graph_runner.num_eager > 0 and llm.stats()["per_position_acceptance"][0] > 0.2, llm.stats()
 
 
 def test_untrained_head_drafts_rarely_accepted(target: str, head: str, tmp_path) -> None:
