@@ -65,13 +65,15 @@ print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1b, "pack_s": packing[0],
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_once(model: str, pythonpath: str) -> dict[str, Any]:
-    """One fresh process; its own peak RSS, from wait4 (not the parent's or another child's)."""
-    env = dict(os.environ, PYTHONPATH=pythonpath)
+def run_child(argv: list[str], stdin: bytes, env: dict[str, str], cwd: str) -> tuple[dict[str, Any], str, float]:
+    """Runs `python argv` in a fresh process fed `stdin`; its last stdout line as JSON, its stderr,
+    and its own peak RSS in MB (wait4: not the parent's or another child's). SystemExit if it fails."""
     with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, model], stdout=subprocess.PIPE, stderr=err, env=env,
-                                cwd=pythonpath)
-        assert proc.stdout is not None
+        proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                env=env, cwd=cwd)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(stdin)
+        proc.stdin.close()
         stdout = proc.stdout.read()  # to EOF: the child has exited
         proc.stdout.close()
         _, status, usage = os.wait4(proc.pid, 0)
@@ -79,9 +81,15 @@ def run_once(model: str, pythonpath: str) -> dict[str, Any]:
         err.seek(0)
         stderr = err.read().decode(errors="replace")
     if proc.returncode:
-        raise SystemExit(f"child failed ({proc.returncode}):\n{stderr}")
-    result = json.loads(stdout.decode().strip().splitlines()[-1])
-    result["peak_rss_mb"] = usage.ru_maxrss / 1024  # Linux: KiB
+        raise SystemExit(f"child {argv[-1] if argv else ''} failed ({proc.returncode}):\n{stderr[-3000:]}")
+    return json.loads(stdout.decode().strip().splitlines()[-1]), stderr, usage.ru_maxrss / 1024  # Linux: KiB
+
+
+def run_once(model: str, pythonpath: str) -> dict[str, Any]:
+    """One fresh process: its timings, peak RSS and stderr line count."""
+    result, stderr, peak_rss_mb = run_child(["-c", CHILD, model], b"", dict(os.environ, PYTHONPATH=pythonpath),
+                                            pythonpath)
+    result["peak_rss_mb"] = peak_rss_mb
     result["stderr_lines"] = len(stderr.splitlines())
     return result
 
