@@ -310,7 +310,7 @@ LLM_CASES = {
     "speculative_unknown_key": (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "k": 3}),
                                 r"unknown keys \['k'\]"),
     "speculative_method": (dict(speculative_config={"method": "eagle", "num_speculative_tokens": 2}),
-                           r"method must be 'ngram', 'suffix', 'draft_model' or 'mtp'"),
+                           r"method must be 'ngram', 'suffix', 'draft_model', 'mtp' or 'eagle3'"),
     "mtp_with_model": (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2, "model": "x"}),
                        r"speculative_config.model is not used by method 'mtp'"),
     "mtp_without_mtp_layers": (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
