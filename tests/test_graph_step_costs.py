@@ -47,7 +47,7 @@ def test_the_chosen_count_is_the_best_rate(accept: float) -> None:
     rates = [t / (found_any * c + (1 - found_any) * cost[0]) for t, c in zip(tokens, cost)]
     best = int(np.argmax(rates))
     want = best if best and rates[best] > 1.05 * rates[0] else 0
-    got = p._padded_lengths(rows, np.ones(8, dtype=bool), np.array(cost))
+    got = p._padded_lengths(rows, np.ones(8, dtype=bool), np.array(cost), closed=False)
     assert set(got.tolist()) == {want}
     assert 0 < want < K if accept == 0.5 else want > 0
 
@@ -57,6 +57,20 @@ def test_rarely_found_but_accepted_drafts_are_asked_for() -> None:
     when it finds some, so asking pays although the expected gain per step is small."""
     chosen = simulate(K, rows=1, accept=1.0, found=0.1, cost=(1.0, 0.01), policy=policy([1.0, 1.5, 1.5, 1.5, 1.5]))
     assert mostly(chosen[-100:], K)
+
+
+def test_a_closed_batch_drafts_only_where_its_last_rows_all_accept() -> None:
+    """No request waits: the run lasts as long as the rows that can finish last. Sixteen such rows
+    accepting 70% each almost never all accept, so no drafts; one such row accepting 70% saves the
+    whole batch a step each time, so drafts."""
+    p = policy([1.0, 1.4, 1.4, 1.4, 1.4])
+    simulate(K, rows=16, accept=0.7, cost=(1.0, 0.01), policy=p, steps=60)
+    rows, ids = np.arange(16), np.arange(16) + 100
+    assert not p.draft_lengths(rows, ids, np.ones(16, dtype=bool)).any()
+    one = np.arange(16) == 3
+    got = p.draft_lengths(rows, ids, one)
+    assert got[3] > 0 and not got[~one].any()
+    assert p.draft_lengths(rows, ids, None).all(), "an open batch (requests waiting) drafts on every row"
 
 
 def test_rows_that_cannot_finish_last_get_nothing() -> None:

@@ -339,7 +339,11 @@ class LLMEngine:
         slots, seq_ids = np.array(batch.request_slots[:rows]), np.array(batch.seq_ids[:rows])
         self.draft_length.observe_rows(slots, batch.num_draft_tokens[:rows], np.ones(rows, dtype=np.int32))
         self._observed = True
-        lengths = self.draft_length.draft_lengths(slots, seq_ids, None)
+        # which rows can finish last, from the running requests as they stand before this commit
+        # (every row commits one token, so the comparison is the same after it)
+        view = self.scheduler.decode_view()
+        last = self._can_finish_last(view) if np.array_equal(view.seq_ids, seq_ids) else None
+        lengths = self.draft_length.draft_lengths(slots, seq_ids, last)
         self._next_plan = (seq_ids, lengths)
         return not lengths.any()
 

@@ -51,7 +51,9 @@ class DraftLengthPolicy:
     choice is d alone: the d with the best expected tokens per second, (R + sum_i h_i sum_{j<d} P_ij)
     / (f cost[d] + (1 - f) cost[0]) with f = 1 - prod_i (1 - h_i) the chance that some row's
     proposer finds drafts (else the step is a decode step), every eligible row drafting d, and none
-    (d = 0, the next step launched ahead) unless that beats d = 0 by `margin`. Probes come in groups there: a step with drafts or a stale row
+    (d = 0, the next step launched ahead) unless that beats d = 0 by `margin`. Where no request
+    waits (can_finish_last given), a draft position counts only if every row that can finish last
+    accepts it: a closed batch runs as long as its longest request, padded steps included. Probes come in groups there: a step with drafts or a stale row
     probes every row unverified for half the interval, so probes share the steps that pay for them.
     """
 
@@ -81,8 +83,8 @@ class DraftLengthPolicy:
         self.probes = np.zeros(0, dtype=np.int64)  # this step's probes: first probed position, -1: none
         self.fit_sums = [0.0] * 5  # opt-in calibration (observe_step): decayed sums of 1, n, t, n*n, n*t
         self.steps = 0
-        # (slots, seq ids, eligible rows, first step a probe is due) of a plan without drafts (_still_quiet)
-        self._quiet: tuple[np.ndarray, np.ndarray, int, float] | None = None
+        # (slots, seq ids, can_finish_last, first step a probe is due) of a plan without drafts (_still_quiet)
+        self._quiet: tuple[np.ndarray, np.ndarray, np.ndarray | None, float] | None = None
         self._planned_any = False  # the last plan gave some row drafts
 
     @classmethod
@@ -129,7 +131,7 @@ class DraftLengthPolicy:
                 lengths = self._best_lengths(rows, eligible, *self.cost_line())
                 interval = self.probe_every * max(1.0, num_rows / self.k)
             else:
-                lengths = self._padded_lengths(rows, eligible, table)
+                lengths = self._padded_lengths(rows, eligible, table, closed=can_finish_last is not None)
                 interval = self.probe_every
             # The next position of a row left unverified for long enough: probe it (and beyond).
             can_grow = np.nonzero(eligible & (lengths < self.k))[0]
@@ -141,33 +143,41 @@ class DraftLengthPolicy:
             lengths[stale] = np.minimum(lengths[stale] + probe, self.k)
             if not lengths.any():  # quiet until the first eligible row's next position goes stale
                 first_probe = self.steps + interval - int(self.idle[rows[eligible], 0].max(initial=0))
-                self._quiet = (rows.copy(), np.array(seq_ids, dtype=np.int64), int(eligible.sum()), first_probe)
+                last = None if can_finish_last is None else np.array(can_finish_last, dtype=bool)
+                self._quiet = (rows.copy(), np.array(seq_ids, dtype=np.int64), last, first_probe)
         self.planned[rows] = lengths
         self._planned_any = bool(lengths.any())
         return lengths.astype(np.int32)
 
     def _still_quiet(self, rows: np.ndarray, seq_ids: np.ndarray, can_finish_last: np.ndarray | None) -> bool:
-        """The last full plan drafted nothing for these same rows, no probe is due yet and no row
-        became eligible: this plan is the same (a step without drafts changes no estimate, only
+        """The last full plan drafted nothing for these same rows with the same rows able to finish
+        last, and no probe is due yet: this plan is the same (a step without drafts changes no estimate, only
         the idle counts, which the probe deadline accounts for). Saves the plan's cost on the
         host in the long runs where speculation does not pay."""
         quiet, self._quiet = self._quiet, None
         if quiet is None or self.steps + 1 >= quiet[3]:
             return False
-        eligible = len(rows) if can_finish_last is None else int(np.count_nonzero(can_finish_last))
-        if eligible > quiet[2]:
+        if (can_finish_last is None) != (quiet[2] is None) or (
+                quiet[2] is not None and not np.array_equal(can_finish_last, quiet[2])):
             return False
         if not (np.array_equal(rows, quiet[0]) and np.array_equal(seq_ids, quiet[1])):
             return False
         self._quiet = quiet
         return True
 
-    def _padded_lengths(self, rows: np.ndarray, eligible: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    def _padded_lengths(self, rows: np.ndarray, eligible: np.ndarray, cost: np.ndarray, closed: bool) -> np.ndarray:
         """Graph steps: every eligible row drafts the d with the best expected tokens per second
-        (cost[d]: a step whose longest row drafts d), or none (see the class docstring)."""
+        (cost[d]: a step whose longest row drafts d), or none (see the class docstring). closed:
+        no request waits, so the run ends when the eligible rows (those that can finish last) all
+        have: a step is saved only when every one of them accepts, and a saved step is worth all R
+        rows' tokens."""
         p = self.acceptance(rows) * eligible[:, None]
         h = self.found[rows] / self.asked[rows]
-        tokens = len(rows) + np.concatenate(([0.0], np.cumsum(h @ p)))  # expected tokens by d = 0..k
+        if closed:
+            gain = len(rows) * np.prod(h[eligible, None] * p[eligible], axis=0)
+        else:
+            gain = h @ p
+        tokens = len(rows) + np.concatenate(([0.0], np.cumsum(gain)))  # expected tokens by d = 0..k
         # the step costs cost[d] only if some row's proposer finds drafts, else a decode step's
         found_any = 1.0 - float(np.prod(1.0 - h[eligible]))
         seconds = cost[:self.k + 1] * found_any + cost[0] * (1.0 - found_any)
