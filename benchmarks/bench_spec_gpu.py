@@ -6,7 +6,10 @@ steps run eagerly, as before), all in one run. Reports tokens/s, the ratio to pl
 steps replayed vs eager, where the time went (steps and seconds by kind: replayed or eager, with
 drafts or not, with a prefill row or not; a step with prefill rows on prefill graphs counts as
 replayed), steps launched ahead (async), the measured graph replay times the draft-length policy
-weighs (by bucket, q = 1..k+1) and whether every output equals plain decoding's.
+weighs (by bucket, q = 1..k+1) and whether every output equals plain decoding's. With
+--per-category N: N prompts of each Spec-Bench category, interleaved, and at batch 1 (one request
+at a time) tokens/s and the ratio to plain by category; --eagle3 DIR adds an EAGLE-3 head.
+benchmarks/plot_spec.py draws a result as a PNG.
 
     python3 benchmarks/bench_spec_gpu.py --gguf PATH --prompts spec_bench.jsonl --out results.json
 """
@@ -35,8 +38,10 @@ METHODS = {
 }
 
 
-def time_steps(llm: LLM) -> dict:
-    """Wrap llm.engine.step: wall seconds and counts per step kind, filled while the LLM runs."""
+def time_steps(llm: LLM, per_request: dict) -> dict:
+    """Wrap llm.engine.step: wall seconds and counts per step kind, filled while the LLM runs; each
+    step's seconds are also shared among the requests it gave tokens (per_request: request id ->
+    seconds; at batch 1 a request's own time)."""
     engine, kinds = llm.engine, {}
     step = engine.step
 
@@ -53,6 +58,8 @@ def time_steps(llm: LLM) -> dict:
         k = kinds.setdefault(kind, {"steps": 0, "seconds": 0.0})
         k["steps"] += 1
         k["seconds"] += seconds
+        for req in out:
+            per_request[req.request_id] = per_request.get(req.request_id, 0.0) + seconds / len(out)
         return out
 
     engine.step = timed
@@ -67,15 +74,32 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--per-category", type=int, default=0,
+                    help="N prompts of each Spec-Bench category, interleaved (0: the first --num-prompts)")
+    ap.add_argument("--eagle3", help="an EAGLE-3 head directory: adds method eagle3_adaptive")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.eagle3:
+        METHODS["eagle3_adaptive"] = ({"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": 4}, True)
     with open(args.prompts) as f:
-        everything = [json.loads(line)["turns"][0] for line in f if line.strip()]
-    questions = everything[:args.num_prompts]
+        rows_in = [json.loads(line) for line in f if line.strip()]
+    if args.per_category:
+        by_cat: dict[str, list] = {}
+        for r in rows_in:
+            by_cat.setdefault(r["category"], []).append(r)
+        picked = [cat[:args.per_category] for cat in by_cat.values()]
+        rows_in = [c[i] for i in range(args.per_category) for c in picked if i < len(c)]
+    else:
+        rows_in = rows_in[:args.num_prompts]
+    questions = [r["turns"][0] for r in rows_in]
+    categories = [r.get("category", "") for r in rows_in]
     result = dict(run_header(), prompts=len(questions), max_tokens=args.max_tokens, rows=[])
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for batch in [int(b) for b in args.batches.split(",")]:
-        prompts = questions[:max(batch, min(len(questions), 4 * batch))] if batch > 1 else questions[:8]
+        if args.per_category:
+            prompts = questions
+        else:
+            prompts = questions[:max(batch, min(len(questions), 4 * batch))] if batch > 1 else questions[:8]
         row: dict = {"batch": batch, "num_prompts": len(prompts)}
         reference = None
         for name, (spec, ragged) in METHODS.items():
@@ -92,7 +116,8 @@ def main() -> None:
             llm.chat(mirrored, params, use_tqdm=False)
             g = llm.engine.runner.graph_runner
             replays0, steps0, async0 = g.num_replays, llm.stats()["num_steps"], llm.engine.num_async_steps
-            kinds = time_steps(llm)
+            per_request: dict = {}
+            kinds = time_steps(llm, per_request)
             torch.cuda.synchronize()
             start = time.perf_counter()
             outs = llm.chat(conversations, params, use_tqdm=False)
@@ -109,11 +134,20 @@ def main() -> None:
                          "step_kinds": {k: {"steps": v["steps"], "ms": round(1e3 * v["seconds"], 1)}
                                         for k, v in sorted(kinds.items())},
                          "identical_to_plain": tokens == reference}
+            if batch == 1 and args.per_category:  # one request at a time: its own seconds
+                cat_tokens: dict = {}
+                for o, cat in zip(outs, categories):
+                    t, sec = cat_tokens.get(cat, (0, 0.0))
+                    cat_tokens[cat] = (t + len(o.outputs[0].token_ids), sec + per_request.get(o.request_id, 0.0))
+                row[name]["tokens_per_s_by_category"] = {c: round(t / sec, 1) for c, (t, sec) in cat_tokens.items()}
             del llm
             torch.cuda.empty_cache()
         plain = row["plain"]["tokens_per_s"]
         for name in row.keys() & METHODS.keys():
             row[name]["vs_plain"] = round(row[name]["tokens_per_s"] / plain, 3)
+            by_cat, plain_cat = row[name].get("tokens_per_s_by_category"), row["plain"].get("tokens_per_s_by_category")
+            if by_cat and plain_cat:
+                row[name]["vs_plain_by_category"] = {c: round(v / plain_cat[c], 3) for c, v in by_cat.items()}
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
     if args.out:
