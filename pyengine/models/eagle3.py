@@ -202,6 +202,10 @@ def _fill(head: Eagle3Head, tensors: dict[str, torch.Tensor], path: str, draft_v
         "midlayer.mlp.gate_proj.weight": gate_up.narrow(0, 0, inter),
         "midlayer.mlp.up_proj.weight": gate_up.narrow(0, inter, inter),
         "midlayer.mlp.down_proj.weight": layer.down_proj.t()}
+    if layer.qkv_bias is not None:  # config attention_bias
+        targets.update({"midlayer.self_attn.q_proj.bias": layer.qkv_bias.narrow(0, 0, hq * d),
+                        "midlayer.self_attn.k_proj.bias": layer.qkv_bias.narrow(0, hq * d, hkv * d),
+                        "midlayer.self_attn.v_proj.bias": layer.qkv_bias.narrow(0, (hq + hkv) * d, hkv * d)})
     optional = {"embed_tokens.weight": (vocab, hidden), "d2t": (draft_vocab,), "t2d": (vocab,)}
     for name in tensors:
         if name not in targets and name not in optional:
