@@ -17,10 +17,14 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import math
+import os
+import platform
 import random
+import sys
 import time
 from typing import Any
 
@@ -276,6 +280,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if cuda:
             torch.cuda.empty_cache()  # the training LLM's KV cache, before the evaluation's
         result["eval"] = evaluate(args.model, args.device, args.out, eval_prompts, min(args.max_new_tokens, 64))
+    result.update(command="python scripts/train_eagle3.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  settings=vars(args), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  device=torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu")
+    with open(os.path.join(args.out, "training.json"), "w") as f:  # how the head was made, beside it
+        json.dump(result, f, indent=1)
     print(json.dumps(result), flush=True)
     return result
 
