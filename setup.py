@@ -58,6 +58,8 @@ setup(
     version="0.1.0",
     description="A compact LLM inference engine with lossless speculative decoding",
     packages=find_packages(include=["pyengine", "pyengine.*"]),
+    # the shipped EAGLE-3 head for the default model (speculative method "eagle3" without a model)
+    package_data={"pyengine": ["heads/*/*.json", "heads/*/*.safetensors"]},
     ext_modules=[CMakeExtension("pyengine._C")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",

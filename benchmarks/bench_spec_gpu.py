@@ -39,11 +39,12 @@ METHODS = {
 
 
 def time_steps(llm: LLM, per_request: dict) -> dict:
-    """Wrap llm.engine.step: wall seconds and counts per step kind, filled while the LLM runs; each
-    step's seconds are also shared among the requests it gave tokens (per_request: request id ->
-    seconds; at batch 1 a request's own time)."""
+    """Wrap llm.engine.step: wall seconds and counts per step kind, filled while the LLM runs. The
+    seconds since the last request finished go to the request(s) finishing (per_request: request
+    id -> seconds): at batch 1, where requests run one after another, each request's own time."""
     engine, kinds = llm.engine, {}
     step = engine.step
+    since_finish = [0.0]
 
     def timed() -> list:
         verify0, prefill0 = engine.scheduler.stats()["num_verify_rows"], engine.counters["prefill_tokens"]
@@ -58,8 +59,12 @@ def time_steps(llm: LLM, per_request: dict) -> dict:
         k = kinds.setdefault(kind, {"steps": 0, "seconds": 0.0})
         k["steps"] += 1
         k["seconds"] += seconds
-        for req in out:
-            per_request[req.request_id] = per_request.get(req.request_id, 0.0) + seconds / len(out)
+        since_finish[0] += seconds
+        done = [req.request_id for req in out if req.finished]
+        for rid in done:
+            per_request[rid] = since_finish[0] / len(done)
+        if done:
+            since_finish[0] = 0.0
         return out
 
     engine.step = timed
