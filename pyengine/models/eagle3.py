@@ -97,7 +97,7 @@ class Eagle3Head(nn.Module):
         if self.identity_vocab:
             return logits
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
-        full[:, self.target_ids] = logits
+        full.index_copy_(1, self.target_ids, logits)  # no advanced indexing: capturable in a CUDA graph
         return full
 
     def prepack_for_cpu(self) -> None:

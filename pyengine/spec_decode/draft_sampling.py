@@ -32,6 +32,12 @@ class DraftSampler:
 
     def sample(self, rows: Sequence[DraftRow], logits: torch.Tensor) -> None:
         """Appends one draft (and, for random rows, its q row) to every row; logits [len(rows), vocab]."""
+        for r, t in zip(rows, self.draw(rows, logits).tolist()):
+            r.drafts.append(int(t))
+
+    def draw(self, rows: Sequence[DraftRow], logits: torch.Tensor) -> torch.Tensor:
+        """One draft per row as a device tensor [len(rows)] int64 (no host sync: a chained proposer
+        feeds it to its next forward and reads all drafts at the end); random rows' q rows appended."""
         tokens = logits.argmax(dim=-1)
         random_idx = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if random_idx:
@@ -43,8 +49,7 @@ class DraftSampler:
             tokens[idx] = sample_from_probs(q, u)
             for j, r in enumerate(sub):
                 r.q.append(q[j])
-        for r, t in zip(rows, tokens.tolist()):
-            r.drafts.append(int(t))
+        return tokens
 
     def keep(self, rows: Sequence[DraftRow]) -> None:
         """Remember this step's drafts and q rows for draft_probs."""

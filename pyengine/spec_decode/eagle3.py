@@ -9,7 +9,8 @@ the target keeps the residual stream at the input of the head's aux layers inste
 hidden state (ModelRunner.keep_aux_hidden: no extra pass, and on CUDA the graphs write them too),
 the catch-up feeds fc(those states), and the head's draft vocabulary maps to target ids through d2t,
 so its logits (and q for the rejection sampler) are over the target's vocabulary.
-The head's own forwards run eagerly (on CUDA too: they are not captured in graphs yet).
+On CUDA the head's decode catch-ups and chained drafts replay CUDA graphs (MtpProposer.graphs,
+pyengine/spec_decode/head_graphs.py); prefill catch-ups run eagerly.
 """
 from __future__ import annotations
 

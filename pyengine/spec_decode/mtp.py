@@ -35,8 +35,8 @@ import torch
 from pyengine import _C
 from pyengine.engine.model_runner import ModelRunner
 from pyengine.spec_decode.config import SpeculativeConfig
-from pyengine.spec_decode.draft_model import rows_batch
 from pyengine.spec_decode.draft_sampling import DraftRow, DraftSampler
+from pyengine.spec_decode.head_graphs import HeadFeed, HeadGraphs
 
 
 class MtpProposer:
@@ -56,6 +56,16 @@ class MtpProposer:
         self.gone: set[int] = set()  # forgotten since the target's last step: its rows there are stale
         self.sampler = DraftSampler(seed, runner.config.vocab_size, runner.device)
         self.num_forwards = 0
+        g = runner.graph_runner  # the target replays graphs: the layer's short forwards do too
+        self.graphs: HeadGraphs | None = None
+        if g is not None and getattr(self.layer, "supports_cuda_graphs", True):
+            self.use_graphs(HeadGraphs(self.layer, self.kv_cache, self.block_size, self.device, g.max_rows, g.max_q,
+                                       g.width * self.block_size))
+
+    def use_graphs(self, graphs: HeadGraphs | None) -> None:
+        """Run the layer's short forwards (decode catch-ups, chained drafts) through these graphs
+        (None: all eager). On a CPU device the graphs' static-buffer path runs eagerly (tests)."""
+        self.graphs = graphs
 
     @torch.inference_mode()
     def propose(self, scheduler: _C.Scheduler, view: _C.DecodeView, max_drafts: np.ndarray) -> None:
@@ -66,55 +76,66 @@ class MtpProposer:
         if hidden is None or rows_info is None:
             return
         seq_ids, firsts, qsl = rows_info
-        live = [r for r, sid in enumerate(seq_ids.tolist()) if sid not in gone]
-        if not live:
+        live = ~np.isin(seq_ids, np.fromiter(gone, np.int64, len(gone))) if gone else np.ones(len(seq_ids), bool)
+        if not live.any():
             return
-        ids = seq_ids[live]
-        tails, offsets = scheduler.token_ids_from(ids, firsts[live] + 1)  # x_{first+1} onwards
-        tables = scheduler.block_tables(ids)
-        # Drafts wanted per decode row: k, the policy's cap, and room left (tokens and positions).
-        view_ids = view.seq_ids.tolist()
-        room = np.minimum(view.tokens_left, self.max_position - view.num_tokens) - 1
-        wanted = dict(zip(view_ids, np.minimum(np.minimum(max_drafts, self.k), room).tolist()))
+        ids, first = seq_ids[live], firsts[live].astype(np.int64)
+        row_start = qsl[:-1][live].astype(np.int64)
+        tails, offsets = scheduler.token_ids_from(ids, first + 1)  # x_{first+1} onwards
+        n = first + 1 + np.diff(offsets)  # committed tokens
+        valid = np.fromiter((self.valid.get(s, 0) for s in ids.tolist()), np.int64, len(ids))
+        start = np.maximum(first, valid)
+        end = np.minimum(first + np.diff(qsl)[live], n - 1)
+        fed = np.flatnonzero(start < end)  # rows with a catch-up, in the target's row order
+        if not len(fed):
+            return
+        self.valid.update(zip(ids[fed].tolist(), end[fed].tolist()))
+        tables = scheduler.block_tables(ids[fed])
+        lens = end[fed] - start[fed]
+        # token t of feed row i sits at position p: x_{p+1} is tails[offsets[i] + p - first[i]], and
+        # the target's state of p is hidden row row_start[i] + p - first[i]
+        row = np.repeat(fed, lens)
+        within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        rel = start[row] - first[row] + within
+        feed = HeadFeed.build(tables, start[fed], lens, self.block_size, tails[offsets[:-1][row] + rel].astype(np.int64))
+        index = torch.from_numpy(row_start[row] + rel).to(hidden.device)
 
-        feeds: list[tuple[np.ndarray, int, np.ndarray]] = []  # (block table, first position, tokens)
-        hidden_index: list[np.ndarray] = []
-        drafting: list[tuple[int, DraftRow, int]] = []  # (feed index, row, committed tokens n)
-        for i, r in enumerate(live):
-            sid, first = int(ids[i]), int(firsts[r])
-            tail = tails[offsets[i]:offsets[i + 1]]
-            n = first + 1 + len(tail)  # committed tokens
-            start = max(first, self.valid.get(sid, 0))
-            end = min(first + int(qsl[r + 1] - qsl[r]), n - 1)
-            if start >= end:
-                continue
-            feeds.append((tables[i], start, tail[start - first:end - first]))
-            hidden_index.append(np.arange(qsl[r] + start - first, qsl[r] + end - first))
-            self.valid[sid] = end
-            k = int(wanted.get(sid, 0))
-            if k > 0 and end == n - 1:
-                needed = -(-(n + k - 2) // self.block_size)  # positions up to n + k - 3
-                assert needed <= (tables[i] >= 0).sum(), (f"request {sid}: MTP positions need {needed} blocks; is "
-                                                          "SchedulerConfig.drafter_lookahead >= k?")
-                drafting.append((len(feeds) - 1, DraftRow(sid, k, self.get_request(sid).params), n))
-        if not feeds:
+        # Drafts wanted per decode row: k, the policy's cap, and room left (tokens and positions).
+        room = np.minimum(view.tokens_left, self.max_position - view.num_tokens) - 1
+        wanted = dict(zip(view.seq_ids.tolist(), np.minimum(np.minimum(max_drafts, self.k), room).tolist()))
+        ks = np.fromiter((wanted.get(s, 0) for s in ids[fed].tolist()), np.int64, len(fed))
+        d = np.flatnonzero((ks > 0) & (end[fed] == n[fed] - 1))  # drafting feed rows
+        if len(d):
+            needed = -(-(n[fed][d] + ks[d] - 2) // self.block_size)  # positions up to n + k - 3
+            have = (tables[d] >= 0).sum(axis=1)
+            assert (needed <= have).all(), (f"requests {ids[fed][d][needed > have]}: MTP positions need more blocks; "
+                                            "is SchedulerConfig.drafter_lookahead >= k?")
+        out, logits = self._forward(feed, self.target_hidden(hidden.index_select(0, index)), d)
+        if not len(d):
             return
-        index = torch.from_numpy(np.concatenate(hidden_index)).to(hidden.device)
-        out = self._forward(feeds, self.target_hidden(hidden.index_select(0, index)))
-        if not drafting:
-            return
-        ends = np.cumsum([len(tokens) for _, _, tokens in feeds]) - 1  # each feed row's last token
-        prev = out.index_select(0, torch.from_numpy(ends[[f for f, _, _ in drafting]]).to(out.device))
-        rows = [row for _, row, _ in drafting]
-        self.sampler.sample(rows, self.layer.compute_logits(prev))
-        active = list(range(len(rows)))  # rows still drafting, aligned with prev
-        for j in range(1, max(r.k for r in rows)):
-            keep = [pos for pos, i in enumerate(active) if rows[i].k > j]
-            active = [active[pos] for pos in keep]
-            step_feeds = [(feeds[drafting[i][0]][0], drafting[i][2] - 2 + j, np.array([rows[i].drafts[j - 1]]))
-                          for i in active]
-            prev = self._forward(step_feeds, prev.index_select(0, torch.tensor(keep, device=prev.device)))
-            self.sampler.sample([rows[i] for i in active], self.layer.compute_logits(prev))
+        rows = [DraftRow(sid, k, self.get_request(sid).params) for sid, k in zip(ids[fed][d].tolist(), ks[d].tolist())]
+        ends = feed.query_start_loc[1:].astype(np.int64)[d] - 1  # each drafting row's last token
+        prev = out.index_select(0, torch.from_numpy(ends).to(out.device))
+        tokens = [self.sampler.draw(rows, logits)]
+        chain_tables, pos = tables[d], n[fed][d] - 2  # draft j + 1 feeds draft j at position n - 2 + j
+        active = np.arange(len(rows))  # rows still drafting, aligned with prev and tokens[-1]
+        actives = [active]
+        for j in range(1, int(ks[d].max())):
+            keep = np.flatnonzero(ks[d][active] > j)
+            active = active[keep]
+            actives.append(active)
+            keep_t = torch.from_numpy(keep).to(prev.device)
+            step = HeadFeed.build(chain_tables[active], pos[active] + j, np.ones(len(active), np.int64),
+                                  self.block_size)
+            prev, logits = self._forward(step, prev.index_select(0, keep_t), np.arange(len(active)),
+                                         token_ids=tokens[-1].index_select(0, keep_t))
+            tokens.append(self.sampler.draw([rows[i] for i in active], logits))
+        drafted = torch.cat(tokens).tolist()  # the one host sync of the drafts
+        at = 0
+        for active in actives:
+            for i in active.tolist():
+                rows[i].drafts.append(drafted[at])
+                at += 1
         self.sampler.keep(rows)
         scheduler.set_draft_tokens_batch(np.array([r.seq_id for r in rows], dtype=np.int64),
                                          np.fromiter((t for r in rows for t in r.drafts), np.int32),
@@ -133,13 +154,25 @@ class MtpProposer:
         """The target's kept states of the catch-up positions -> the layer's prev_hidden (MTP: as is)."""
         return hidden
 
-    def _forward(self, feeds: list[tuple[np.ndarray, int, np.ndarray]], prev_hidden: torch.Tensor) -> torch.Tensor:
-        """The MTP layer over varlen rows (block table, first position, tokens) with one hidden state
-        per token -> its output for every token [T, hidden]."""
-        batch = rows_batch(feeds, self.block_size)
-        meta = self.runner.build_metadata(batch)
-        input_ids = torch.from_numpy(batch.input_ids).to(self.device)
-        positions = torch.from_numpy(batch.positions).to(self.device)
+    def _forward(self, feed: HeadFeed, prev_hidden: torch.Tensor, logit_rows: np.ndarray,
+                 token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer over the feed's rows with one hidden state per token -> its output for every
+        token [T, hidden] and the logits of rows logit_rows' last tokens. Replayed from a graph where
+        the rows fit one (every row at most max_q tokens), else eager. token_ids: the feed's tokens
+        on the device (then feed.input_ids is None)."""
         self.num_forwards += 1
-        return self.layer(input_ids, positions, prev_hidden, meta, self.kv_cache)
-
+        key = self.graphs.key_for(feed) if self.graphs is not None else None
+        if key is not None:
+            out, logits = self.graphs.run(key, feed, prev_hidden, token_ids)
+            if len(logit_rows) == len(logits):  # every row (the chained steps): no gather
+                return out, logits
+            return out, logits.index_select(0, torch.from_numpy(logit_rows).to(logits.device))
+        meta = self.runner.build_metadata(feed)
+        if token_ids is None:
+            token_ids = torch.from_numpy(feed.input_ids).to(self.device)
+        positions = torch.from_numpy(feed.positions).to(self.device)
+        out = self.layer(token_ids, positions, prev_hidden, meta, self.kv_cache)
+        if not len(logit_rows):
+            return out, out.new_empty(0)
+        last = torch.from_numpy(feed.query_start_loc[1:].astype(np.int64)[logit_rows] - 1).to(out.device)
+        return out, self.layer.compute_logits(out.index_select(0, last))

@@ -1,0 +1,107 @@
+"""CUDA graphs for a drafting layer's short forwards (an MTP layer, an EAGLE-3 head): the catch-up of
+decode rows (each row feeds the 1..k + 1 tokens its last verify step accepted) and the k - 1 chained
+draft steps (one token per row).
+
+It is CudaGraphRunner (pyengine/engine/cuda_graph_runner.py) with the layer as its model: the same
+static device byte buffer filled by one pinned host-to-device copy, one graph per (batch bucket b,
+longest row q) captured lazily, the rows' tokens packed at the front of the b * q token slots and
+padding rows after them (slot -1: no KV write; context 0: nothing read; their outputs dropped), one
+memory pool for these graphs (not the target's: a head replay between the target's step and its
+sampling would be free to overwrite the target's outputs otherwise). What it adds:
+- prev_hidden, the hidden state before each token, in a static device buffer [T, hidden] that run()
+  fills by one device-to-device copy;
+- the logits of each row's last token, computed inside the graph (layer.compute_logits).
+Outputs are static: the caller consumes them (copies, samples) before the next run(). On a CPU
+device nothing is captured and the same static-buffer path runs eagerly, so CPU tests exercise it.
+Rows with more than q tokens (prefill catch-ups) are the caller's: key_for gives None, and the
+proposer runs them eagerly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pyengine.engine.cuda_graph_runner import CudaGraphRunner, graph_shape
+
+
+@dataclass
+class HeadFeed:
+    """One forward of the drafting layer: rows of consecutive tokens in the target's block tables
+    (a ScheduledBatch-like subset of fields that ModelRunner.build_metadata and CudaGraphRunner read)."""
+    input_ids: np.ndarray | None  # [n] int64; None: the tokens come as a device tensor
+    positions: np.ndarray  # [n] int64
+    slot_mapping: np.ndarray  # [n] int64
+    query_start_loc: np.ndarray  # [rows + 1] int32
+    context_lens: np.ndarray  # [rows] int32
+    block_tables: np.ndarray  # [rows, W] int32, -1 past each row's used blocks
+    max_query_len: int
+    max_context_len: int
+
+    @staticmethod
+    def build(tables: np.ndarray, starts: np.ndarray, lens: np.ndarray, block_size: int,
+              input_ids: np.ndarray | None = None) -> HeadFeed:
+        """Row i feeds lens[i] tokens from position starts[i] on, writing their slots of tables[i]
+        and attending to every position before (what rows_batch builds, without a per-row loop)."""
+        B = block_size
+        starts, lens = starts.astype(np.int64), lens.astype(np.int64)
+        ctx = starts + lens
+        qsl = np.zeros(len(lens) + 1, dtype=np.int32)
+        np.cumsum(lens, out=qsl[1:])
+        n = int(qsl[-1])
+        row = np.repeat(np.arange(len(lens)), lens)
+        positions = starts[row] + np.arange(n, dtype=np.int64) - qsl[:-1][row]
+        used = -(-ctx // B)
+        width = int(used.max())
+        table = tables[:, :width].astype(np.int32)  # a copy: the mask below must not touch the caller's
+        table[np.arange(width)[None, :] >= used[:, None]] = -1
+        slots = table[row, positions // B].astype(np.int64) * B + positions % B
+        return HeadFeed(input_ids, positions, slots, qsl, ctx.astype(np.int32), table, int(lens.max()), int(ctx.max()))
+
+
+class HeadGraphs(CudaGraphRunner):
+    """Captures (lazily) and replays a drafting layer's forwards of rows of at most max_q tokens."""
+
+    def __init__(self, layer, kv_cache, block_size: int, device: torch.device, max_num_seqs: int, max_q: int,
+                 graph_max_context: int) -> None:
+        super().__init__(layer, kv_cache, block_size, device, max_num_seqs, max_q, graph_max_context)
+        self.prev: torch.Tensor | None = None  # [T, hidden], made on the first run (the layer's input width)
+
+    def key_for(self, feed: HeadFeed) -> tuple[int, int] | None:
+        """(bucket, q) when the feed can replay a graph, else None (the caller runs it eagerly)."""
+        rows = len(feed.context_lens)
+        if rows == 0 or rows > self.max_rows or feed.max_query_len > self.max_q:
+            return None
+        if feed.block_tables.shape[1] > self.width or feed.max_context_len > self.width * self.block_size:
+            return None
+        return next(x for x in self.buckets if x >= rows), feed.max_query_len
+
+    @torch.inference_mode()
+    def run(self, key: tuple[int, int], feed: HeadFeed, prev_hidden: torch.Tensor,
+            token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output for every token [n, hidden] and the logits of each row's last token
+        [rows, vocab]: static buffers, valid until the next run. token_ids (device int64 [n]) stands
+        for feed.input_ids when those are None."""
+        rows = len(feed.context_lens)
+        n = int(feed.query_start_loc[rows])
+        if self.prev is None:
+            self.prev = torch.zeros(self.T, prev_hidden.shape[1], dtype=prev_hidden.dtype, device=self.device)
+        self.prev[:n].copy_(prev_hidden)
+        if self.use_graphs and key not in self.graphs:
+            self.graphs[key] = self._capture(key)  # padding inputs only; then stage the feed below
+        self._stage(key, rows, feed.query_start_loc, feed.input_ids, feed.positions, feed.slot_mapping,
+                    feed.context_lens, feed.block_tables)
+        logits = self._run(key, n, token_ids)
+        assert self.last_hidden is not None
+        return self.last_hidden, logits[:rows]
+
+    def _forward(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits of rows 0..b-1's last tokens, the layer's output for every token slot): what a
+        replay computes. A padding row without tokens repeats the token before it (dropped)."""
+        b, _, n, _ = graph_shape(key)
+        assert self.prev is not None
+        meta, ids, pos = self._meta(key)
+        out = self.model(ids, pos, self.prev[:n], meta, self.kv_caches)
+        last = (self._views(key)[4][1:b + 1] - 1).clamp_(min=0)
+        return self.model.compute_logits(out.index_select(0, last)), out
