@@ -2,6 +2,13 @@
 // pointers (integers) with their sizes and row strides; pyengine/ops validates them first.
 // The ops return an error message (empty on success) instead of throwing: see cpu_ops.h.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <memory>
+#include <set>
+#include <thread>
+#include <vector>
 
 #include "cpu_gemm.h"
 #include "cpu_llama_stack.h"
@@ -61,6 +68,42 @@ void register_cpu_ops(py::module_& m) {
     return PackedWeight::check(k, n, static_cast<DType>(dtype));
   });
   cpu.def("set_num_threads", &set_pool_threads, "threads of the CPU ops' pool, the caller included");
+  cpu.def("set_pool_adaptive", &set_pool_adaptive,
+          "whether the pool runs jobs on the caller alone for a while after a descheduled worker held one up");
+  cpu.def("pool_stats", [] {
+    const ThreadPool::Stats s = shared_pool().stats();
+    return py::dict(py::arg("parallel_jobs") = s.parallel_jobs, py::arg("solo_jobs") = s.solo_jobs,
+                    py::arg("stalls") = s.stalls);
+  }, "the shared pool's job counts since it was made (set_num_threads with a new count makes a new one)");
+  cpu.def("pool_run_counts", [](int64_t n, int64_t busy_us) {
+    // For tests: how many times run_chunks ran each of n chunks, and on how many threads.
+    auto counts = std::make_unique<std::atomic<int>[]>(static_cast<size_t>(n));  // zeroed
+    std::mutex mutex;
+    std::set<std::thread::id> threads;
+    {
+      py::gil_scoped_release release;
+      shared_pool().run_chunks(n, [&](int64_t i) {
+        counts[i].fetch_add(1);
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(busy_us);
+        while (std::chrono::steady_clock::now() < until) {}  // long enough for the workers to join in
+        std::lock_guard<std::mutex> lock(mutex);
+        threads.insert(std::this_thread::get_id());
+      });
+    }
+    std::vector<int> out(n);
+    for (int64_t i = 0; i < n; ++i) out[i] = counts[i].load();
+    return py::make_tuple(out, threads.size());
+  });
+  py::class_<SoloBackoff>(cpu, "SoloBackoff", "the pool's stall policy (cpu_pool_policy.h), for tests")
+      .def(py::init<>())
+      .def_static("stalled", &SoloBackoff::stalled, py::arg("own_us"), py::arg("waited_us"))
+      .def("parallel", &SoloBackoff::parallel, py::arg("now_us"))
+      .def("on_parallel_job", &SoloBackoff::on_parallel_job, py::arg("now_us"), py::arg("was_stalled"))
+      .def_property_readonly("solo_us", &SoloBackoff::solo_us)
+      .def_readonly_static("MIN_SOLO_US", &SoloBackoff::kMinSoloUs)
+      .def_readonly_static("MAX_SOLO_US", &SoloBackoff::kMaxSoloUs)
+      .def_readonly_static("CLEAN_US", &SoloBackoff::kCleanUs)
+      .def_readonly_static("STALL_SLACK_US", &SoloBackoff::kStallSlackUs);
   py::class_<PackedWeight>(cpu, "PackedWeight")
       .def(py::init([](uintptr_t w, int64_t k, int64_t n, int32_t dtype, bool compact) {
              return PackedWeight(ptr(w), k, n, static_cast<DType>(dtype), compact);

@@ -10,19 +10,29 @@ namespace {
 std::mutex pool_mutex;
 std::unique_ptr<ThreadPool> pool;
 int pool_threads = 1;
+bool pool_adaptive = true;
 
 }  // namespace
 
 ThreadPool& shared_pool() {
   std::lock_guard<std::mutex> lock(pool_mutex);
   if (pool && pool->pid() != getpid()) (void)pool.release();  // forked child: its workers are gone
-  if (!pool || pool->num_threads() != pool_threads) pool = std::make_unique<ThreadPool>(pool_threads);
+  if (!pool || pool->num_threads() != pool_threads) {
+    pool = std::make_unique<ThreadPool>(pool_threads);
+    pool->set_adaptive(pool_adaptive);
+  }
   return *pool;
 }
 
 void set_pool_threads(int num_threads) {
   std::lock_guard<std::mutex> lock(pool_mutex);
   pool_threads = std::max(1, num_threads);
+}
+
+void set_pool_adaptive(bool on) {
+  std::lock_guard<std::mutex> lock(pool_mutex);
+  pool_adaptive = on;
+  if (pool) pool->set_adaptive(on);
 }
 
 }  // namespace pyengine::cpu

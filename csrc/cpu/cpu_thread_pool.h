@@ -8,7 +8,9 @@
 // for chunks in progress, never for a worker that has not started: on a machine whose cores are
 // shared with other processes, a worker that is not scheduled no longer holds every step up by a
 // time slice (its chunks are taken by the threads that run). Callers must therefore compute
-// nothing that depends on which thread runs a chunk (the CPU ops' results never do).
+// nothing that depends on which thread runs a chunk (the CPU ops' results never do). A worker
+// preempted inside a chunk still holds the caller up; the pool then runs jobs on the caller
+// alone for a while (adaptive, the default: cpu_pool_policy.h).
 #pragma once
 
 #include <unistd.h>
@@ -21,6 +23,8 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "cpu_pool_policy.h"
 
 namespace pyengine::cpu {
 
@@ -44,6 +48,19 @@ class ThreadPool {
   int num_threads() const { return num_threads_; }
   pid_t pid() const { return pid_; }
 
+  // Off: every job uses the workers however long they keep the caller waiting (the old pool).
+  void set_adaptive(bool on) { adaptive_.store(on); }
+
+  struct Stats {
+    int64_t parallel_jobs = 0;  // jobs handed to the workers
+    int64_t solo_jobs = 0;      // jobs the caller ran alone while the workers were held back
+    int64_t stalls = 0;         // parallel jobs held up by a descheduled worker
+  };
+  Stats stats() {
+    std::lock_guard<std::mutex> caller(run_mutex_);
+    return stats_;
+  }
+
   // Runs fn(i) for every i in [0, n), each once, spread over the pool's threads (the caller too);
   // returns when all have finished. Callers are serialised: the GEMM binding releases the GIL, so
   // two Python threads (two engines) can arrive here at once, and the job slot holds one job.
@@ -54,6 +71,13 @@ class ThreadPool {
       return;
     }
     std::lock_guard<std::mutex> caller(run_mutex_);
+    const int64_t start = now_us();
+    if (adaptive_.load(std::memory_order_relaxed) && !backoff_.parallel(start)) {
+      ++stats_.solo_jobs;
+      for (int64_t i = 0; i < n; ++i) fn(i);
+      return;
+    }
+    ++stats_.parallel_jobs;
     Job job{&fn, n};
     current_.store(&job);
     generation_.fetch_add(1);  // seq_cst: pairs with the workers' sleeping_ store (no lost wake-up)
@@ -65,7 +89,17 @@ class ThreadPool {
     // Every chunk is claimed. A worker may still run one: it announced itself (active_) before
     // reading current_, so after the store below no worker can reach `job` unannounced.
     current_.store(nullptr);
-    while (active_.load() != 0) __builtin_ia32_pause();
+    const int64_t own = now_us() - start;
+    for (int i = 0; active_.load() != 0; ++i) {
+      __builtin_ia32_pause();
+      // Stalled: that worker waits for a core. Sleeping frees this one, where the kernel can move it.
+      if ((i & 63) == 63 && SoloBackoff::stalled(own, now_us() - start - own))
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    const int64_t end = now_us();
+    const bool stalled = SoloBackoff::stalled(own, end - start - own);
+    stats_.stalls += stalled;
+    backoff_.on_parallel_job(end, stalled);
   }
 
   // Runs fn(t, num_threads) for t in [0, num_threads): run_chunks with one chunk per thread.
@@ -80,6 +114,11 @@ class ThreadPool {
     int64_t n;
     std::atomic<int64_t> next{0};
   };
+
+  static int64_t now_us() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
 
   static void execute(Job& job) {
     for (int64_t i; (i = job.next.fetch_add(1)) < job.n;) (*job.fn)(i);
@@ -118,12 +157,17 @@ class ThreadPool {
   std::atomic<int> active_{0};
   std::atomic<int> sleeping_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<bool> adaptive_{true};
+  SoloBackoff backoff_;  // under run_mutex_, like stats_
+  Stats stats_;
 };
 
 // The process-wide pool of the CPU ops (GEMM, attention, activations), made on first use with the
 // count set_pool_threads() gave (1 until then), and again after a fork().
 ThreadPool& shared_pool();
 void set_pool_threads(int num_threads);
+// Whether the shared pool holds its workers back after a stall (cpu_pool_policy.h); default on.
+void set_pool_adaptive(bool on);
 
 // Index range [begin, end) of part t of n when `count` items are split into `parts` near-equal ranges.
 inline int64_t split_begin(int64_t count, int t, int parts) { return count * t / parts; }

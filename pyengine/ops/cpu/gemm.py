@@ -5,14 +5,15 @@ import numpy as np
 import torch
 
 from pyengine.ops.cpu.extension import DTYPE_CODE, kernels, raise_error
+from pyengine.ops.cpu.threads import pool_threads_for
 
 
 class PackedLinear:
     """An fp32 or bf16 [in, out] weight in the layout of the C++ decode GEMM (csrc/cpu/cpu_gemm.h):
     called as y = layer(x, bias), one row's result independent of the other rows: each output is
     one k-ordered fp32 FMA chain fixed by the packing, so a row's bits are the same for every M and
-    every thread count. Threads: torch's count when packed; the pool runs them only inside
-    ModelRunner.step_threads.
+    every thread count. Threads: torch's count when packed, capped by the cores free then
+    (pyengine.ops.cpu.threads); the pool runs them only inside ModelRunner.step_threads.
 
     Kernels (`isa`): AVX-512 where the CPU has avx512f/bw/vl (bf16: also avx512_bf16), else AVX2 +
     FMA (csrc/cpu/cpu_gemm_avx2.h, every format below). The two families differ in the last bits;
@@ -30,7 +31,7 @@ class PackedLinear:
         self.in_features, self.out_features = w.shape
         self.packed = kernels.PackedWeight(w.data_ptr(), self.in_features, self.out_features, DTYPE_CODE[w.dtype],
                                            compact)
-        kernels.set_num_threads(torch.get_num_threads())
+        kernels.set_num_threads(pool_threads_for(torch.get_num_threads()))
 
     @classmethod
     def from_gguf(cls, ggml_type: int, rows: np.ndarray, in_features: int) -> PackedLinear | None:
@@ -42,7 +43,7 @@ class PackedLinear:
         a non-finite scale (the caller then dequantises)."""
         if rows.dtype != np.uint64 or rows.ndim != 1 or not rows.flags.c_contiguous:
             raise ValueError(f"PackedLinear.from_gguf takes a contiguous uint64 array of row addresses, got {rows.dtype}")
-        kernels.set_num_threads(torch.get_num_threads())  # the pool packs too
+        kernels.set_num_threads(pool_threads_for(torch.get_num_threads()))  # the pool packs too
         packed = kernels.pack_gguf(ggml_type, rows.ctypes.data, in_features, rows.shape[0])
         if packed is None:
             return None

@@ -1,0 +1,102 @@
+"""How many threads the CPU ops' pool (csrc/cpu/cpu_thread_pool.h) runs: the cores actually free.
+
+A pool that uses every core while another process keeps one busy shares that core with it, and
+each job waits for whichever thread the kernel parks. So the default is torch's thread count
+(the cores torch would use) capped by the cores of this process's affinity that were free while
+the model loaded: /proc/stat's busy time over that stretch, less this process's own CPU time.
+PYENGINE_CPU_THREADS=N pins the count (no sampling). The pool also degrades at run time when a
+core becomes busy later (cpu_pool_policy.h); this choice only spares it the start.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+
+ENV = "PYENGINE_CPU_THREADS"
+MIN_SAMPLE_S = 0.05  # /proc/stat counts in 10 ms ticks: five of them per core at least
+_CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def free_cores(cpus: int, busy_cores: float) -> int:
+    """Cores of `cpus` left after others' work of `busy_cores` cores, rounded; at least 1."""
+    return max(1, min(cpus, int(cpus - busy_cores + 0.5)))
+
+
+def choose_threads(requested: int, cpus: int, busy_cores: float | None, env: str | None) -> int:
+    """The pool's thread count: env (PYENGINE_CPU_THREADS) when set, else the requested count
+    (torch's) capped by the free cores; busy_cores None (not measured) caps by cpus only."""
+    if env:
+        try:
+            pinned = int(env)
+        except ValueError:
+            raise ValueError(f"{ENV} must be a whole number of threads, got {env!r}") from None
+        if pinned < 1:
+            raise ValueError(f"{ENV} must be at least 1, got {pinned}")
+        return pinned
+    cap = cpus if busy_cores is None else free_cores(cpus, busy_cores)
+    return max(1, min(requested, cap))
+
+
+def _busy_ticks(cpus: set[int]) -> int:
+    """Non-idle ticks (user, nice, system, irq, softirq, steal) of these CPUs so far."""
+    total = 0
+    with open("/proc/stat", encoding="ascii") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+                total += user + nice + system + irq + softirq + steal
+    return total
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class BusySampler:
+    """Others' CPU use on this process's cores from construction until busy_cores() (at least
+    MIN_SAMPLE_S later: it sleeps the rest). None where /proc/stat cannot be read."""
+
+    def __init__(self) -> None:
+        self.cpus = os.sched_getaffinity(0)
+        try:
+            self._start = (time.monotonic(), _busy_ticks(self.cpus), _own_cpu_s())
+        except (OSError, ValueError):
+            self._start = None
+
+    def busy_cores(self) -> float | None:
+        if self._start is None:
+            return None
+        t0, ticks0, own0 = self._start
+        time.sleep(max(0.0, MIN_SAMPLE_S - (time.monotonic() - t0)))
+        try:
+            ticks = _busy_ticks(self.cpus)
+        except (OSError, ValueError):
+            return None
+        wall = time.monotonic() - t0
+        others = (ticks - ticks0) / _CLOCK_TICK - (_own_cpu_s() - own0)
+        return max(0.0, others / wall)
+
+
+_sampler = BusySampler()  # from import on: the model's loading covers the sample
+_busy: list[float | None] = []  # measured once, by the first pool_threads_for
+_told: set[int] = set()
+
+
+def pool_threads_for(requested: int) -> int:
+    """choose_threads for this process, its cores' load sampled once (the first call)."""
+    env = os.environ.get(ENV)
+    if env:
+        return choose_threads(requested, 1, None, env)
+    if not _busy:
+        _busy.append(_sampler.busy_cores())
+    cpus = len(_sampler.cpus)
+    chosen = choose_threads(requested, cpus, _busy[0], None)
+    if chosen < requested and requested not in _told:  # once: say why fewer threads run
+        _told.add(requested)
+        print(f"pyengine: {chosen} of {requested} CPU threads ({_busy[0]:.1f} of {cpus} cores busy elsewhere "
+              f"at start-up; {ENV}=N sets the count)", file=sys.stderr)
+    return chosen

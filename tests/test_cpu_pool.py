@@ -1,0 +1,112 @@
+"""The CPU ops' pool under a busy core (issue 24): the thread count chosen from the cores free, the
+stall policy that runs jobs on the caller alone for a while, and that neither changes a result."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyengine.ops import cpu as cpu_ops
+from pyengine.ops.cpu import threads as cpu_threads
+from pyengine.ops.cpu.extension import DTYPE_CODE
+
+kernels = cpu_ops.kernels
+Backoff = kernels.SoloBackoff
+
+
+@pytest.fixture
+def restore_pool():
+    threads = torch.get_num_threads()
+    yield
+    kernels.set_pool_adaptive(True)
+    torch.set_num_threads(threads)
+    kernels.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("cpus,busy,want", [(2, 0.0, 2), (2, 0.3, 2), (2, 0.6, 1), (2, 1.0, 1), (2, 2.0, 1),
+                                            (8, 2.6, 5), (4, 0.0, 4), (1, 0.9, 1)])
+def test_free_cores_rounds_others_load_and_keeps_one(cpus: int, busy: float, want: int) -> None:
+    assert cpu_threads.free_cores(cpus, busy) == want
+
+
+def test_choose_threads_caps_the_request_by_free_cores_and_env_pins_it() -> None:
+    assert cpu_threads.choose_threads(2, 2, 1.0, None) == 1  # a spinning process on one of two cores
+    assert cpu_threads.choose_threads(2, 2, 0.1, None) == 2
+    assert cpu_threads.choose_threads(1, 8, 0.0, None) == 1  # never more than torch's count
+    assert cpu_threads.choose_threads(8, 2, None, None) == 2  # load unknown: the affinity's cores
+    assert cpu_threads.choose_threads(2, 2, 2.0, "3") == 3  # the override wins, load or not
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(ValueError, match="PYENGINE_CPU_THREADS"):
+            cpu_threads.choose_threads(2, 2, 0.0, bad)
+
+
+def test_pool_threads_for_follows_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_threads.ENV, "3")
+    assert cpu_threads.pool_threads_for(1) == 3
+    monkeypatch.delenv(cpu_threads.ENV)
+    assert 1 <= cpu_threads.pool_threads_for(2) <= 2
+
+
+def test_busy_sampler_measures_a_non_negative_load() -> None:
+    busy = cpu_threads.BusySampler().busy_cores()
+    assert busy is None or busy >= 0.0
+
+
+def test_stall_is_a_wait_beyond_the_callers_own_share() -> None:
+    slack = Backoff.STALL_SLACK_US
+    assert not Backoff.stalled(50, 50 + slack)
+    assert Backoff.stalled(50, 51 + slack)
+    assert not Backoff.stalled(5000, 4000)  # a long job's last chunk in progress is no stall
+
+
+def test_backoff_doubles_per_stall_and_resets_after_a_clean_stretch() -> None:
+    b = Backoff()
+    assert b.parallel(0)
+    b.on_parallel_job(1000, False)
+    assert b.parallel(1001) and b.solo_us == Backoff.MIN_SOLO_US
+    t = 2000
+    for k in range(12):  # a core that stays busy: each probe stalls, the quiet period grows to the cap
+        period = min(Backoff.MIN_SOLO_US << k, Backoff.MAX_SOLO_US)
+        b.on_parallel_job(t, True)
+        assert not b.parallel(t + period - 1) and b.parallel(t + period)
+        t += period
+    assert b.solo_us == Backoff.MAX_SOLO_US
+    b.on_parallel_job(t, False)  # the core is free again: clean jobs for CLEAN_US restore the short period
+    b.on_parallel_job(t + Backoff.CLEAN_US - 1, False)
+    assert b.solo_us == Backoff.MAX_SOLO_US
+    b.on_parallel_job(t + Backoff.CLEAN_US, False)
+    assert b.solo_us == Backoff.MIN_SOLO_US
+    b.on_parallel_job(t + Backoff.CLEAN_US + 1, True)
+    assert b.solo_us == 2 * Backoff.MIN_SOLO_US
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_pool_runs_every_chunk_exactly_once(threads: int, adaptive: bool, restore_pool) -> None:
+    kernels.set_num_threads(threads)
+    kernels.set_pool_adaptive(adaptive)
+    for n in (1, 2, 3, 17, 200):
+        counts, used = kernels.pool_run_counts(n, 20)
+        assert counts == [1] * n, f"n = {n}"
+        assert 1 <= used <= threads
+    stats = kernels.pool_stats()
+    if threads > 1 and not adaptive:
+        assert stats["solo_jobs"] == 0 and stats["parallel_jobs"] >= 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_bits_do_not_depend_on_threads_or_the_stall_policy(dtype: torch.dtype, restore_pool) -> None:
+    if not kernels.has_gemm(DTYPE_CODE[dtype]):
+        pytest.skip("no packed GEMM on this CPU")
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(576, 200, generator=gen).to(dtype)
+    x = torch.randn(33, 576, generator=gen).to(dtype)
+    layer = cpu_ops.PackedLinear(w)
+    torch.set_num_threads(1)  # as inside an engine step: the pool splits the work
+    kernels.set_num_threads(1)
+    want = layer(x, None)
+    for threads in (2, 3):
+        for adaptive in (False, True):
+            kernels.set_num_threads(threads)
+            kernels.set_pool_adaptive(adaptive)
+            for m in (1, 2, 33):
+                assert torch.equal(layer(x[:m], None), want[:m]), f"{threads} threads, adaptive {adaptive}, M {m}"
