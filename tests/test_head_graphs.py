@@ -32,7 +32,7 @@ def _attach(llm: LLM) -> HeadGraphs:
     p, r, cfg = llm.engine.proposer, llm.engine.runner, llm.engine.cfg
     g = HeadGraphs(p.layer, p.kv_cache, r.block_size, r.device, cfg.max_num_seqs, p.k + 1,
                    cfg.max_model_len + p.k + 1 + r.block_size)
-    p.use_graphs(g)
+    p.set_graphs(g)
     return g
 
 

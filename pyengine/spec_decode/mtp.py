@@ -21,6 +21,10 @@ Those writes reach position n + k - 3, inside the blocks the previous step reser
 Positions the target did not compute (a prefix-cache hit) are skipped: their MTP entries are
 whatever the block's earlier owner wrote, or zeros. That changes drafts only, never the output.
 
+Where the target replays CUDA graphs, so do the layer's forwards whose rows feed at most k + 1
+tokens each (decode catch-ups, chained drafts): pyengine/spec_decode/head_graphs.py; prefill
+catch-ups run eagerly. The chained drafts stay on the device until all are drawn (one host sync).
+
 An EAGLE-3 head (pyengine/spec_decode/eagle3.py) drafts the same way: `layer` is any module with
 make_kv_cache, forward(ids, positions, prev_hidden, meta, kv_cache) and compute_logits, and
 target_hidden maps the target's kept states to the layer's prev_hidden for the catch-up.
@@ -59,10 +63,10 @@ class MtpProposer:
         g = runner.graph_runner  # the target replays graphs: the layer's short forwards do too
         self.graphs: HeadGraphs | None = None
         if g is not None and getattr(self.layer, "supports_cuda_graphs", True):
-            self.use_graphs(HeadGraphs(self.layer, self.kv_cache, self.block_size, self.device, g.max_rows, g.max_q,
+            self.set_graphs(HeadGraphs(self.layer, self.kv_cache, self.block_size, self.device, g.max_rows, g.max_q,
                                        g.width * self.block_size))
 
-    def use_graphs(self, graphs: HeadGraphs | None) -> None:
+    def set_graphs(self, graphs: HeadGraphs | None) -> None:
         """Run the layer's short forwards (decode catch-ups, chained drafts) through these graphs
         (None: all eager). On a CPU device the graphs' static-buffer path runs eagerly (tests)."""
         self.graphs = graphs
@@ -122,13 +126,15 @@ class MtpProposer:
         actives = [active]
         for j in range(1, int(ks[d].max())):
             keep = np.flatnonzero(ks[d][active] > j)
+            ids_j = tokens[-1]
+            if len(keep) < len(active):  # some rows stop here (their k): drop their rows
+                keep_t = torch.from_numpy(keep).to(prev.device)
+                prev, ids_j = prev.index_select(0, keep_t), ids_j.index_select(0, keep_t)
             active = active[keep]
             actives.append(active)
-            keep_t = torch.from_numpy(keep).to(prev.device)
             step = HeadFeed.build(chain_tables[active], pos[active] + j, np.ones(len(active), np.int64),
                                   self.block_size)
-            prev, logits = self._forward(step, prev.index_select(0, keep_t), np.arange(len(active)),
-                                         token_ids=tokens[-1].index_select(0, keep_t))
+            prev, logits = self._forward(step, prev, np.arange(len(active)), token_ids=ids_j)
             tokens.append(self.sampler.draw([rows[i] for i in active], logits))
         drafted = torch.cat(tokens).tolist()  # the one host sync of the drafts
         at = 0

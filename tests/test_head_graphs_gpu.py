@@ -1,0 +1,69 @@
+"""EAGLE-3 with its head's forwards replayed from CUDA graphs (pyengine/spec_decode/head_graphs.py)
+on the default model (SmolLM2 GGUF, bf16) and the shipped head: the head's graphs replay, greedy
+output equals plain output bit for bit (tokens and logits; batch_invariant=True, so verify steps and
+decode steps share their numbers) at batch 1 and 6, and the drafts equal those of the head's eager
+forwards (batch invariance: the padded graph rows change no real row's numbers). Skips without CUDA."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from pyengine import LLM, SamplingParams
+from pyengine.models.eagle3 import SHIPPED_HEAD
+from tests.test_batch_invariance_gpu import PROMPTS, assert_identical, run
+from tests.test_gpu_e2e import gguf  # noqa: F401  (the SmolLM2 GGUF fixture)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+MAX_TOKENS = 48
+
+
+def eagle3_run(gguf: str, prompts: list[str], k: int, head_graphs: bool = True):  # noqa: F811
+    """(outputs as run() gives them, every step's drafts, the proposer's graph runner counters)."""
+    llm = LLM(model=gguf, device="cuda", dtype="bfloat16", batch_invariant=True, num_kv_blocks=4096,
+              max_model_len=2048, max_num_batched_tokens=512,
+              speculative_config={"method": "eagle3", "model": SHIPPED_HEAD, "num_speculative_tokens": k,
+                                  "adaptive_draft_length": False})
+    proposer = llm.engine.proposer
+    graphs = proposer.graphs
+    assert graphs is not None and graphs.use_graphs, "a CUDA target with graphs: the head gets graphs too"
+    if not head_graphs:
+        proposer.set_graphs(None)
+    drafts: list[dict[int, list[int]]] = []
+    propose = proposer.propose
+
+    def record(*args):
+        propose(*args)
+        drafts.append({sid: list(d) for sid, (d, _) in proposer.sampler.pending.items()})
+    proposer.propose = record
+    llm.engine.cfg.record_logits = True
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    reqs = llm.run_requests([(p, llm.tokenizer.encode(p)) for p in prompts], [params] * len(prompts))
+    out = [(r.output_token_ids, torch.stack(r.logits)) for r in reqs]
+    stats, counts = llm.stats(), (graphs.num_replays, graphs.num_eager, sorted(graphs.graphs))
+    del llm, proposer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out, drafts, stats, counts
+
+
+@pytest.mark.parametrize("batch,k", [(1, 4), (6, 3)])
+def test_eagle3_head_graphs_equal_plain(gguf: str, batch: int, k: int) -> None:  # noqa: F811
+    prompts = PROMPTS[:batch]
+    plain = run(gguf, prompts, MAX_TOKENS)
+    out, drafts, stats, (replays, eager, keys) = eagle3_run(gguf, prompts, k)
+    assert replays > 0 and eager == 0, (replays, eager)
+    assert any(q > 1 for _, q in keys), f"no catch-up after accepted drafts replayed a graph: {keys}"
+    assert stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] > 0, stats
+    assert_identical(out, plain, f"eagle3 k={k} with head graphs vs plain")
+
+
+def test_head_graph_drafts_equal_eager_drafts(gguf: str) -> None:  # noqa: F811
+    prompts = PROMPTS[:4]
+    out, drafts, _, (replays, _, _) = eagle3_run(gguf, prompts, 3)
+    eager_out, eager_drafts, _, (eager_replays, _, _) = eagle3_run(gguf, prompts, 3, head_graphs=False)
+    assert replays > 0 and eager_replays == 0
+    assert_identical(out, eager_out, "eagle3 with vs without head graphs")
+    assert drafts == eager_drafts
