@@ -36,6 +36,18 @@ def _attach(llm: LLM) -> HeadGraphs:
     return g
 
 
+def record_drafts(proposer) -> list[dict[int, list[int]]]:
+    """Every propose() call's drafts (seq id -> drafts), appended to the returned list."""
+    drafts: list[dict[int, list[int]]] = []
+    propose = proposer.propose
+
+    def record(*args):
+        propose(*args)
+        drafts.append({sid: list(d) for sid, (d, _) in proposer.sampler.pending.items()})
+    proposer.propose = record
+    return drafts
+
+
 def _drafting_run(path: str, spec: dict, batch: int, graphs: bool, params: SamplingParams, **kw):
     """Outputs, every step's drafts (seq id -> drafts) and the graph keys the static path ran."""
     llm = LLM(path, device="cpu", speculative_config=spec, max_num_batched_tokens=64, **kw)
@@ -51,13 +63,7 @@ def _drafting_run(path: str, spec: dict, batch: int, graphs: bool, params: Sampl
             assert len(feed.context_lens) <= key[0] and feed.max_query_len == key[1]
             return run(key, feed, prev, token_ids)
         g.run = spy
-    drafts: list[dict[int, list[int]]] = []
-    propose = proposer.propose
-
-    def record(*args):
-        propose(*args)
-        drafts.append({sid: list(d) for sid, (d, _) in proposer.sampler.pending.items()})
-    proposer.propose = record
+    drafts = record_drafts(proposer)
     outs = llm.generate(make_prompts(batch), params, use_tqdm=False)
     assert all(o.error is None for o in outs)
     return [tuple(o.outputs[0].token_ids) for o in outs], drafts, keys, llm

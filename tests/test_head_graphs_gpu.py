@@ -14,6 +14,7 @@ from pyengine import LLM, SamplingParams
 from pyengine.models.eagle3 import SHIPPED_HEAD
 from tests.test_batch_invariance_gpu import PROMPTS, assert_identical, run
 from tests.test_gpu_e2e import gguf  # noqa: F401  (the SmolLM2 GGUF fixture)
+from tests.test_head_graphs import record_drafts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -31,13 +32,7 @@ def eagle3_run(gguf: str, prompts: list[str], k: int, head_graphs: bool = True):
     assert graphs is not None and graphs.use_graphs, "a CUDA target with graphs: the head gets graphs too"
     if not head_graphs:
         proposer.set_graphs(None)
-    drafts: list[dict[int, list[int]]] = []
-    propose = proposer.propose
-
-    def record(*args):
-        propose(*args)
-        drafts.append({sid: list(d) for sid, (d, _) in proposer.sampler.pending.items()})
-    proposer.propose = record
+    drafts = record_drafts(proposer)
     llm.engine.cfg.record_logits = True
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     reqs = llm.run_requests([(p, llm.tokenizer.encode(p)) for p in prompts], [params] * len(prompts))
