@@ -43,6 +43,8 @@ def test_pool_threads_for_follows_the_env(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv(cpu_threads.ENV, "3")
     assert cpu_threads.pool_threads_for(1) == 3
     monkeypatch.delenv(cpu_threads.ENV)
+    assert cpu_threads.pool_threads_for(2) == 2  # default: torch's count, no load sampling
+    monkeypatch.setenv(cpu_threads.ENV, "auto")
     assert 1 <= cpu_threads.pool_threads_for(2) <= 2
 
 

@@ -1,11 +1,12 @@
-"""How many threads the CPU ops' pool (csrc/cpu/cpu_thread_pool.h) runs: the cores actually free.
+"""How many threads the CPU ops' pool (csrc/cpu/cpu_thread_pool.h) runs.
 
-A pool that uses every core while another process keeps one busy shares that core with it, and
-each job waits for whichever thread the kernel parks. So the default is torch's thread count
-(the cores torch would use) capped by the cores of this process's affinity that were free while
-the model loaded: /proc/stat's busy time over that stretch, less this process's own CPU time.
-PYENGINE_CPU_THREADS=N pins the count (no sampling). The pool also degrades at run time when a
-core becomes busy later (cpu_pool_policy.h); this choice only spares it the start.
+By default torch's thread count. PYENGINE_CPU_THREADS=N pins the count; PYENGINE_CPU_THREADS=auto
+caps torch's count by the cores of this process's affinity that were free while the model loaded
+(/proc/stat's busy time over that stretch, less this process's own CPU time). The cap is opt-in:
+on the shared 2-core VM, under fair-share load rather than one spinning process, it chose one
+thread where two decoded faster (benchmarks/results/busy_core_cpu.json). A core taken while the
+pool runs is handled by the pool itself, which runs jobs on the caller alone for a while after a
+job waited on a descheduled worker (cpu_pool_policy.h).
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def free_cores(cpus: int, busy_cores: float) -> int:
 
 
 def choose_threads(requested: int, cpus: int, busy_cores: float | None, env: str | None) -> int:
-    """The pool's thread count: env (PYENGINE_CPU_THREADS) when set, else the requested count
-    (torch's) capped by the free cores; busy_cores None (not measured) caps by cpus only."""
+    """The pool's thread count: env (PYENGINE_CPU_THREADS, a number) when set, else the requested
+    count (torch's) capped by the free cores; busy_cores None (not measured) caps by cpus only."""
     if env:
         try:
             pinned = int(env)
@@ -81,15 +82,18 @@ class BusySampler:
         return max(0.0, others / wall)
 
 
-_sampler = BusySampler()  # from import on: the model's loading covers the sample
+_sampler = BusySampler()  # from import on: the model's loading covers the sample ("auto" only)
 _busy: list[float | None] = []  # measured once, by the first pool_threads_for
 _told: set[int] = set()
 
 
 def pool_threads_for(requested: int) -> int:
-    """choose_threads for this process, its cores' load sampled once (the first call)."""
+    """The requested count (torch's), or PYENGINE_CPU_THREADS: a number pins it, "auto" caps it by
+    the free cores (choose_threads, the load sampled once, at the first call)."""
     env = os.environ.get(ENV)
-    if env:
+    if not env:
+        return requested
+    if env.strip().lower() != "auto":
         return choose_threads(requested, 1, None, env)
     if not _busy:
         _busy.append(_sampler.busy_cores())
