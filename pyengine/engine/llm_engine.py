@@ -313,8 +313,9 @@ class LLMEngine:
 
     def _may_launch_next(self, batch, key: tuple[int, int]) -> bool:
         """Launch the next decode step now? Only where it is likely to be the step the scheduler
-        asks for: a graph step of decode rows only (q = 1), no speculation, no recurrent state,
-        nobody waiting for admission, and no row that this step's token finishes by length."""
+        asks for: a graph step of decode rows only (q = 1), no recurrent state, nobody waiting for
+        admission, no row that this step's token finishes by length, and under speculation a plan
+        without drafts for the next step (_plan_next)."""
         g = self.runner.graph_runner
         # record_logits reads this step's logits after sampling: the next replay would overwrite them
         if (not self.async_decode or self.cfg.record_logits or self.num_logprob_requests
