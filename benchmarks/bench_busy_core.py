@@ -3,10 +3,10 @@
 For each thread count (torch.set_num_threads) and each of: nothing beside it / a spinning process
 (`python -c "while True: pass"`, started before the engine and killed after it), two variants
 take turns in fresh processes (round by round, so a burst of other load hits both alike):
-  before  the pool as it was: exactly that many threads (PYENGINE_CPU_THREADS) and every job handed
+  before  the pool as it was: exactly that many threads (set_pool_threads(N)) and every job handed
           to the workers however long a descheduled one keeps the caller waiting (set_pool_adaptive(False))
-  after   the default: threads capped by the cores free at start-up (pyengine.ops.cpu.threads) and
-          the stall policy (csrc/cpu/cpu_pool_policy.h)
+  after   threads capped by the cores free at start-up (set_pool_threads("auto"), opt-in since
+          results/busy_core_cpu.json) and the stall policy (csrc/cpu/cpu_pool_policy.h, on by default)
 Per process: decode_tok_s = --max-tokens / (time(prompt + 1 + max_tokens) - time(prompt + 1)), best of
 --repeats after a warm-up, greedy, no prefix caching; the pool's thread count and job counts
 (parallel, solo, stalls); /proc/loadavg before and after. Medians over --rounds go to the JSON.
@@ -41,6 +41,8 @@ threads, adaptive, max_tokens, repeats = int(sys.argv[1]), sys.argv[2] == "1", i
 import torch
 torch.set_num_threads(threads)
 from pyengine import LLM, SamplingParams, _C
+from pyengine.ops.cpu.threads import pool_threads_for, set_pool_threads
+set_pool_threads(threads if not adaptive else "auto")
 llm = LLM(enable_prefix_caching=False)
 _C.cpu.set_pool_adaptive(adaptive)
 ids = llm.tokenizer.encode(sys.stdin.read())
@@ -56,7 +58,6 @@ gen(2)
 before = _C.cpu.pool_stats()
 t1, tn = best(lambda: gen(1)), best(lambda: gen(1 + max_tokens))
 after = _C.cpu.pool_stats()
-from pyengine.ops.cpu.threads import pool_threads_for
 print(json.dumps({"decode_tok_s": max_tokens / (tn - t1), "pool_threads": pool_threads_for(threads),
                   **{k: after[k] - before[k] for k in after}}))
 """
@@ -68,9 +69,6 @@ def loadavg() -> list[float]:
 
 def run_variant(variant: str, threads: int, spin: bool, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("PYENGINE_CPU_THREADS", None)
-    if variant == "before":
-        env["PYENGINE_CPU_THREADS"] = str(threads)
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if spin else None
     try:
         if spinner:

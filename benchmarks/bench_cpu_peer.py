@@ -114,7 +114,7 @@ def run_engine(engine: str, threads: int, spec_k: int, ids: dict[str, Any], args
     """One fresh process (bench_load.run_child): its result, peak RSS and the load around it."""
     before = loadavg()
     argv = ["-c", CHILD, engine, str(threads), str(spec_k), str(args.max_tokens), str(args.repeats)]
-    env = dict(os.environ, PYTHONPATH=ROOT, PYENGINE_CPU_THREADS=str(threads))  # exactly that many, busy core or not
+    env = dict(os.environ, PYTHONPATH=ROOT)  # the child sets torch's threads; the pool follows them
     result, _, peak_rss_mb = run_child(argv, json.dumps(ids).encode(), env, ROOT)
     result["loadavg"] = [before, loadavg()]
     result["peak_rss_mb"] = round(peak_rss_mb, 1)

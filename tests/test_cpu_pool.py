@@ -28,24 +28,25 @@ def test_free_cores_rounds_others_load_and_keeps_one(cpus: int, busy: float, wan
     assert cpu_threads.free_cores(cpus, busy) == want
 
 
-def test_choose_threads_caps_the_request_by_free_cores_and_env_pins_it() -> None:
-    assert cpu_threads.choose_threads(2, 2, 1.0, None) == 1  # a spinning process on one of two cores
-    assert cpu_threads.choose_threads(2, 2, 0.1, None) == 2
-    assert cpu_threads.choose_threads(1, 8, 0.0, None) == 1  # never more than torch's count
-    assert cpu_threads.choose_threads(8, 2, None, None) == 2  # load unknown: the affinity's cores
-    assert cpu_threads.choose_threads(2, 2, 2.0, "3") == 3  # the override wins, load or not
-    for bad in ("0", "two", "-1"):
-        with pytest.raises(ValueError, match="PYENGINE_CPU_THREADS"):
-            cpu_threads.choose_threads(2, 2, 0.0, bad)
+def test_choose_threads_caps_the_request_by_free_cores() -> None:
+    assert cpu_threads.choose_threads(2, 2, 1.0) == 1  # a spinning process on one of two cores
+    assert cpu_threads.choose_threads(2, 2, 0.1) == 2
+    assert cpu_threads.choose_threads(1, 8, 0.0) == 1  # never more than torch's count
+    assert cpu_threads.choose_threads(8, 2, None) == 2  # load unknown: the affinity's cores
 
 
-def test_pool_threads_for_follows_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_threads.ENV, "3")
-    assert cpu_threads.pool_threads_for(1) == 3
-    monkeypatch.delenv(cpu_threads.ENV)
-    assert cpu_threads.pool_threads_for(2) == 2  # default: torch's count, no load sampling
-    monkeypatch.setenv(cpu_threads.ENV, "auto")
-    assert 1 <= cpu_threads.pool_threads_for(2) <= 2
+def test_pool_threads_follow_the_setting() -> None:
+    try:
+        assert cpu_threads.pool_threads_for(2) == 2  # default: torch's count, no load sampling
+        cpu_threads.set_pool_threads(3)
+        assert cpu_threads.pool_threads_for(1) == 3
+        cpu_threads.set_pool_threads("auto")
+        assert 1 <= cpu_threads.pool_threads_for(2) <= 2
+        for bad in (0, -1, "two", 1.5, True):
+            with pytest.raises(ValueError, match="pool threads"):
+                cpu_threads.set_pool_threads(bad)
+    finally:
+        cpu_threads.set_pool_threads(None)
 
 
 def test_busy_sampler_measures_a_non_negative_load() -> None:

@@ -1,7 +1,7 @@
 """How many threads the CPU ops' pool (csrc/cpu/cpu_thread_pool.h) runs.
 
-By default torch's thread count. PYENGINE_CPU_THREADS=N pins the count; PYENGINE_CPU_THREADS=auto
-caps torch's count by the cores of this process's affinity that were free while the model loaded
+By default torch's thread count. set_pool_threads(N) pins the count; set_pool_threads("auto") caps
+torch's count by the cores of this process's affinity that were free while the model loaded
 (/proc/stat's busy time over that stretch, less this process's own CPU time). The cap is opt-in:
 on the shared 2-core VM, under fair-share load rather than one spinning process, it chose one
 thread where two decoded faster (benchmarks/results/busy_core_cpu.json). A core taken while the
@@ -15,7 +15,6 @@ import resource
 import sys
 import time
 
-ENV = "PYENGINE_CPU_THREADS"
 MIN_SAMPLE_S = 0.05  # /proc/stat counts in 10 ms ticks: five of them per core at least
 _CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 
@@ -25,17 +24,9 @@ def free_cores(cpus: int, busy_cores: float) -> int:
     return max(1, min(cpus, int(cpus - busy_cores + 0.5)))
 
 
-def choose_threads(requested: int, cpus: int, busy_cores: float | None, env: str | None) -> int:
-    """The pool's thread count: env (PYENGINE_CPU_THREADS, a number) when set, else the requested
-    count (torch's) capped by the free cores; busy_cores None (not measured) caps by cpus only."""
-    if env:
-        try:
-            pinned = int(env)
-        except ValueError:
-            raise ValueError(f"{ENV} must be a whole number of threads, got {env!r}") from None
-        if pinned < 1:
-            raise ValueError(f"{ENV} must be at least 1, got {pinned}")
-        return pinned
+def choose_threads(requested: int, cpus: int, busy_cores: float | None) -> int:
+    """The requested count (torch's) capped by the free cores; busy_cores None (not measured) caps
+    by cpus only."""
     cap = cpus if busy_cores is None else free_cores(cpus, busy_cores)
     return max(1, min(requested, cap))
 
@@ -83,24 +74,32 @@ class BusySampler:
 
 
 _sampler = BusySampler()  # from import on: the model's loading covers the sample ("auto" only)
-_busy: list[float | None] = []  # measured once, by the first pool_threads_for
+_busy: list[float | None] = []  # measured once, by the first pool_threads_for under "auto"
 _told: set[int] = set()
+_setting: list[int | str | None] = [None]
+
+
+def set_pool_threads(value: int | str | None) -> None:
+    """The pool's thread count from now on: None torch's count (the default), N >= 1 exactly N,
+    "auto" torch's count capped by the cores free at the first use. ValueError otherwise."""
+    if value is not None and value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"pool threads must be None, 'auto' or a whole number >= 1, got {value!r}")
+    _setting[0] = value
 
 
 def pool_threads_for(requested: int) -> int:
-    """The requested count (torch's), or PYENGINE_CPU_THREADS: a number pins it, "auto" caps it by
-    the free cores (choose_threads, the load sampled once, at the first call)."""
-    env = os.environ.get(ENV)
-    if not env:
+    """The pool's thread count for torch's `requested` count under set_pool_threads' setting."""
+    setting = _setting[0]
+    if setting is None:
         return requested
-    if env.strip().lower() != "auto":
-        return choose_threads(requested, 1, None, env)
+    if setting != "auto":
+        return int(setting)
     if not _busy:
         _busy.append(_sampler.busy_cores())
     cpus = len(_sampler.cpus)
-    chosen = choose_threads(requested, cpus, _busy[0], None)
+    chosen = choose_threads(requested, cpus, _busy[0])
     if chosen < requested and requested not in _told:  # once: say why fewer threads run
         _told.add(requested)
         print(f"pyengine: {chosen} of {requested} CPU threads ({_busy[0]:.1f} of {cpus} cores busy elsewhere "
-              f"at start-up; {ENV}=N sets the count)", file=sys.stderr)
+              "at start-up)", file=sys.stderr)
     return chosen
