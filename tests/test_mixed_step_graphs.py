@@ -93,8 +93,8 @@ def test_chunked_prefill_and_speculation_on_graphs(tiny: str) -> None:
     g = llm.engine.runner.graph_runner
     orig = g.execute_mixed
 
-    def spy(batch):
-        out = orig(batch)
+    def spy(batch, *args):
+        out = orig(batch, *args)
         if out is not None:
             seen.append((int(batch.num_decode_rows), int(np.asarray(batch.num_draft_tokens).sum()),
                          int((np.asarray(batch.num_logits)[batch.num_decode_rows:] == 0).sum())))

@@ -93,6 +93,13 @@ def graph_shape(key: tuple[int, int]) -> tuple[int, int, int, bool]:
     return (b, q, b * q, False) if q > 0 else (b, -q, -q, True)
 
 
+def last_tokens(meta: AttentionMetadata, rows: int | None = None) -> torch.Tensor:
+    """Each row's last token index (of the first `rows` rows; an empty padding row repeats the
+    token before it): the rows whose logits a prefill or drafting-layer graph computes."""
+    ends = meta.query_start_loc[1:] if rows is None else meta.query_start_loc[1:rows + 1]
+    return (ends - 1).clamp_(min=0)
+
+
 def default_buckets(max_num_seqs: int) -> list[int]:
     """Powers of two below max_num_seqs, then max_num_seqs itself."""
     out, b = [], 1
@@ -234,11 +241,7 @@ class CudaGraphRunner(PrefillGraphs):
                 key = (b, q)
                 if key not in self.graphs:
                     self.graphs[key] = self._capture(key)
-                self.np64[3 * self.T + self.row_cap] = 0
-                self._fill_padding(0, 0, key)
-                self.dev_bytes.copy_(self.host_bytes)
-                if self.state_cache is not None:
-                    self.dev_state.copy_(self.host_state)  # PAD slots (set by _fill_padding)
+                self._stage_padding(key)
                 graph = self.graphs[key][0]
                 graph.replay()  # warm
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -278,19 +281,21 @@ class CudaGraphRunner(PrefillGraphs):
                                   has_initial_state=self.dev_init[:2 * b], query_start_loc=meta.query_start_loc,
                                   num_decode_rows=2 * b, num_decode_tokens=n)
             hidden = self.model(ids, pos, meta, self.kv_caches, state=state)
-        if last_only:  # each row's last token (an empty padding row repeats the token before it)
-            last = (self._views(key)[4][1:] - 1).clamp_(min=0)
-            return self.model.compute_logits(hidden.index_select(0, last)), hidden
+        if last_only:
+            return self.model.compute_logits(hidden.index_select(0, last_tokens(meta))), hidden
         return self.model.compute_logits(hidden), hidden
 
-    def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor]]:
-        # Inputs as they are now: padding only (slot -1, context 0, PAD state slots): the warm-up
-        # and the capture write no KV or state and read none.
+    def _stage_padding(self, key: tuple[int, int]) -> None:
+        """Device inputs of padding rows only (slot -1, context 0, PAD state slots): a forward on
+        them writes no KV or state and reads none (graph warm-up, capture, timing)."""
         self.np64[3 * self.T + self.row_cap] = 0  # query_start_loc[0]
         self._fill_padding(0, 0, key)
         self.dev_bytes.copy_(self.host_bytes)
         if self.state_cache is not None:
-            self.dev_state.copy_(self.host_state)  # PAD slots: the warm-up must not touch live state
+            self.dev_state.copy_(self.host_state)  # PAD slots: live state stays untouched
+
+    def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor]]:
+        self._stage_padding(key)  # the warm-up and the capture run on padding inputs
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):

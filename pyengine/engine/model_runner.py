@@ -122,7 +122,7 @@ class ModelRunner:
                 return logits
             # prefill rows: a prefill graph (None: eager). Not with aux states, which both replays would
             # write at the same rows of the model's aux buffer.
-            logits = None if self.keep_aux else self.graph_runner.execute_mixed(batch)
+            logits = None if self.keep_aux else self.graph_runner.execute_mixed(batch, self.keep_hidden)
             if logits is not None:
                 if self.keep_hidden:
                     self._keep(batch, self.graph_runner.last_hidden)

@@ -62,11 +62,12 @@ class PrefillGraphs:
         return b, -next(t for t in self.prefill_buckets if t >= n)
 
     @torch.inference_mode()
-    def execute_mixed(self, batch) -> torch.Tensor | None:
+    def execute_mixed(self, batch, keep_hidden: bool = False) -> torch.Tensor | None:
         """A step with prefill rows (and maybe decode/verify rows before them) as at most two replays:
         the decode rows on their decode/verify graph, the prefill rows on a prefill graph. Returns
-        the step's logits in logits_indices order (last_hidden: every token's hidden state), or None
-        when a part does not fit a graph (the caller runs the step eagerly)."""
+        the step's logits in logits_indices order, or None when a part does not fit a graph (the
+        caller runs the step eagerly). keep_hidden: last_hidden holds every token's hidden state
+        (else None)."""
         d, rows = int(batch.num_decode_rows), len(batch.context_lens)
         if not self.prefill_buckets or d == rows:
             return None
@@ -81,7 +82,8 @@ class PrefillGraphs:
             # copies, taken before the prefill graph replays: the graphs share one memory pool, and
             # a graph captured later may hold its static outputs where the other's temporaries go
             logits.append(self._execute_part(decode, dkey)[:decode.num_tokens].clone())
-            hidden.append(self.last_hidden.clone())
+            if keep_hidden:
+                hidden.append(self.last_hidden.clone())
         out = self._execute_part(prefill, pkey)
         hidden.append(self.last_hidden)
         want = np.nonzero(prefill.num_logits)[0]
@@ -89,6 +91,6 @@ class PrefillGraphs:
             logits.append(out[:len(want)])
         else:
             logits.append(out.index_select(0, torch.from_numpy(want).to(out.device)))
-        self.last_hidden = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+        self.last_hidden = None if not keep_hidden else hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         self.num_mixed += 1
         return logits[0] if len(logits) == 1 else torch.cat(logits)

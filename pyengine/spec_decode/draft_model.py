@@ -41,6 +41,7 @@ from pyengine.config import ModelConfig
 from pyengine.engine.model_runner import ModelRunner
 from pyengine.spec_decode.config import SpeculativeConfig
 from pyengine.spec_decode.draft_sampling import DraftRow, DraftSampler
+from pyengine.spec_decode.head_graphs import HeadFeed
 
 
 @dataclass
@@ -69,28 +70,15 @@ class _Row(DraftRow):
 def rows_batch(rows: Sequence[tuple[np.ndarray, int, Sequence[int]]], block_size: int) -> SimpleNamespace:
     """A proposer's own forward as a ScheduledBatch-like namespace: rows of (block_table, first
     position, input tokens), each writing its positions' slots of the target's block table and
-    attending causally to everything before; logits at each row's last token."""
-    B = block_size
+    attending causally to everything before (HeadFeed.build's layout); logits at each row's last token."""
+    tables = np.full((len(rows), max(len(t) for t, _, _ in rows)), -1, dtype=np.int32)
+    for i, (table, _, _) in enumerate(rows):
+        tables[i, :len(table)] = table
     lens = np.array([len(toks) for _, _, toks in rows], dtype=np.int64)
     starts = np.array([s for _, s, _ in rows], dtype=np.int64)
-    ctx = starts + lens
-    qsl = np.zeros(len(rows) + 1, dtype=np.int32)
-    qsl[1:] = np.cumsum(lens)
     input_ids = np.concatenate([np.asarray(toks, dtype=np.int64) for _, _, toks in rows])
-    positions = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, lens)])
-    used = -(-ctx // B)
-    tables = np.full((len(rows), int(used.max())), -1, dtype=np.int32)
-    slot_parts = []
-    for i, ((table, _, _), u) in enumerate(zip(rows, used)):
-        t = np.asarray(table[:u], dtype=np.int64)
-        tables[i, :u] = t
-        p = positions[qsl[i]:qsl[i + 1]]
-        slot_parts.append(t[p // B] * B + p % B)
-    return SimpleNamespace(
-        input_ids=input_ids, positions=positions, slot_mapping=np.concatenate(slot_parts),
-        block_tables=tables, query_start_loc=qsl, context_lens=ctx.astype(np.int32),
-        max_query_len=int(lens.max()), max_context_len=int(ctx.max()),
-        logits_indices=(qsl[1:] - 1).astype(np.int64))
+    feed = HeadFeed.build(tables, starts, lens, block_size, input_ids)
+    return SimpleNamespace(**vars(feed), logits_indices=(feed.query_start_loc[1:] - 1).astype(np.int64))
 
 
 class DraftModelProposer:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pyengine.engine.cuda_graph_runner import CudaGraphRunner, graph_shape
+from pyengine.engine.cuda_graph_runner import CudaGraphRunner, graph_shape, last_tokens
 
 
 @dataclass
@@ -103,5 +103,4 @@ class HeadGraphs(CudaGraphRunner):
         assert self.prev is not None
         meta, ids, pos = self._meta(key)
         out = self.model(ids, pos, self.prev[:n], meta, self.kv_caches)
-        last = (self._views(key)[4][1:b + 1] - 1).clamp_(min=0)
-        return self.model.compute_logits(out.index_select(0, last)), out
+        return self.model.compute_logits(out.index_select(0, last_tokens(meta, b))), out
