@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -29,8 +28,7 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cpu_peer import _cpu  # noqa: E402
-from bench_load import run_child  # noqa: E402
+from bench_load import loadavg, machine, run_child  # noqa: E402
 
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "busy_core_cpu.json")
 CHAT = "What is the capital of France? Answer in two sentences."
@@ -61,10 +59,6 @@ after = _C.cpu.pool_stats()
 print(json.dumps({"decode_tok_s": max_tokens / (tn - t1), "pool_threads": pool_threads_for(threads),
                   **{k: after[k] - before[k] for k in after}}))
 """
-
-
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def run_variant(variant: str, threads: int, spin: bool, args: argparse.Namespace) -> dict[str, Any]:
@@ -116,7 +110,7 @@ def main() -> None:
             rows.append(row)
     out = {
         "benchmark": "decode of the default model beside a spinning process, pool before vs after (issue 24)",
-        "machine": {"cpu": _cpu(), "logical_cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "date": date,
         "command": "python benchmarks/bench_busy_core.py " + shlex.join(sys.argv[1:]),
         "loadavg": {"start": started, "end": loadavg()},

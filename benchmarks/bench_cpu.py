@@ -32,7 +32,6 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import sys
 import time
 from typing import Any, Callable
@@ -42,6 +41,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pyengine import LLM, SamplingParams  # noqa: E402
 from pyengine.loader import default_model_path  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_load import machine as host_machine  # noqa: E402
 
 PROMPTS = [
     "The history of the Roman Empire begins",
@@ -73,16 +75,7 @@ def best_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "loadavg_at_start": None if load is None else [round(x, 2) for x in load]}
+    return {**host_machine(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 @contextlib.contextmanager

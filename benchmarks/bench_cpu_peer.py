@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -36,7 +35,7 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_load import run_child  # noqa: E402
+from bench_load import loadavg, machine, run_child  # noqa: E402
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "cpu_peer.json")
 
 CHAT = "What is the capital of France? Answer in two sentences."
@@ -106,10 +105,6 @@ print(json.dumps(out))
 """
 
 
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 def run_engine(engine: str, threads: int, spec_k: int, ids: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """One fresh process (bench_load.run_child): its result, peak RSS and the load around it."""
     before = loadavg()
@@ -174,7 +169,7 @@ def main() -> None:
     result = {
         "benchmark": "pyengine vs llama-cpp-python " + llama_cpp.__version__ + ", same GGUF and token ids, greedy",
         "model": os.path.basename(model),
-        "machine": {"cpu": _cpu(), "logical_cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "date": date,
         "command": "python benchmarks/bench_cpu_peer.py " + shlex.join(sys.argv[1:]),
         "loadavg_at_start": started, "loadavg_at_end": loadavg(),
@@ -194,14 +189,6 @@ def main() -> None:
 def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
     keys = [k for k, v in results[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return {k: round(statistics.median(r[k] for r in results), 3) for k in keys}
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
-    except OSError:
-        return platform.processor()
 
 
 if __name__ == "__main__":

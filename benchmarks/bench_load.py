@@ -94,16 +94,21 @@ def run_once(model: str, pythonpath: str) -> dict[str, Any]:
     return result
 
 
+def loadavg() -> list[float] | None:
+    """/proc/loadavg's three figures, rounded (None where the OS has none)."""
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
 def machine() -> dict[str, Any]:
+    """The CPU (model name), its logical cores, Python and the load now: every CPU benchmark's header."""
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"cpu": cpu, "logical_cpus": os.cpu_count(), "python": platform.python_version(),
-            "loadavg_at_start": None if load is None else [round(x, 2) for x in load]}
+            "loadavg_at_start": loadavg()}
 
 
 def main() -> None:
