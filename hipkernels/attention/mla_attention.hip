@@ -17,9 +17,7 @@
 // so a thread owns the same two rows in S and in O. Per tile: 3 barriers (tile landed / row maxima
 // written / P written). In both kernels the block layout and the arithmetic of a pair depend only on
 // the model (Hq) and the row, never on the batch; the key split is the one of the GQA path
-// (paged_attention.h). Split rows are merged by the same combine kernel, or, when the step has at
-// most 8 splits, by the fast tile itself inside a cluster of its splits (cluster_combine: no
-// workspace traffic, no second launch) with the combine kernel's arithmetic.
+// (paged_attention.h), merged by the same combine kernel.
 #include "common/hip_compat.h"
 #include "attention/paged_attention.h"
 #include "attention/attention_common.h"
@@ -28,10 +26,6 @@
 #include "common/wgmma_tile.h"
 
 #include <math.h>
-
-#if defined(PE_CUDA)
-#include <cooperative_groups.h>
-#endif
 
 namespace {
 
@@ -264,69 +258,7 @@ PE_DEVICE void named_sync(int id) { asm volatile("barrier.sync %0, 256;\n" ::"r"
 PE_DEVICE void named_arrive(int id) { asm volatile("barrier.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 constexpr int kBarKReady = 1, kBarPReady = 2, kBarPFree = 3, kBarKFree = 4;
 
-// Split rows inside a thread-block cluster (the launch's max_splits blocks of one (row, pair tile)):
-// instead of the global workspace and the combine kernel (whose traffic, 2 x 128 KB per block, is
-// most of a 512-key split's own key bytes), each block leaves its normalised partial output and
-// log-sum-exp in its shared memory, and the cluster's blocks merge them through distributed shared
-// memory. The merge is the combine kernel's arithmetic, term for term and in split order, over the
-// row's own splits only: a row's bits are those of the workspace path whatever the cluster size.
-constexpr int kClusterRowStride = kDv + 8;  // floats per partial row (padded: fewer bank conflicts)
-constexpr int kMaxClusterSplits = 8;        // portable cluster size
-
 template <typename T>
-PE_DEVICE void cluster_combine(const PagedAttentionParams& p, unsigned char* smem, const float* sSum,
-                               const float* sMx, const float (&o)[128], const int (&r)[2], int wg, int q,
-                               int row, int split, int nsplit, int m_begin, int m_count, int q0) {
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  constexpr int kM = FastTile::kM;
-  float* sO = reinterpret_cast<float*>(smem);  // [kM][kClusterRowStride] over the query / key tiles
-  float* sLse = const_cast<float*>(sMx) + kM;  // [kM]
-  static_assert(kM * kClusterRowStride * 4 <= (FastTile::kQElems + 2 * FastTile::kKElems) * 2,
-                "partial outputs fit where the query and key tiles were");
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const float L = sSum[r[j]];
-    const float inv = L > 0.f ? 1.f / L : 0.f;
-    float* dst = sO + r[j] * kClusterRowStride + 256 * wg + 2 * q;
-#pragma unroll
-    for (int nt = 0; nt < 32; ++nt)
-      *reinterpret_cast<float2*>(dst + 8 * nt) = make_float2(o[4 * nt + 2 * j] * inv, o[4 * nt + 2 * j + 1] * inv);
-    if (wg == 0 && q == 0) sLse[r[j]] = L > 0.f ? sMx[r[j]] + log2f(L) : neg_inf();
-  }
-  cluster.sync();  // every split's partials are in place
-  const int Hq = p.num_q_heads;
-  const int blocks = (int)cluster.num_blocks();
-  constexpr int kVecs = kDv / 8;
-  for (int it = split * FastTile::kThreads + (int)threadIdx.x; it < kM * kVecs; it += blocks * FastTile::kThreads) {
-    const int rr = it / kVecs, v = it - rr * kVecs;
-    const int m = m_begin + rr;
-    if (m >= m_count) continue;
-    float M = neg_inf();
-    for (int s = 0; s < nsplit; ++s) M = fmaxf(M, *cluster.map_shared_rank(sLse + rr, s));
-    float L = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (M != neg_inf()) {
-      for (int s = 0; s < nsplit; ++s) {
-        const float w = exp2f(*cluster.map_shared_rank(sLse + rr, s) - M);
-        L += w;
-        const float4* src = reinterpret_cast<const float4*>(cluster.map_shared_rank(sO + rr * kClusterRowStride + v * 8, s));
-        const float4 a = src[0], b = src[1];
-        acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
-        acc[4] += w * b.x; acc[5] += w * b.y; acc[6] += w * b.z; acc[7] += w * b.w;
-      }
-    }
-    const float inv = L > 0.f ? 1.f / L : 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] *= inv;
-    const int i_tok = m / Hq, h = m - i_tok * Hq, t = q0 + i_tok;
-    store8<T>(static_cast<T*>(p.out) + (int64_t)t * p.out_stride_token + (int64_t)h * p.out_stride_head + v * 8, acc);
-    if (v == 0 && p.lse != nullptr) p.lse[(int64_t)t * Hq + h] = L > 0.f ? (M + log2f(L)) * kLn2 : pos_inf();
-  }
-  cluster.sync();  // no block leaves while another still reads its shared memory
-  (void)row;
-}
-
-template <typename T, bool kCluster>
 __global__ void __launch_bounds__(256, 1) mla_attention_ws_kernel(PagedAttentionParams p) {
   using C = FastTile;
   constexpr int kM = C::kM, kN = C::kN;
@@ -351,9 +283,7 @@ __global__ void __launch_bounds__(256, 1) mla_attention_ws_kernel(PagedAttention
   int nsplit, split_size;
   row_splits(ctx, q_len, p.split_block, &nsplit, &split_size);
   const int split = blockIdx.y;
-  // A cluster's blocks are the splits of one (row, pair tile): when the row splits, a block past its
-  // last split still takes part in the cluster's barriers (its range is empty: no tiles).
-  if (split >= nsplit && !(kCluster && nsplit > 1)) return;
+  if (split >= nsplit) return;
   const int m_last = min(m_begin + kM, m_count) - 1;
   const int k_begin = split * split_size;
   const int k_split_end = min(ctx, k_begin + split_size);
@@ -556,12 +486,6 @@ __global__ void __launch_bounds__(256, 1) mla_attention_ws_kernel(PagedAttention
   __syncthreads();
 
   const bool direct = nsplit == 1;
-  if constexpr (kCluster) {
-    if (!direct) {
-      cluster_combine<T>(p, smem, sSum, sMx, o, r, wg, q, row, split, nsplit, m_begin, m_count, q0);
-      return;
-    }
-  }
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int m = m_begin + r[j];
@@ -622,53 +546,11 @@ bool use_small_tile(const PagedAttentionParams& p) {
 }
 #endif
 
-#if !defined(PE_HIP)
-// The fast tile with split rows merged inside clusters of max_splits blocks (cluster_combine). Sets
-// *merged when it ran (no combine kernel needed); not taken when no row splits, when there are more
-// splits than a portable cluster holds, or when no cluster of that shape fits the device (the
-// workspace path runs instead). Returns 0 or the runtime's error code.
 template <typename T>
-int launch_clustered(const PagedAttentionParams& p, peStream_t s, bool* merged) {
-  if (p.max_splits < 2 || p.max_splits > kMaxClusterSplits) return 0;
-  const auto kernel = &mla_attention_ws_kernel<T, true>;
-  static const cudaError_t attr_rc =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, FastTile::kSmemBytes);
-  if (attr_rc != cudaSuccess) return (int)attr_rc;
-  cudaLaunchConfig_t cfg = {};
-  const int m_tiles = (p.max_query_len * p.num_q_heads + FastTile::kM - 1) / FastTile::kM;
-  cfg.gridDim = dim3((unsigned)m_tiles, (unsigned)p.max_splits, (unsigned)p.num_rows);
-  cfg.blockDim = dim3(FastTile::kThreads);
-  cfg.dynamicSmemBytes = FastTile::kSmemBytes;
-  cfg.stream = s;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 1;
-  attr.val.clusterDim.y = (unsigned)p.max_splits;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess || clusters < 1) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  const cudaError_t rc = cudaLaunchKernelEx(&cfg, kernel, p);
-  *merged = rc == cudaSuccess;
-  return (int)rc;
-}
-#endif
-
-// *merged: the split rows were merged in the launch itself (no combine kernel).
-template <typename T>
-int launch_tile(const PagedAttentionParams& p, peStream_t s, bool* merged) {
+int launch_tile(const PagedAttentionParams& p, peStream_t s) {
 #if !defined(PE_HIP)
-  if (!use_small_tile(p)) {
-    const int rc = launch_clustered<T>(p, s, merged);
-    if (rc != 0 || *merged) return rc;
-    return launch_kernel<FastTile>(&mla_attention_ws_kernel<T, false>, p, s);
-  }
+  if (!use_small_tile(p)) return launch_kernel<FastTile>(&mla_attention_ws_kernel<T>, p, s);
 #endif
-  (void)merged;
   return launch_kernel<SmallTile>(&mla_attention_kernel<T, SmallTile>, p, s);
 }
 
@@ -681,12 +563,11 @@ int launch_mla_attention(const PagedAttentionParams& p, void* stream) {
     return -1;
   const peStream_t s = static_cast<peStream_t>(stream);
   int rc;
-  bool merged = false;
-  if (p.dtype == PE_FLOAT16) rc = launch_tile<pe_half>(p, s, &merged);
-  else if (p.dtype == PE_BFLOAT16) rc = launch_tile<pe_bf16>(p, s, &merged);
+  if (p.dtype == PE_FLOAT16) rc = launch_tile<pe_half>(p, s);
+  else if (p.dtype == PE_BFLOAT16) rc = launch_tile<pe_bf16>(p, s);
   else rc = -1;
   if (rc != 0) return rc;
   rc = static_cast<int>(peGetLastError());
   if (rc != 0) return rc;
-  return merged ? 0 : launch_paged_attention_combine(p, stream);
+  return launch_paged_attention_combine(p, stream);
 }
