@@ -23,7 +23,8 @@ from pyengine.ops.reference.mla import KV_LORA_RANK
 
 __all__ = ["paged_attention", "paged_attention_mla", "reshape_and_cache_mla", "rms_norm", "fused_add_rms_norm",
            "silu_and_mul", "rope_and_cache", "linear", "causal_conv1d_update", "causal_conv1d_fn",
-           "selective_state_update", "ssd_chunk_scan", "gated_delta_rule_update", "gated_delta_rule_chunked", "copy_state", "normalize_state", "PAD", "cpu_kernels_enabled"]
+           "selective_state_update", "ssd_chunk_scan", "gated_delta_rule_update", "gated_delta_rule_chunked",
+           "gated_delta_rule_materialise", "copy_state", "normalize_state", "PAD", "cpu_kernels_enabled"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _backends: dict[str, ModuleType | None] = {}
@@ -286,14 +287,22 @@ def _check_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if tuple(g.shape) != (t, hv) or tuple(beta.shape) != (t, hv) or state.dtype != torch.float32:
         raise ValueError(f"g and beta must be [ntok, HV] = {(t, hv)} and the state fp32, got {tuple(g.shape)} "
                          f"{tuple(beta.shape)} {state.dtype}")
+    _check_records(state)
     _check_same_device(q, k, v, g, beta, state)
+
+
+def _check_records(state: torch.Tensor) -> None:
+    dv, dk = state.shape[-2], state.shape[-1]
+    if not reference.gdn.records_fit(dk, dv):
+        raise ValueError(f"Gated DeltaNet token records do not fit a [V, K] = {(dv, dk)} slot head "
+                         f"(reference.gdn.records_fit)")
 
 
 def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             state: torch.Tensor, query_start_loc: torch.Tensor, state_idx: torch.Tensor,
                             num_accepted: torch.Tensor) -> torch.Tensor:
-    """Gated DeltaNet decode / verify rows, 1..1+k tokens each, every token's state to its own slot
-    (see reference.gated_delta_rule_update)."""
+    """Gated DeltaNet decode / verify rows, 1..1+k tokens each: the base state after token 0 to slot
+    idx[n, 0], a record per later token to idx[n, t] (see reference.gated_delta_rule_update)."""
     _check_delta_rule(q, k, v, g, beta, state)
     return _impl(q.device, "gated_delta_rule_update")(q, k, v, g, beta, state, query_start_loc, state_idx,
                                                       num_accepted)
@@ -307,6 +316,20 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     _check_delta_rule(q, k, v, g, beta, state)
     return _impl(q.device, "gated_delta_rule_chunked")(q, k, v, g, beta, query_start_loc, state, state_idx,
                                                        num_accepted, has_initial_state)
+
+
+def gated_delta_rule_materialise(state: torch.Tensor, state_idx: torch.Tensor, num_accepted: torch.Tensor,
+                                 dst: torch.Tensor) -> None:
+    """state[dst[n]] = base idx[n, 0] replayed with records idx[n, 1..a-1]: the full state after token
+    a - 1 of the step that wrote the slot row (see reference.gated_delta_rule_materialise)."""
+    if state.dim() != 4 or state.dtype != torch.float32 or state_idx.dim() != 2 \
+            or num_accepted.shape != (state_idx.shape[0],) or dst.shape != (state_idx.shape[0],):
+        raise ValueError(f"state [slots, HV, V, K] fp32, state_idx [n, S], num_accepted and dst [n], got "
+                         f"{tuple(state.shape)} {state.dtype} {tuple(state_idx.shape)} {tuple(num_accepted.shape)} "
+                         f"{tuple(dst.shape)}")
+    _check_records(state)
+    _check_same_device(state, state_idx, num_accepted, dst)
+    _impl(state.device, "gated_delta_rule_materialise")(state, state_idx, num_accepted, dst)
 
 
 def copy_state(state: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
