@@ -3,6 +3,7 @@
 #include "common/binding_utils.h"
 #include "common/register_kernels.h"
 #include "ssm/gated_delta_rule.h"
+#include "ssm/gdn_chunked_prefill.h"
 #include "ssm/ssm_state.h"
 
 using namespace pyengine_bindings;  // ParamsClass, def_launch
@@ -33,9 +34,20 @@ void register_ssm_kernels(py::module_& k) {
   ParamsClass<G>(k, "GatedDeltaRuleParams")
       .PE_FIELD(G, state).PE_FIELD(G, q).PE_FIELD(G, k).PE_FIELD(G, v).PE_FIELD(G, g).PE_FIELD(G, beta).PE_FIELD(G, out)
       .PE_FIELD(G, query_start_loc).PE_FIELD(G, state_idx).PE_FIELD(G, num_accepted).PE_FIELD(G, has_initial_state)
-      .PE_FIELD(G, num_rows).PE_FIELD(G, num_k_heads).PE_FIELD(G, num_v_heads).PE_FIELD(G, key_dim)
+      .PE_FIELD(G, replay_dst).PE_FIELD(G, num_rows).PE_FIELD(G, num_k_heads).PE_FIELD(G, num_v_heads).PE_FIELD(G, key_dim)
       .PE_FIELD(G, value_dim).PE_FIELD(G, slots_per_row).PE_FIELD(G, q_stride_token).PE_FIELD(G, k_stride_token)
       .PE_FIELD(G, v_stride_token).PE_FIELD(G, scale).PE_FIELD(G, l2norm).PE_FIELD(G, dtype);
   def_launch(k, "gated_delta_rule_update", &launch_gated_delta_rule_update);
   def_launch(k, "gated_delta_rule_prefill", &launch_gated_delta_rule_prefill);
+  def_launch(k, "gated_delta_rule_materialise", &launch_gated_delta_rule_materialise);
+
+  using P = GdnChunkedPrefillParams;  // chunk-wise prefill (gdn_chunked_prefill.h)
+  ParamsClass<P>(k, "GdnChunkedPrefillParams")
+      .PE_FIELD(P, state).PE_FIELD(P, q).PE_FIELD(P, k).PE_FIELD(P, v).PE_FIELD(P, g).PE_FIELD(P, beta).PE_FIELD(P, out)
+      .PE_FIELD(P, query_start_loc).PE_FIELD(P, state_idx).PE_FIELD(P, has_initial_state).PE_FIELD(P, num_rows)
+      .PE_FIELD(P, num_k_heads).PE_FIELD(P, num_v_heads).PE_FIELD(P, key_dim).PE_FIELD(P, value_dim)
+      .PE_FIELD(P, state_idx_stride).PE_FIELD(P, q_stride_token).PE_FIELD(P, k_stride_token)
+      .PE_FIELD(P, v_stride_token).PE_FIELD(P, scale).PE_FIELD(P, l2norm).PE_FIELD(P, dtype);
+  def_launch(k, "gdn_chunked_prefill", &launch_gdn_chunked_prefill);
+  k.def("gdn_chunked_prefill_chunk_size", &gdn_chunked_prefill_chunk_size);
 }
