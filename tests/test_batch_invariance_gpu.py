@@ -2,7 +2,8 @@
 bf16 gives bit-identical logits - not only tokens - for every output position whether a request
 runs alone or in a batch of 32 mixed prompts (chunked prefills beside it), with ngram or
 draft-model speculation (k 1..8) or without, with or without CUDA graphs, at block sizes 1/16/64.
-Skips without CUDA."""
+In fp32 too (the fp32 invariant GEMM, attention per query token): SmolLM2, and a tiny random Llama
+whose head size (8) no attention kernel takes. Skips without CUDA."""
 from __future__ import annotations
 
 import gc
@@ -28,7 +29,7 @@ LONG = "The history of the city is long and full of events. " * 70  # ~770 token
 
 
 def run(gguf: str, prompts: list[str], max_tokens: int = 48, **kw) -> list[tuple[list[int], torch.Tensor]]:
-    llm = LLM(model=gguf, device="cuda", dtype="bfloat16", batch_invariant=kw.pop("batch_invariant", True),
+    llm = LLM(model=gguf, device="cuda", dtype=kw.pop("dtype", "bfloat16"), batch_invariant=kw.pop("batch_invariant", True),
               num_kv_blocks=kw.pop("num_kv_blocks", 4096), max_model_len=2048,
               max_num_batched_tokens=kw.pop("max_num_batched_tokens", 512), **kw)
     llm.engine.cfg.record_logits = True
@@ -97,3 +98,64 @@ def test_batch_of_64_under_preemption(gguf):
     assert LAST_STATS["num_preemptions"] > 0 and LAST_STATS["num_accepted_tokens"] > 0
     for i in (0, 7, 33, 63):
         assert_identical(run(gguf, [batch[i]], max_tokens=32), [crowded[i]], f"row {i} alone")
+
+
+# ---- fp32 (hipkernels/gemm/invariant_gemm_f32.hip; attention: reference.paged_attention_per_query) ----
+
+
+@pytest.fixture(scope="module")
+def plain_fp32(gguf):
+    return run(gguf, PROMPTS[:4], max_tokens=16, dtype="float32")
+
+
+def test_fp32_spec_equals_plain_bits(gguf, plain_fp32):
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}
+    assert_identical(run(gguf, PROMPTS[:4], max_tokens=16, dtype="float32", speculative_config=spec), plain_fp32,
+                     "fp32 ngram k 4")
+    assert LAST_STATS["num_accepted_tokens"] > 0, LAST_STATS
+
+
+def test_fp32_alone_equals_batched(gguf, plain_fp32):
+    for i in (0, 1, 3):
+        assert_identical(run(gguf, [PROMPTS[i]], max_tokens=16, dtype="float32"), [plain_fp32[i]], f"fp32 row {i} alone")
+
+
+def tiny_llama_runs(path: str, dtype: str) -> dict:
+    """Greedy logits of 8 mixed prompts batched (block size 4, token budget 16: chunked prefills
+    beside decode rows), each alone, and batched with ngram speculation (k 3)."""
+    from tests.tiny_models import make_prompts
+
+    prompts = make_prompts(8, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def generate(llm: LLM, groups: list[list[list[int]]]) -> list[tuple[list[int], torch.Tensor]]:
+        llm.engine.cfg.record_logits = True
+        reqs = [r for g in groups for r in llm.run_requests([(None, p) for p in g], [params] * len(g))]
+        return [(r.output_token_ids, torch.stack(r.logits)) for r in reqs]
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "adaptive_draft_length": False, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3}
+    out: dict = {}
+    for name, kw in [("batched", {}), ("ngram", {"speculative_config": ngram})]:
+        llm = LLM(model=path, device="cuda", dtype=dtype, batch_invariant=True, max_model_len=128, block_size=4,
+                  max_num_batched_tokens=16, max_num_seqs=8, enable_prefix_caching=False, **kw)
+        out[name] = generate(llm, [prompts])
+        if name == "batched":
+            out["alone"] = generate(llm, [[p] for p in prompts])
+        out[name + "_stats"] = llm.stats()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
+def test_tiny_llama_fp32_without_attention_kernels(tmp_path):
+    """head_dim 8: every attention call runs the per-query reference, every linear the fp32 GEMM
+    (K 64 and 112: no shape constraint). bf16 would need K % 64 == 0 (the tensor-core GEMM)."""
+    from tests.tiny_models import make_checkpoint
+
+    make_checkpoint("llama_gqa_untied", str(tmp_path))
+    runs = tiny_llama_runs(str(tmp_path), "float32")
+    assert_identical(runs["alone"], runs["batched"], "tiny llama fp32 alone")
+    assert runs["ngram_stats"]["num_accepted_tokens"] > 0, runs["ngram_stats"]
+    assert_identical(runs["ngram"], runs["batched"], "tiny llama fp32 ngram k 3")

@@ -1,7 +1,8 @@
-"""The batch-invariant GEMM (hipkernels/gemm/invariant_gemm.hip) on the GPU: every row's bits are
-the same for any number of rows and any order of rows (M 1..300 cross its 16/64/128-row tiles), at
-every shape of SmolLM2 and Llama-8B; values agree with an fp32 reference; the linear dispatch runs
-it for every M under KernelConfig.batch_invariant. Skips without CUDA and the kernels."""
+"""The batch-invariant GEMMs (hipkernels/gemm/invariant_gemm.hip, fp16/bf16; invariant_gemm_f32.hip,
+fp32) on the GPU: every row's bits are the same for any number of rows and any order of rows (M
+1..300 cross the row tiles and the fp32 kernel's workspace / one-block paths), at every shape of
+SmolLM2 and Llama-8B; values agree with a wider reference; the linear dispatch runs them for every
+M under KernelConfig.batch_invariant. Skips without CUDA and the kernels."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 try:
     from pyengine.ops import cuda as cuda_ops
+    from pyengine.ops.cuda.gemm import invariant_gemm_f32
 except ImportError:  # no GPU kernels in this build
     cuda_ops = None
 
@@ -79,7 +81,54 @@ def test_linear_runs_it_for_every_m_only_when_invariant() -> None:
         y = cuda_ops.linear(x, w, bias)
         assert torch.equal(y, cuda_ops.invariant_gemm(x, w, bias))
         assert torch.equal(cuda_ops.linear(x[:1], w, bias), y[:1])
-        with pytest.raises(ValueError):  # fp32 has no invariant GEMM: an error, not a silent cuBLAS call
-            cuda_ops.linear(x.float(), w.float())
+        assert torch.equal(cuda_ops.linear(x.float(), w.float()), invariant_gemm_f32(x.float(), w.float()))
+        with pytest.raises(ValueError):  # mixed dtypes: no invariant GEMM takes them, an error, not a cuBLAS call
+            cuda_ops.linear(x.float(), w)
     with use_kernel_config(batch_invariant=False):
         assert cuda_ops.linear(x, w, bias) is None  # cuBLAS
+
+
+# ---- fp32 (invariant_gemm_f32): exact fp32 products, sums in an order fixed by (K, N, split) ----------
+F32_SHAPES = SHAPES[:5] + [(4096, 4096), (14336, 4096), (100, 37), (7, 1)]  # + odd shapes: no alignment needed
+
+
+def close_to_fp64(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """fp32 sums of K exact products: error within K ulps of the sum of |terms| (a loose bound)."""
+    ref = x.double() @ w.double() + (0 if bias is None else bias.double())
+    scale = x.double().abs() @ w.double().abs() + (0 if bias is None else bias.double().abs())
+    err = (y.double() - ref).abs()
+    assert bool((err <= x.shape[1] * 2 ** -23 * scale + 1e-30).all()), float((err / (scale + 1e-30)).max())
+
+
+@pytest.mark.parametrize("k,n", F32_SHAPES)
+def test_f32_rows_are_batch_invariant(k: int, n: int) -> None:
+    x, w, bias = operands(k, n, max(ROW_COUNTS), torch.float32)
+    full = invariant_gemm_f32(x, w, bias)
+    close_to_fp64(full, x, w, bias)
+    for m in list(range(1, 34)) + ROW_COUNTS:
+        assert torch.equal(invariant_gemm_f32(x[:m], w, bias), full[:m]), f"M={m}"
+    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1)).cuda()
+    assert torch.equal(invariant_gemm_f32(x[perm], w, bias), full[perm])
+    assert torch.equal(invariant_gemm_f32(x[5:6], w, bias), full[5:6])  # a lone row at an odd offset
+
+
+@pytest.mark.parametrize("split", [1, 2, 4, 8])
+def test_f32_every_split_and_both_paths(split: int) -> None:
+    """Few output tiles (M 3: one block per K range, workspace, combine) and many (M 300 x N 2048:
+    one block walks every range) give the same rows; values close to fp64 for every split."""
+    x, w, bias = operands(4096, 2048, 300, torch.float32, seed=split)
+    y = invariant_gemm_f32(x, w, bias, split=split)
+    close_to_fp64(y, x, w, bias)
+    assert torch.equal(invariant_gemm_f32(x[:3], w, bias, split=split), y[:3])
+    assert torch.equal(invariant_gemm_f32(x[:1], w, split=split), invariant_gemm_f32(x, w, split=split)[:1])
+
+
+def test_f32_strided_rows_and_errors() -> None:
+    x, w, _ = operands(576, 960, 40, torch.float32)
+    wide = torch.zeros(40, 600, device="cuda")
+    wide[:, 3:579] = x  # rows 600 apart, starting 12 bytes in: no alignment
+    assert torch.equal(invariant_gemm_f32(wide[:, 3:579], w), invariant_gemm_f32(x, w))
+    with pytest.raises(ValueError, match="fp32"):
+        invariant_gemm_f32(x.bfloat16(), w.bfloat16())
+    with pytest.raises(ValueError, match="contiguous"):
+        invariant_gemm_f32(x, w.t().contiguous().t())

@@ -1,9 +1,11 @@
-// Python bindings of the GEMMs (skinny_gemm.h, invariant_gemm.h): each params struct as a class
-// (pointers as integers), launched as skinny_gemm / invariant_gemm(params, stream);
+// Python bindings of the GEMMs (skinny_gemm.h, invariant_gemm.h, invariant_gemm_f32.h): each params
+// struct as a class (pointers as integers), launched as skinny_gemm / invariant_gemm /
+// invariant_gemm_f32(params, stream);
 // pyengine/ops/cuda/gemm.py fills them.
 #include "common/binding_utils.h"
 #include "common/register_kernels.h"
 #include "gemm/invariant_gemm.h"
+#include "gemm/invariant_gemm_f32.h"
 #include "gemm/skinny_gemm.h"
 
 using namespace pyengine_bindings;  // ParamsClass, def_launch
@@ -27,4 +29,14 @@ void register_gemm_kernels(py::module_& k) {
   def_launch(k, "invariant_gemm", &launch_invariant_gemm);
   k.def("invariant_gemm_split", &invariant_gemm_split, py::arg("k"), py::arg("n"), py::arg("num_sms"),
         "The K split of the batch-invariant GEMM for a shape (a function of K, N and the device, never of M).");
+  using F = InvariantGemmF32Params;
+  ParamsClass<F>(k, "InvariantGemmF32Params")
+      .PE_FIELD(F, x).PE_FIELD(F, w).PE_FIELD(F, bias).PE_FIELD(F, y).PE_FIELD(F, workspace).PE_FIELD(F, m)
+      .PE_FIELD(F, n).PE_FIELD(F, k).PE_FIELD(F, x_stride).PE_FIELD(F, y_stride).PE_FIELD(F, num_sms)
+      .PE_FIELD(F, split);
+  def_launch(k, "invariant_gemm_f32", &launch_invariant_gemm_f32);
+  k.def("invariant_gemm_f32_split", &invariant_gemm_f32_split, py::arg("k"), py::arg("n"), py::arg("num_sms"),
+        "The K split of the batch-invariant fp32 GEMM for a shape (a function of K, N and the device, never of M).");
+  k.def("invariant_gemm_f32_workspace", &invariant_gemm_f32_workspace, py::arg("m"), py::arg("n"), py::arg("k"),
+        py::arg("num_sms"), py::arg("split"), "fp32 elements of workspace an fp32 invariant GEMM launch needs (0: none).");
 }

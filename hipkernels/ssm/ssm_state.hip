@@ -42,7 +42,8 @@ PE_DEVICE float silu(float v) { return v / (1.f + __expf(-v)); }
 // 0 where e^-v > 2^126 (v < -87: the exact value is below 1e-36 in magnitude). The IEEE division
 // is an instruction sequence with a slow-path branch per channel on the critical path of
 // conv1d_update_kernel's one-wave grid: batch 1, k = 3 went from 3.00 to 2.22 us with this, batch
-// 64, k = 0 from 3.04 to 2.83 us (64-thread blocks). The other kernels keep the IEEE division.
+// 64, k = 0 from 3.04 to 2.83 us (64-thread blocks). conv1d_fn_kernel uses it too (the same bits for
+// a token in a prefill or a decode row); the other kernels keep the IEEE division.
 // On NVIDIA e^-v is ex2.approx.ftz(-v log2 e), __expf without its subnormal-result fix-up
 // instructions: it differs from __expf only where e^-v is subnormal (v > 87), and there 1 + e^-v
 // rounds to 1 either way, so silu_fast gives the same bits with three instructions fewer.
@@ -267,7 +268,8 @@ __global__ void __launch_bounds__(THREADS, 1) conv1d_update_kernel(CausalConv1dP
         for (int i = 0; i < V; ++i) {
           acc[i] = Io<T>::ld(br + i);
 #pragma unroll
-          for (int m = 0; m < K; ++m) acc[i] += Io<T>::ld(wr + i * K + m) * Io<T>::ld(&full[tt + m][i]);
+          for (int m = 0; m < K; ++m)  // the W real taps, oldest first: conv1d_fn_kernel's operations
+            if (EXACT || m >= K - W) acc[i] = fmaf(Io<T>::ld(wr + i * K + m), Io<T>::ld(&full[tt + m][i]), acc[i]);
           if (p.silu) acc[i] = silu_fast(acc[i]);
         }
         Vec::st_packed(y + (t0 + tt) * ys, acc);
@@ -305,10 +307,14 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_fn_kernel(CausalConv1dPar
   const float bias = p.bias ? Io<T>::ld(static_cast<const T*>(p.bias) + c) : 0.f;
   for (int t = 0; t < num; ++t) {
     win[W - 1] = Io<T>::ld(x + (s0 + t) * p.x_stride_token + c);
+    // bias, then one fmaf per tap oldest first, then silu_fast: bit for bit what the decode kernel
+    // computes, so a token's output is the same whichever of the two its step ran (a one-token
+    // prefill chunk after an earlier chunk is a decode row)
     float acc = bias;
 #pragma unroll
-    for (int j = 0; j < kSsmMaxConvWidth; ++j) acc += j < W ? w[j] * win[j] : 0.f;
-    Io<T>::st(y + (s0 + t) * p.y_stride_token + c, p.silu ? silu(acc) : acc);
+    for (int j = 0; j < kSsmMaxConvWidth; ++j)
+      if (j < W) acc = fmaf(w[j], win[j], acc);
+    Io<T>::st(y + (s0 + t) * p.y_stride_token + c, p.silu ? silu_fast(acc) : acc);
 #pragma unroll
     for (int j = 0; j < kSsmMaxConvWidth - 1; ++j)
       if (j < W - 1) win[j] = win[j + 1];

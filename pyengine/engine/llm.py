@@ -145,9 +145,6 @@ class LLM:
             spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
             self.device = resolve_device(device)
             self.dtype = resolve_dtype(dtype, self.device)
-            if self.kernel_config.batch_invariant and self.device.type == "cuda" and self.dtype == torch.float32:
-                raise ValueError("batch_invariant on CUDA needs bfloat16 or float16 (the invariant GEMM's dtypes), "
-                                 "got float32")
             torch.manual_seed(seed)
             self.model, self.model_config, self.tokenizer = load_model(model, str(self.device), self.dtype,
                                                                        load_mtp=spec is not None and spec.method == "mtp")
@@ -178,8 +175,11 @@ class LLM:
             state = StatePoolPlan(0, 0, 0, 0)
             if hasattr(self.model, "state_shapes"):
                 if self.kernel_config.batch_invariant and self.device.type == "cuda":
-                    raise ValueError(f"{self.model_config.architecture}: batch_invariant is not available for "
-                                     "recurrent-state models on CUDA yet (their projections run torch's GEMMs)")
+                    if not getattr(self.model, "batch_invariant_state_on_cuda", False):
+                        raise ValueError(f"{self.model_config.architecture}: batch_invariant is not available for "
+                                         "this recurrent-state model on CUDA yet (its projections or state ops run "
+                                         "torch's batched kernels)")
+                    self.model.prepack_for_cuda()  # HF [out, in] projections onto the invariant GEMM
                 if spec is not None and spec.method == "draft_model":
                     raise ValueError(f"{self.model_config.architecture}: draft-model speculation is not supported for "
                                      "recurrent-state models (use ngram)")

@@ -29,7 +29,7 @@ from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.state_cache import StateMetadata
 from pyengine.models.hybrid import HybridForCausalLM
 from pyengine.models.layers import (LlamaDecoderLayer, Mamba2Mixer, RotaryEmbedding, WeightTargets, linear,
-                                    pack_weights, param, rowwise)
+                                    pack_weights, param, rms_norm_rows, rowwise)
 from pyengine.models.weight_utils import load_named_weights
 
 
@@ -95,8 +95,8 @@ class BambaMambaLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, state: StateMetadata, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor) -> torch.Tensor:
-        h = h + self.mixer(F.rms_norm(h, (h.shape[-1],), self.input_layernorm, self.eps), state, conv_state, ssm_state)
-        gate, up = linear(F.rms_norm(h, (h.shape[-1],), self.pre_ff_layernorm, self.eps),
+        h = h + self.mixer(rms_norm_rows(h, self.input_layernorm, self.eps), state, conv_state, ssm_state)
+        gate, up = linear(rms_norm_rows(h, self.pre_ff_layernorm, self.eps),
                           self.gate_up_proj).split(self.intermediate_size, dim=-1)
         return h + linear(rowwise(F.silu, gate) * up, self.down_proj)
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyengine import ops
+from pyengine.ops.kernel_config import get_kernel_config
 from pyengine.ops.rowwise import rowwise  # noqa: F401 (models import it from here)
 from pyengine.config import Mamba2ModelConfig, ModelConfig
 from pyengine.engine.attention_metadata import AttentionMetadata
@@ -50,10 +51,25 @@ def linear(x: torch.Tensor, w: torch.Tensor | Callable[[torch.Tensor, torch.Tens
 def hf_linear(x: torch.Tensor, w: torch.Tensor | Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w^T (+ bias) for a dense weight kept in HF's [out, in] orientation (the Mamba2 mixer's),
-    or what prepack_for_cpu made of its [in, out] transpose (see linear)."""
+    or what prepack_for_cpu / prepack_for_cuda (pyengine/models/hybrid.py) made of its [in, out]
+    transpose (see linear). A dense CUDA weight under KernelConfig.batch_invariant is an error:
+    F.linear would run cuBLAS, whose kernel changes with the number of rows."""
     if isinstance(w, torch.Tensor) and not w.is_mkldnn:
+        if w.is_cuda and get_kernel_config().batch_invariant:
+            raise ValueError("batch_invariant: an [out, in] projection on CUDA must go through prepack_for_cuda "
+                             "(pyengine's invariant GEMM), not F.linear")
         return F.linear(x, w, bias)
     return linear(x, w, bias)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of a 2-D x (F.rms_norm's semantics). On CUDA pyengine's kernel
+    (ops.rms_norm: a block per row, launched by the row width alone), because torch's CUDA
+    reductions lay out their threads by the number of rows, so a row's sum would change with the
+    batch; elsewhere F.rms_norm, whose CPU rows are independent."""
+    if x.is_cuda:
+        return ops.rms_norm(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def onednn_prepack(w: torch.Tensor) -> torch.Tensor:
@@ -355,8 +371,12 @@ class Mamba2Mixer(nn.Module):
                                         ssm_state, pre_idx, pre_acc, pre_init, self.chunk_size, True, self.dt_limit)
         # gated group RMSNorm (HF MambaRMSNormGated, norm_before_gate=False), fp32
         g = y.reshape(t, self.inner).float() * rowwise(F.silu, gate.float())
-        g = g.view(t, self.n_groups, -1)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        if g.is_cuda:  # one normalised row per group; weight 1 (exact): torch's reductions are not row-invariant there
+            group = self.inner // self.n_groups
+            g = rms_norm_rows(g.view(t * self.n_groups, group), torch.ones(group, device=g.device), self.eps)
+        else:
+            g = g.view(t, self.n_groups, -1)
+            g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         g = self.norm * g.view(t, self.inner).to(h.dtype)
         return hf_linear(g, self.out_proj, self.out_proj_bias)
 
@@ -372,7 +392,7 @@ class Mamba2Block(nn.Module):
 
     def forward(self, h: torch.Tensor, state: StateMetadata, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor) -> torch.Tensor:
-        return h + self.mixer(F.rms_norm(h, (h.shape[-1],), self.norm, self.eps), state, conv_state, ssm_state)
+        return h + self.mixer(rms_norm_rows(h, self.norm, self.eps), state, conv_state, ssm_state)
 
     def weight_targets(self, prefix: str) -> WeightTargets:
         return {prefix + "norm.weight": (self.norm, self.norm), **self.mixer.weight_targets(prefix + "mixer.")}

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pyengine.config import hf_common_fields
@@ -21,7 +20,8 @@ from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.state_cache import StateMetadata
 from pyengine.models.bamba import BambaModelConfig
 from pyengine.models.hybrid import HybridForCausalLM
-from pyengine.models.layers import LlamaDecoderLayer, Mamba2Block, WeightTargets, linear, pack_weights, param
+from pyengine.models.layers import (LlamaDecoderLayer, Mamba2Block, WeightTargets, linear, pack_weights, param,
+                                    rms_norm_rows)
 from pyengine.models.weight_utils import load_named_weights
 
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -68,7 +68,7 @@ class NemotronHMLPBlock(nn.Module):
         self.down_proj: Any = param(config.intermediate_size, config.hidden_size, dtype=dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        x = F.rms_norm(h, (h.shape[-1],), self.norm, self.eps)
+        x = rms_norm_rows(h, self.norm, self.eps)
         return h + linear(torch.relu(linear(x, self.up_proj)).square(), self.down_proj)
 
     def pack(self, pack: Callable[[torch.Tensor], Any]) -> None:

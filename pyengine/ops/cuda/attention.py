@@ -11,6 +11,9 @@ length (prefill chunks never split) and a split's size grows with the context, s
 partial sums would change with the chunk or verify row it lands in. With one split a query's keys
 are summed tile by tile in key order whatever its row (keys past its causal limit are masked to
 exact zeros), at a cost only where few long rows leave the GPU idle (batch-1 decode past 512 keys).
+What the kernels do not take (fp32, other head sizes) runs the reference: in this mode its
+per-query form (reference.attention.paged_attention_per_query, slow, eager only), since the padded
+one sums a token's keys in a layout that changes with the step.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.ops import reference
 from pyengine.ops.cuda.launch import DTYPE_CODE, aligned_rows, kernels, num_sms, params, row_stride, stream
 from pyengine.ops.kernel_config import get_kernel_config
+from pyengine.ops.reference.attention import paged_attention_per_query
 
 _CONST = kernels.paged_attention_constants()
 SPLIT_BLOCK: int = _CONST["split_block"]  # keys per split unit; process-wide (benchmarks sweep it)
@@ -105,5 +109,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     head_dim = k_cache.shape[3]
     if q.dtype not in _ATTENTION_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or head_dim not in (64, 128, 256):
+        if get_kernel_config().batch_invariant:  # the padded reference's sums change with the step
+            return paged_attention_per_query(q, k_cache, v_cache, meta, scale, return_lse=return_lse)
         return reference.paged_attention(q, k_cache, v_cache, meta, scale, return_lse=return_lse)
     return launch_paged_attention(q, k_cache, v_cache, meta, scale, return_lse, k_cache.shape[2], head_dim, mla=False)

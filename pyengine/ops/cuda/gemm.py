@@ -1,7 +1,8 @@
 """CUDA GEMMs of pyengine, w in llama.py's [in, out] layout: the skinny GEMM for decode
 (hipkernels/gemm/skinny_gemm.hip; why a GEMM of its own and where it wins: docs/kernels/layer_ops.md)
-and the batch-invariant tensor-core GEMM (hipkernels/gemm/invariant_gemm.hip) that every projection
-runs under KernelConfig.batch_invariant. `linear` picks among them and cuBLAS."""
+and the batch-invariant GEMMs that every projection runs under KernelConfig.batch_invariant: tensor
+cores for fp16/bf16 (hipkernels/gemm/invariant_gemm.hip), CUDA-core FMAs for fp32
+(hipkernels/gemm/invariant_gemm_f32.hip). `linear` picks among them and cuBLAS."""
 from __future__ import annotations
 
 import torch
@@ -59,6 +60,41 @@ def invariant_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     return y
 
 
+def invariant_gemm_f32(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                       split: int = 0) -> torch.Tensor:
+    """x [M, K] @ w [K, N] (+ bias [N]) -> [M, N], fp32 in and out: exact fp32 products (FMA, no
+    TF32) summed over k in increasing order within each of `split` K ranges, the ranges then added
+    in order, bias last. The order depends on (K, N, split) only, never on M: a row's result is the
+    same alone and in any batch. split (1, 2, 4, 8): 0 takes the default for the shape
+    (kernels.invariant_gemm_f32_split). Any strides and alignment (x's last dim is made contiguous)."""
+    if x.device.type != "cuda" or w.device != x.device:
+        raise ValueError(f"invariant_gemm_f32 needs x and w on one CUDA device, got {x.device} / {w.device}")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0] or x.shape[1] == 0:
+        raise ValueError(f"x must be [M, K] and w [K, N] with K > 0, got {tuple(x.shape)} / {tuple(w.shape)}")
+    if x.dtype != torch.float32 or w.dtype != torch.float32:
+        raise ValueError(f"invariant_gemm_f32 takes fp32 x and w, got {x.dtype} / {w.dtype}")
+    if not w.is_contiguous():
+        raise ValueError(f"w must be contiguous, got strides {w.stride()}")
+    m, k, n = x.shape[0], x.shape[1], w.shape[1]
+    if bias is not None:
+        if bias.device != x.device or tuple(bias.shape) != (n,) or bias.dtype != torch.float32:
+            raise ValueError(f"bias must be [{n}] fp32 on {x.device}, got {tuple(bias.shape)} {bias.dtype}")
+        bias = bias.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    sms = num_sms(x.device)
+    ws_floats = kernels.invariant_gemm_f32_workspace(m, n, k, sms, split)
+    # referenced until the launch: a freed block could be handed to the next allocation first
+    ws = torch.empty(ws_floats, dtype=torch.float32, device=x.device) if ws_floats else None
+    p = params(kernels.InvariantGemmF32Params, x=x.data_ptr(), w=w.data_ptr(), bias=0 if bias is None else bias.data_ptr(),
+               y=y.data_ptr(), workspace=0 if ws is None else ws.data_ptr(), m=m, n=n, k=k, x_stride=row_stride(x),
+               y_stride=row_stride(y), num_sms=sms, split=split)
+    with torch.cuda.device(x.device):
+        kernels.invariant_gemm_f32(p, stream(x.device))
+    return y
+
+
 def _checked_operands(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """Validates the operands of pyengine's GEMMs; returns bias contiguous (or None)."""
     if x.device.type != "cuda" or w.device != x.device:
@@ -79,11 +115,14 @@ def _checked_operands(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.T
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x @ w (+ bias) on pyengine's GEMMs, or None: the caller runs cuBLAS. Under
-    KernelConfig.batch_invariant every call runs the invariant GEMM (NVIDIA; elsewhere the skinny
-    GEMM, whose order is M-invariant too), and a projection neither takes is an error, not a silent
-    cuBLAS call; otherwise single-row calls take the skinny GEMM (skinny_linear)."""
+    KernelConfig.batch_invariant every call runs an invariant GEMM - fp32 operands the fp32 one
+    (invariant_gemm_f32, NVIDIA and AMD), fp16/bf16 the tensor-core one (NVIDIA; elsewhere the
+    skinny GEMM, whose order is M-invariant too) - and a projection none takes is an error, not a
+    silent cuBLAS call; otherwise single-row calls take the skinny GEMM (skinny_linear)."""
     if not get_kernel_config().batch_invariant:
         return skinny_linear(x, w, bias)
+    if x.dtype == torch.float32 and w.dtype == torch.float32:
+        return invariant_gemm_f32(x, w, bias)
     if torch.version.hip is None:
         return invariant_gemm(x, w, bias)
     return skinny_gemm(x, w, bias)

@@ -8,7 +8,8 @@ Layouts (vLLM vocabulary):
 paged_attention pads the step's rows to a dense [rows, max_query_len] x [rows, max_context_len]
 problem. The gather indices and the mask depend only on the metadata, so they are built once per
 step and memoised in meta.cache: every layer of the model then pays for two index_selects and one
-fused attention call, never a Python loop over rows.
+fused attention call, never a Python loop over rows. paged_attention_per_query is the exception: a
+loop over query tokens whose every shape depends on the token alone (the batch-invariant fallback).
 """
 from __future__ import annotations
 
@@ -290,3 +291,46 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     assert lse_p is not None
     return out, unpad(lse_p[..., None])[..., 0].to(torch.float32)
+
+
+def paged_attention_per_query(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                              scale: float, return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """paged_attention with every query token computed on its own: the batch-invariant fallback
+    for a backend whose kernels do not take a dtype or head size (CUDA fp32) under
+    KernelConfig.batch_invariant. paged_attention pads the step's rows to one dense problem, so a
+    token's sums there change with the other rows and with its own row's query length. Here token
+    i of a row of q_len gathers exactly the keys it sees (the first ctx - (q_len - 1 - i)) and runs
+    one product, one softmax and one product whose shapes are a function of that key count and the
+    heads alone: the same kernels, so the same bits, whether it is decoded alone, verified beside
+    drafts or prefilled in any chunk of any batch. A Python loop over tokens with host reads of the
+    metadata: slow, and eager steps only. A token with no keys: out 0, lse +inf."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = q.new_zeros(q.shape)
+    lse = torch.full((num_tokens, num_heads), float("inf"), dtype=torch.float32, device=q.device)
+    k_rows = k_cache.view(-1, num_kv_heads, head_dim)  # [slots, Hkv, D]
+    v_rows = v_cache.view(-1, num_kv_heads, head_dim)
+    qsl, ctx = meta.query_start_loc.tolist(), meta.context_lens.tolist()
+    tables = meta.block_tables.to(device=q.device, dtype=torch.int64)
+    for r in range(meta.num_rows):
+        q_len, num_keys = int(qsl[r + 1]) - int(qsl[r]), int(ctx[r])
+        if q_len <= 0 or num_keys <= 0:
+            continue
+        pos = torch.arange(num_keys, device=q.device)
+        slots = tables[r, pos // meta.block_size] * meta.block_size + pos % meta.block_size
+        for i in range(q_len):
+            keys = num_keys - (q_len - 1 - i)
+            if keys <= 0:
+                continue
+            t = int(qsl[r]) + i
+            # fresh contiguous operands: each product's layout and alignment depend on `keys` alone
+            k = k_rows.index_select(0, slots[:keys]).to(compute_dtype).transpose(0, 1).contiguous()  # [Hkv, L, D]
+            v = v_rows.index_select(0, slots[:keys]).to(compute_dtype).transpose(0, 1).contiguous()
+            qt = q[t].to(compute_dtype).reshape(num_kv_heads, group, head_dim).clone()
+            scores = torch.matmul(qt, k.transpose(1, 2)) * scale  # [Hkv, G, L]
+            out[t] = torch.matmul(torch.softmax(scores, dim=-1), v).reshape(num_heads, head_dim).to(q.dtype)
+            if return_lse:
+                lse[t] = torch.logsumexp(scores, dim=-1).reshape(num_heads).to(torch.float32)
+    return (out, lse) if return_lse else out
