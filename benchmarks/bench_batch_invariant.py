@@ -6,7 +6,13 @@ above), kernels' own time (time_ms_graph). Models: SmolLM2 (the GGUF) and Llama-
 random weights: decode tokens/s at batch 1/16/64 (bench_decode.run_pyengine: CUDA graphs, greedy)
 and the time of one 4096-token prefill, with LLM(batch_invariant=False) and (=True).
 
+--dtype float32: the same in fp32 - GEMMs: the fp32 invariant GEMM (invariant_gemm_f32.hip) against
+cuBLAS fp32 (torch.mm; no TF32 unless torch allows it); models: eager steps on both sides (fp32
+attention is the PyTorch reference: padded by default, per query token when invariant), so the
+model ratios include that attention cost as well; use a shorter --prefill (e.g. 1024).
+
     python3 benchmarks/bench_batch_invariant.py --gguf PATH [--models smollm2,llama8b]
+    python3 benchmarks/bench_batch_invariant.py --dtype float32 --prefill 1024 --out benchmarks/results/batch_invariant_fp32_h100.json
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from gpu_timing import copy_bandwidth_gbps, run_header, time_ms_graph, write_res
 
 from pyengine import LLM, SamplingParams  # noqa: E402
 from pyengine.ops import cuda as cuda_ops  # noqa: E402
+from pyengine.ops.cuda.gemm import invariant_gemm_f32  # noqa: E402
 from pyengine.ops.kernel_config import use_kernel_config  # noqa: E402
 
 GEMM_M = [1, 16, 64, 4096]
@@ -36,19 +43,20 @@ def shapes(hf: dict) -> dict[str, tuple[int, int]]:
             "gate_up": (h, 2 * i), "down": (i, h), "lm_head": (h, hf["vocab_size"])}
 
 
-def bench_gemms(hf: dict) -> dict:
+def bench_gemms(hf: dict, dtype: torch.dtype = torch.bfloat16) -> dict:
+    invariant = invariant_gemm_f32 if dtype == torch.float32 else cuda_ops.invariant_gemm
     out = {}
     for name, (k, n) in shapes(hf).items():
-        w = (torch.randn(k, n, device="cuda") / k ** 0.5).bfloat16()
+        w = (torch.randn(k, n, device="cuda") / k ** 0.5).to(dtype)
         for m in GEMM_M:
-            x = torch.randn(m, k, device="cuda").bfloat16()
+            x = torch.randn(m, k, device="cuda").to(dtype)
 
             def default() -> torch.Tensor:
-                y = cuda_ops.skinny_linear(x, w)
+                y = cuda_ops.skinny_linear(x, w)  # None for fp32: cuBLAS
                 return torch.mm(x, w) if y is None else y
 
             t_def = time_ms_graph(default)
-            t_inv = time_ms_graph(lambda: cuda_ops.invariant_gemm(x, w))
+            t_inv = time_ms_graph(lambda: invariant(x, w))
             out[f"{name} {k}x{n} M={m}"] = {"default_us": 1e3 * t_def, "invariant_us": 1e3 * t_inv,
                                             "ratio": t_inv / t_def}
             print(f"{name:8s} K={k:6d} N={n:6d} M={m:5d}  default {1e3 * t_def:8.1f} us  invariant "
@@ -72,16 +80,17 @@ def prefill_ms(llm: LLM, vocab: int, tokens: int) -> float:
     return min(times)
 
 
-def bench_model(name: str, gguf: str | None, batches: list[int], new_tokens: int, prefill: int) -> dict:
+def bench_model(name: str, gguf: str | None, batches: list[int], new_tokens: int, prefill: int,
+                dtype: torch.dtype = torch.bfloat16) -> dict:
     hf = SMOLLM2_HF if name == "smollm2" else LLAMA8B_HF
     model = cfg = None
     if name != "smollm2":
-        model, cfg = random_llama(hf)
+        model, cfg = random_llama(hf, dtype)
     entry: dict = {"modes": {}}
     for invariant in (False, True):
         kw = dict(device="cuda", num_kv_blocks=2048 + max(batches) * 16, max_model_len=prefill + 256,
-                  max_num_seqs=max(batches), max_num_batched_tokens=prefill, batch_invariant=invariant)
-        llm = LLM(model=gguf, dtype="bfloat16", **kw) if model is None else llm_from_model(model, cfg, **kw)
+                  max_num_seqs=max(batches), max_num_batched_tokens=prefill, batch_invariant=invariant, dtype=dtype)
+        llm = LLM(model=gguf, **kw) if model is None else llm_from_model(model, cfg, **kw)
         vocab = llm.model_config.vocab_size
         mode = {"decode": {}, "prefill_tokens": prefill}
         for b in batches:
@@ -112,17 +121,23 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--skip-gemms", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results/batch_invariant_h100.json")
+    ap.add_argument("--skip-models", default="", help="comma-separated models to time at the GEMM level only")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/batch_invariant[_fp32]_h100.json")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    out = args.out or f"benchmarks/results/batch_invariant{'_fp32' if dtype == torch.float32 else ''}_h100.json"
     batches = [int(b) for b in args.batches.split(",")]
-    result = {**run_header(), "copy_bandwidth_GBps": copy_bandwidth_gbps(), "gemms": {}, "models": {}}
+    result = {**run_header(), "copy_bandwidth_GBps": copy_bandwidth_gbps(), "dtype": args.dtype, "gemms": {},
+              "models": {}}
     for name in args.models.split(","):
         if not args.skip_gemms:
             with use_kernel_config(batch_invariant=False):
-                result["gemms"][name] = bench_gemms(SMOLLM2_HF if name == "smollm2" else LLAMA8B_HF)
-        result["models"][name] = bench_model(name, args.gguf, batches, args.new_tokens, args.prefill)
-        print(name, result["models"][name]["ratios"], flush=True)
-    write_result(args.out, result)
+                result["gemms"][name] = bench_gemms(SMOLLM2_HF if name == "smollm2" else LLAMA8B_HF, dtype)
+        if name not in args.skip_models.split(","):
+            result["models"][name] = bench_model(name, args.gguf, batches, args.new_tokens, args.prefill, dtype)
+            print(name, result["models"][name]["ratios"], flush=True)
+    write_result(out, result)
 
 
 if __name__ == "__main__":
