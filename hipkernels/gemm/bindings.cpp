@@ -4,6 +4,7 @@
 // pyengine/ops/cuda/gemm.py fills them.
 #include "common/binding_utils.h"
 #include "common/register_kernels.h"
+#include "gemm/grouped_gemm.h"
 #include "gemm/invariant_gemm.h"
 #include "gemm/invariant_gemm_f32.h"
 #include "gemm/skinny_gemm.h"
@@ -39,4 +40,10 @@ void register_gemm_kernels(py::module_& k) {
         "The K split of the batch-invariant fp32 GEMM for a shape (a function of K, N and the device, never of M).");
   k.def("invariant_gemm_f32_workspace", &invariant_gemm_f32_workspace, py::arg("m"), py::arg("n"), py::arg("k"),
         py::arg("num_sms"), py::arg("split"), "fp32 elements of workspace an fp32 invariant GEMM launch needs (0: none).");
+  using GG = GroupedGemmParams;  // grouped_gemm.h: the invariant GEMM over row groups (MoE experts, heads)
+  ParamsClass<GG>(k, "GroupedGemmParams")
+      .PE_FIELD(GG, x).PE_FIELD(GG, w).PE_FIELD(GG, y).PE_FIELD(GG, offs).PE_FIELD(GG, num_groups).PE_FIELD(GG, m)
+      .PE_FIELD(GG, n).PE_FIELD(GG, k).PE_FIELD(GG, x_stride).PE_FIELD(GG, y_stride).PE_FIELD(GG, x_group_stride)
+      .PE_FIELD(GG, y_group_stride).PE_FIELD(GG, dtype).PE_FIELD(GG, num_sms).PE_FIELD(GG, split).PE_FIELD(GG, pdl);
+  def_launch(k, "grouped_gemm", &launch_grouped_gemm);
 }

@@ -22,7 +22,7 @@ from pyengine.ops.reference import PAD
 from pyengine.ops.reference.mla import KV_LORA_RANK
 
 __all__ = ["paged_attention", "paged_attention_mla", "reshape_and_cache_mla", "rms_norm", "fused_add_rms_norm",
-           "silu_and_mul", "rope_and_cache", "linear", "causal_conv1d_update", "causal_conv1d_fn",
+           "silu_and_mul", "rope_and_cache", "linear", "grouped_linear", "causal_conv1d_update", "causal_conv1d_fn",
            "selective_state_update", "ssd_chunk_scan", "gated_delta_rule_update", "gated_delta_rule_chunked",
            "gated_delta_rule_materialise", "copy_state", "normalize_state", "PAD", "cpu_kernels_enabled"]
 
@@ -205,6 +205,50 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     KernelConfig.batch_invariant), else None: the caller runs torch's GEMM."""
     fn = getattr(_backend(x.device), "linear", None)
     return None if fn is None else fn(x, w, bias)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
+    """One [in, out] weight per group of rows, w [G, in, out] (MoE experts, attention heads):
+      offs int32 [G] on x's device (cumulative row counts, torch._grouped_mm's offs): x [M, in] rows
+        sorted by group, group g = rows [offs[g-1], offs[g]) -> [M, out]; rows past offs[-1] unwritten.
+      offs None: x [T, G, in], group g = x[:, g] -> [T, G, out].
+    A row's result is linear(row, w[g]) of that row alone, whatever the other groups hold: on CUDA
+    (fp16/bf16, NVIDIA) the grouped invariant GEMM with no host synchronisation
+    (pyengine/ops/cuda/gemm.py), elsewhere the groups one at a time through linear() (the
+    reference; with offs it reads the counts on the host)."""
+    if w.dim() != 3 or x.dim() != (2 if offs is not None else 3) or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"grouped_linear needs w [G, in, out] and x [M, in] with offs or [T, G, in] without, "
+                         f"got {tuple(x.shape)} / {tuple(w.shape)}")
+    if offs is None and x.shape[1] != w.shape[0]:
+        raise ValueError(f"x [T, G, in] must have G = {w.shape[0]} groups, got {tuple(x.shape)}")
+    if offs is not None and (offs.dtype != torch.int32 or tuple(offs.shape) != (w.shape[0],)):
+        raise ValueError(f"offs must be int32 [{w.shape[0]}] (cumulative rows per group), got {offs.dtype} "
+                         f"{tuple(offs.shape)}")
+    if x.dtype not in _FLOAT_DTYPES or w.dtype != x.dtype:
+        raise ValueError(f"grouped_linear takes floating x and w of one dtype, got {x.dtype} / {w.dtype}")
+    _check_same_device(x, w, offs)
+    fn = getattr(_backend(x.device), "grouped_linear", None)
+    y = None if fn is None else fn(x, w, offs)
+    return y if y is not None else _grouped_linear_by_group(x, w, offs)
+
+
+def _grouped_linear_by_group(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+    """grouped_linear's reference: each group's rows through linear() (torch.mm where no backend
+    GEMM takes them)."""
+    def mm(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        y = linear(rows, weight)
+        return torch.mm(rows, weight) if y is None else y
+
+    if offs is None:
+        return torch.stack([mm(x[:, g], w[g]) for g in range(w.shape[0])], dim=1)
+    y = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
+    begin = 0
+    for g, end in enumerate(offs.tolist()):
+        end = min(max(end, begin), x.shape[0])
+        if end > begin:
+            y[begin:end] = mm(x[begin:end], w[g])
+        begin = end
+    return y
 
 
 # ---- recurrent-state ops of Mamba2 layers (semantics: pyengine/ops/reference/ssm.py) --------------

@@ -138,3 +138,47 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
             or x.device != w.device or (bias is not None and bias.dtype != x.dtype)):
         return None
     return skinny_gemm(x, w, bias)
+
+
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None = None, *, split: int = 0,
+                 pdl: bool | None = None) -> torch.Tensor:
+    """The batch-invariant GEMM over groups of rows, one weight per group (w [G, K, N] contiguous,
+    [in, out] per group), fp16/bf16, NVIDIA (hipkernels/gemm/grouped_gemm.h):
+      offs int32 [G] (cumulative row counts, torch._grouped_mm's offs): x [M, K] rows sorted by
+        group -> y [M, N], y[r] = x[r] @ w[g(r)]; rows past offs[-1] are left unwritten. No host
+        synchronisation: the counts stay on the device.
+      offs None: x [T, G, K] (group g is x[:, g]; any token and group strides) -> y [T, G, N].
+    Each row's bits equal invariant_gemm(row, w[g]) alone (same K split, same order), whatever
+    the other groups' rows. split: 0 takes invariant_gemm's for (K, N)."""
+    g, k, n = w.shape
+    if x.dtype not in _SKINNY_DTYPES or w.dtype != x.dtype:
+        raise ValueError(f"grouped_gemm takes fp16/bf16 x and w of one dtype, got {x.dtype} / {w.dtype}")
+    if k % 64 or n % 8 or not w.is_contiguous() or w.data_ptr() % 16:
+        raise ValueError(f"grouped_gemm needs w contiguous and 16-byte aligned with K a multiple of 64 and N of 8, "
+                         f"got {tuple(w.shape)}")
+    x = aligned_rows(x)
+    if offs is None:
+        y = torch.empty(x.shape[0], g, n, dtype=x.dtype, device=x.device)
+        rows, x_group, y_group = x.shape[0], row_stride(x, 1), row_stride(y, 1)
+    else:
+        offs = offs.contiguous()
+        y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        rows, x_group, y_group = x.shape[0], 0, 0
+    if rows == 0:
+        return y
+    p = params(kernels.GroupedGemmParams, x=x.data_ptr(), w=w.data_ptr(), y=y.data_ptr(),
+               offs=0 if offs is None else offs.data_ptr(), num_groups=g, m=rows, n=n, k=k, x_stride=row_stride(x),
+               y_stride=row_stride(y), x_group_stride=x_group, y_group_stride=y_group, dtype=_SKINNY_DTYPES[x.dtype],
+               num_sms=num_sms(x.device), split=split, pdl=get_kernel_config().pdl if pdl is None else pdl)
+    with torch.cuda.device(x.device):
+        kernels.grouped_gemm(p, stream(x.device))
+    return y
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor | None:
+    """ops.grouped_linear on CUDA (validated by the facade): the grouped kernel for fp16/bf16 on
+    NVIDIA; None elsewhere (AMD: the kernel is mma.sync-only; fp32): the facade then runs the
+    groups one at a time through linear()."""
+    if torch.version.hip is not None or x.dtype not in _SKINNY_DTYPES:
+        return None
+    return grouped_gemm(x, w, offs)

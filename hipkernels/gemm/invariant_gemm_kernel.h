@@ -1,0 +1,318 @@
+// The tile kernel of the batch-invariant GEMM (semantics and reduction order in invariant_gemm.h),
+// shared by invariant_gemm.hip (one matrix) and grouped_gemm.hip (one weight per group of rows).
+// Device code: include from .hip files only.
+//
+// A block of 8 warps owns a BM x 128 output tile and one of `split` K ranges; k tiles of 64 stream
+// through a cp.async pipeline (3 to 5 stages) (x rows zero-filled past the block's rows, weight
+// columns past N). Shared tiles are swizzled (16-byte chunk c of row r stored at c ^ (r % 8)) so
+// that ldmatrix reads are conflict-free: x tiles are [BM][64] (ldmatrix), weight tiles [64][128]
+// (ldmatrix.trans gives the k-major B fragments straight from the [in, out] layout). Warps split the
+// tile 1 x 8 (BM 16: decode, each warp 16 columns) or 2 x 4 (BM 64 and 128).
+//
+// Large M (BM 128) has blocks enough without a split, so there one block walks all K ranges in
+// turn (kSequential): its accumulators restart from zero at each range boundary and are added to
+// the running total there, in range order - the same fp32 operations, in the same order, as the
+// cluster combine, so a row's bits do not depend on which of the two paths its M chose.
+//
+// Which rows a block computes is the `Rows` policy's answer for blockIdx.y (locate<BM>): the x, w
+// and y of its matrix and its first row there. Nothing else of a row's arithmetic depends on it.
+#pragma once
+
+#include "gemm/invariant_gemm.h"
+
+#include "common/async_copy.h"
+#include "common/hip_compat.h"
+#include "common/mma_sync.h"
+
+#if defined(PE_CUDA)
+#include <cooperative_groups.h>
+#endif
+
+namespace pe_invariant_gemm {
+
+constexpr int kThreads = 256;
+constexpr int kBN = 128;
+constexpr int kBK = 64;
+constexpr int kMaxSplit = 8;  // portable cluster size
+
+template <int BM>
+struct Tile {
+  static constexpr int kWarpsM = BM == 16 ? 1 : 2;
+  static constexpr int kWarpsN = 8 / kWarpsM;
+  static constexpr int kWarpM = BM / kWarpsM;  // rows per warp: 16, 32 or 64
+  static constexpr int kWarpN = kBN / kWarpsN;  // columns per warp: 16 or 32
+  static constexpr int kMT = kWarpM / 16;       // m16 fragments per warp
+  static constexpr int kNT = kWarpN / 8;        // n8 fragments per warp
+  static constexpr int kAccs = kMT * kNT * 4;   // fp32 accumulators per thread
+  static constexpr int kStages = BM == 16 ? 5 : BM == 64 ? 4 : 3;  // ~90-100 KB of tiles in flight
+  static constexpr int kStageElems = BM * kBK + kBK * kBN;
+  static constexpr size_t kPipeBytes = (size_t)kStages * kStageElems * 2;
+  static constexpr size_t kReduceBytes = (size_t)kAccs * kThreads * 4;
+  static constexpr size_t kSmemBytes = kPipeBytes > kReduceBytes ? kPipeBytes : kReduceBytes;
+};
+
+// The matrix one block works on: rows [m0, m0 + BM) of x [m, K] @ w [K, N] -> y [m, N] (rows
+// x_stride / y_stride elements apart). m0 >= m: the block has no rows and leaves.
+struct BlockRows {
+  const uint16_t* x;
+  const uint16_t* w;
+  uint16_t* y;
+  int m0, m;
+};
+
+// One matrix: p.x, p.w, p.y, rows tile * BM on.
+struct DenseRows {
+  static constexpr bool kReadsStepData = false;  // locate reads nothing a kernel of the step writes
+
+  unsigned tiles(const InvariantGemmParams& p, int bm) const { return (unsigned)((p.m + bm - 1) / bm); }
+
+  template <int BM>
+  PE_DEVICE BlockRows locate(const InvariantGemmParams& p, int tile) const {
+    return {static_cast<const uint16_t*>(p.x), static_cast<const uint16_t*>(p.w), static_cast<uint16_t*>(p.y),
+            tile * BM, p.m};
+  }
+};
+
+PE_DEVICE int swizzle(int row, int chunk) { return chunk ^ (row & 7); }
+
+template <typename T, int BM, bool kSequential, typename Rows>
+__global__ void __launch_bounds__(kThreads) invariant_gemm_kernel(InvariantGemmParams p, Rows rows, int splits) {
+  using L = Tile<BM>;
+  constexpr int kStages = L::kStages;
+  extern __shared__ __align__(16) uint16_t smem[];
+  // cluster (splits, 1, 1): block rank == split; kSequential: one block for all ranges
+  const int blocks_per_tile = kSequential ? 1 : splits;
+  const int split = kSequential ? 0 : blockIdx.x % splits;
+  const int n0 = blockIdx.x / blocks_per_tile * kBN;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int wm0 = warp / L::kWarpsN * L::kWarpM, wn0 = warp % L::kWarpsN * L::kWarpN;
+  const int k_tiles = p.k / kBK;
+  const auto range_begin = [&](int s) { return (int)((int64_t)k_tiles * s / splits); };
+  const int kt_begin = kSequential ? 0 : range_begin(split);
+  const int kt_count = (kSequential ? k_tiles : range_begin(split + 1)) - kt_begin;
+
+  // The first stages' weights are requested before the wait: under PDL they stream in while the
+  // kernel that writes x still runs (weights are never written by a step) - unless finding the
+  // block's rows itself reads what the step wrote (grouped rows' offsets).
+  pe_pdl_launch_dependents();
+  if constexpr (Rows::kReadsStepData) pe_pdl_wait();
+  const BlockRows b = rows.template locate<BM>(p, (int)blockIdx.y);
+  if (b.m0 >= b.m) return;  // no rows here; the cluster's other blocks (same blockIdx.y) leave too
+  const int m0 = b.m0;
+  const auto stage_a = [&](int s) { return smem + s * L::kStageElems; };
+  const auto stage_b = [&](int s) { return smem + s * L::kStageElems + BM * kBK; };
+  // One k tile into stage s: weight rows [64][128] (16 chunks a row), x rows [BM][64] (8 a row).
+  const auto load_w = [&](int s, int kt) {
+    uint16_t* sb = stage_b(s);
+#pragma unroll
+    for (int it = 0; it < kBK * kBN / 8 / kThreads; ++it) {
+      const int i = tid + it * kThreads;
+      const int r = i / (kBN / 8), c = i % (kBN / 8), col = n0 + c * 8;
+      const bool valid = col < p.n;
+      const uint16_t* src = valid ? b.w + (int64_t)(kt * kBK + r) * p.n + col : b.w;
+      pe_copy::copy16_async(sb + r * kBN + swizzle(r, c) * 8, src, valid);
+    }
+  };
+  const auto load_x = [&](int s, int kt) {
+    uint16_t* sa = stage_a(s);
+#pragma unroll
+    for (int it = 0; it < (BM * kBK / 8 + kThreads - 1) / kThreads; ++it) {
+      const int i = tid + it * kThreads;
+      if (BM * kBK / 8 % kThreads != 0 && i >= BM * kBK / 8) break;
+      const int r = i / (kBK / 8), c = i % (kBK / 8), row = m0 + r;
+      const bool valid = row < b.m;
+      const uint16_t* src = valid ? b.x + (int64_t)row * p.x_stride + kt * kBK + c * 8 : b.x;
+      pe_copy::copy16_async(sa + r * kBK + swizzle(r, c) * 8, src, valid);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s)
+    if (s < kt_count) load_w(s, kt_begin + s);
+  if constexpr (!Rows::kReadsStepData) pe_pdl_wait();
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < kt_count) load_x(s, kt_begin + s);
+    pe_copy::copy_commit();
+  }
+
+  float acc[L::kMT][L::kNT][4];
+  float total[kSequential ? L::kMT : 1][kSequential ? L::kNT : 1][4];
+  const auto for_each_acc = [&](auto&& f) {
+#pragma unroll
+    for (int i = 0; i < L::kMT; ++i)
+#pragma unroll
+      for (int j = 0; j < L::kNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f(i, j, e);
+  };
+  for_each_acc([&](int i, int j, int e) { acc[i][j][e] = 0.f; });
+  int range = 0, range_end = kSequential ? range_begin(1) : kt_count;
+
+  for (int t = 0; t < kt_count; ++t) {
+    if constexpr (kSequential) {
+      if (t == range_end) {  // range `range` is complete: into the total, in range order
+        if (range == 0)
+          for_each_acc([&](int i, int j, int e) { total[i][j][e] = acc[i][j][e], acc[i][j][e] = 0.f; });
+        else
+          for_each_acc([&](int i, int j, int e) { total[i][j][e] += acc[i][j][e], acc[i][j][e] = 0.f; });
+        range_end = range_begin(++range + 1);
+      }
+    }
+    pe_copy::copy_wait<kStages - 2>();
+    __syncthreads();  // tile t landed for every thread; stage (t - 1) % kStages is free again
+    const int next = t + kStages - 1;
+    if (next < kt_count) {
+      load_w(next % kStages, kt_begin + next);
+      load_x(next % kStages, kt_begin + next);
+    }
+    pe_copy::copy_commit();
+    const uint16_t* sa = stage_a(t % kStages);
+    const uint16_t* sb = stage_b(t % kStages);
+#pragma unroll
+    for (int kk = 0; kk < kBK / 16; ++kk) {
+      uint32_t a[L::kMT][4];
+#pragma unroll
+      for (int i = 0; i < L::kMT; ++i) {
+        const int r = wm0 + i * 16 + lane % 16;
+        pe_mma::ldsm_x4<false>(a[i], sa + r * kBK + swizzle(r, kk * 2 + lane / 16) * 8);
+      }
+      uint32_t bf[L::kNT][2];
+#pragma unroll
+      for (int j = 0; j < L::kNT; j += 2) {
+        const int r = kk * 16 + lane % 8 + (lane / 8) % 2 * 8;
+        uint32_t frag[4];
+        pe_mma::ldsm_x4<true>(frag, sb + r * kBN + swizzle(r, (wn0 + j * 8) / 8 + lane / 16) * 8);
+        bf[j][0] = frag[0], bf[j][1] = frag[1], bf[j + 1][0] = frag[2], bf[j + 1][1] = frag[3];
+      }
+#pragma unroll
+      for (int i = 0; i < L::kMT; ++i)
+#pragma unroll
+        for (int j = 0; j < L::kNT; ++j) pe_mma::mma16816<T>(acc[i][j], a[i], bf[j][0], bf[j][1]);
+    }
+  }
+  pe_copy::copy_wait<0>();
+  __syncthreads();  // the pipeline's shared memory becomes the ranges' exchange buffer
+  if constexpr (kSequential) {
+    if (range > 0) for_each_acc([&](int i, int j, int e) { acc[i][j][e] = total[i][j][e] + acc[i][j][e]; });
+  }
+
+  // K ranges in increasing order, bias last, one rounding. With a split every block publishes its
+  // partial sums and block `split` finishes the accumulator pairs (two adjacent columns, stored
+  // together) a / 2 with a / 2 % splits == split.
+  float* part = reinterpret_cast<float*>(smem);
+#if defined(PE_CUDA)
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  if (!kSequential && splits > 1) {
+#pragma unroll
+    for (int i = 0; i < L::kMT; ++i)
+#pragma unroll
+      for (int j = 0; j < L::kNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) part[((i * L::kNT + j) * 4 + e) * kThreads + tid] = acc[i][j][e];
+    cluster.sync();
+#pragma unroll
+    for (int i = 0; i < L::kMT; ++i)
+#pragma unroll
+      for (int j = 0; j < L::kNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int a = (i * L::kNT + j) * 4 + e;
+          if (a / 2 % splits != split) continue;
+          float v = *cluster.map_shared_rank(&part[a * kThreads + tid], 0);
+          for (int s = 1; s < splits; ++s) v += *cluster.map_shared_rank(&part[a * kThreads + tid], s);
+          acc[i][j][e] = v;
+        }
+  }
+#endif
+  const uint16_t* bias = static_cast<const uint16_t*>(p.bias);
+#pragma unroll
+  for (int i = 0; i < L::kMT; ++i)
+#pragma unroll
+    for (int j = 0; j < L::kNT; ++j) {
+      const int col = n0 + wn0 + j * 8 + lane % 4 * 2;
+      if (col >= p.n) continue;  // N % 8 == 0: col + 1 < N as well
+      const float b0 = bias ? PeVec8<T>::element_to_float(bias[col]) : 0.f;
+      const float b1 = bias ? PeVec8<T>::element_to_float(bias[col + 1]) : 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = m0 + wm0 + i * 16 + lane / 4 + h * 8;
+        const int a = (i * L::kNT + j) * 4 + h * 2;
+        if (row >= b.m || (!kSequential && splits > 1 && a / 2 % splits != split)) continue;
+        const uint32_t lo = PeVec8<T>::from_float(acc[i][j][h * 2] + b0);
+        const uint32_t hi = PeVec8<T>::from_float(acc[i][j][h * 2 + 1] + b1);
+        *reinterpret_cast<uint32_t*>(b.y + (int64_t)row * p.y_stride + col) = lo | (hi << 16);
+      }
+    }
+#if defined(PE_CUDA)
+  if (!kSequential && splits > 1) cluster.sync();  // no block leaves while another still reads its shared memory
+#endif
+}
+
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Shape checks common to every launch: dtype, K a multiple of 64, N of 8, 16-byte x and w rows.
+inline bool takes_shape(const InvariantGemmParams& p) {
+  return (p.dtype == PE_BFLOAT16 || p.dtype == PE_FLOAT16) && p.k > 0 && p.k % kBK == 0 && p.n % 8 == 0 && p.m >= 0 &&
+         p.x_stride % 8 == 0 && p.y_stride % 2 == 0 && aligned16(p.x) && aligned16(p.w);
+}
+
+template <typename T, int BM, bool kSequential, typename Rows>
+int launch_tiles(const InvariantGemmParams& p, const Rows& rows, int splits, peStream_t s) {
+#if defined(PE_CUDA)
+  using L = Tile<BM>;
+  const auto kernel = invariant_gemm_kernel<T, BM, kSequential, Rows>;
+  static const cudaError_t attr_rc =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::kSmemBytes);
+  if (attr_rc != cudaSuccess) return (int)attr_rc;
+  const unsigned tiles = rows.tiles(p, BM);
+  if (tiles > 65535u) return -1;  // gridDim.y
+  if (tiles == 0) return 0;
+  cudaLaunchConfig_t cfg = {};
+  const int blocks_per_tile = kSequential ? 1 : splits;
+  cfg.gridDim = dim3((unsigned)((p.n + kBN - 1) / kBN * blocks_per_tile), tiles);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = L::kSmemBytes;
+  cfg.stream = s;
+  cudaLaunchAttribute attrs[2];
+  unsigned n = 0;
+  if (!kSequential && splits > 1) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n].val.clusterDim.x = (unsigned)splits;
+    attrs[n].val.clusterDim.y = 1;
+    attrs[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (p.pdl) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cfg.attrs = attrs;
+  cfg.numAttrs = n;
+  const cudaError_t rc = cudaLaunchKernelEx(&cfg, kernel, p, rows, splits);
+  return rc != cudaSuccess ? (int)rc : (int)peGetLastError();
+#else
+  (void)p, (void)rows, (void)splits, (void)s;
+  return -1;
+#endif
+}
+
+// The row tile from the rows a matrix is expected to have (a tile height is never part of a row's
+// arithmetic, only of the launch's efficiency): 16 for decode, 64, else 128 walking K in turn.
+template <typename T, typename Rows>
+int launch_rows(const InvariantGemmParams& p, const Rows& rows, int rows_per_matrix, int splits, peStream_t s) {
+  if (rows_per_matrix <= 16) return launch_tiles<T, 16, false>(p, rows, splits, s);
+  if (rows_per_matrix <= 256) return launch_tiles<T, 64, false>(p, rows, splits, s);
+  return splits > 1 ? launch_tiles<T, 128, true>(p, rows, splits, s) : launch_tiles<T, 128, false>(p, rows, splits, s);
+}
+
+// Dispatch on the dtype (the caller has checked takes_shape and the split).
+template <typename Rows>
+int launch_typed(const InvariantGemmParams& p, const Rows& rows, int rows_per_matrix, int splits, void* stream) {
+  const peStream_t s = static_cast<peStream_t>(stream);
+  return p.dtype == PE_BFLOAT16 ? launch_rows<pe_bf16>(p, rows, rows_per_matrix, splits, s)
+                                : launch_rows<pe_half>(p, rows, rows_per_matrix, splits, s);
+}
+
+}  // namespace pe_invariant_gemm
