@@ -8,6 +8,12 @@ embedding rows, lm_head, and the latent cache of every row (context x 576 x 2 by
 Utilisation = those bytes / step time / the device copy bandwidth of the same run.
 
     python3 benchmarks/bench_deepseek_v3.py --moe-layers 2 --out benchmarks/results/deepseek_v3_h100.json
+
+--batch-invariant also times each decode step under KernelConfig.batch_invariant (every GEMM one of
+pyengine's invariant ones: the grouped expert and per-head GEMMs, the fp32 router; attention
+without a key split) and reports its cost against the default step of the same run:
+
+    python3 benchmarks/bench_deepseek_v3.py --moe-layers 2 --ks "" --batch-invariant
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from benchmarks.gpu_timing import copy_bandwidth_gbps, run_header, time_ms, time
 from pyengine.engine.attention_metadata import AttentionMetadata  # noqa: E402
 from pyengine.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3ModelConfig  # noqa: E402
 from pyengine.models.moe import MoE, MoEConfig, route  # noqa: E402
+from pyengine.ops.kernel_config import use_kernel_config  # noqa: E402
 
 DSV3 = dict(architecture="DeepseekV3ForCausalLM", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
             num_attention_heads=128, num_key_value_heads=1, head_dim=192, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -101,12 +108,24 @@ def weight_bytes(model: DeepseekV3ForCausalLM, hits: list[int]) -> int:
     return total + sum(hits) * expert
 
 
+def time_invariant(step, ms: float, graph_ms: float) -> dict:
+    """The step under KernelConfig.batch_invariant (kernels are chosen at capture, so the graph
+    replays the invariant ones), eager and graph-replayed, and its cost against the default step."""
+    with use_kernel_config(batch_invariant=True), torch.inference_mode():
+        inv_ms = time_ms(step, reps=10)
+        inv_graph_ms = time_ms_graph(step, inner=5, reps=5)
+    return {"step_ms": round(inv_ms, 3), "graph_step_ms": round(inv_graph_ms, 3), "vs_default": round(inv_ms / ms, 3),
+            "graph_vs_default": round(inv_graph_ms / graph_ms, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--moe-layers", type=int, default=2, help="MoE layers after the dense one (3 needs > 80 GB)")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--ks", default="1,2,3")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="also time decode steps under KernelConfig.batch_invariant, against the default")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     copy = copy_bandwidth_gbps()
@@ -114,10 +133,10 @@ def main() -> None:
     cfg = model.config
     result = dict(run_header(), copy_bandwidth_gbps=copy, model=dict(DSV3, num_hidden_layers=cfg.num_hidden_layers,
                   n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1),
-                  context=args.context, rows=[])
+                  context=args.context, batch_invariant_compared=args.batch_invariant, rows=[])
     for batch in [int(b) for b in args.batches.split(",")]:
         row: dict = {"batch": batch}
-        for k in [0] + [int(k) for k in args.ks.split(",")]:
+        for k in [0] + [int(k) for k in args.ks.split(",") if k]:
             ids, pos, meta, blocks = step_inputs(batch, args.context, 1 + k)
             caches = model.make_kv_caches(blocks, 64, torch.device("cuda"))
             for c in caches:
@@ -132,6 +151,8 @@ def main() -> None:
             record_step(row, k, batch, ms, graph_ms, experts_hit_per_layer=hits, bytes_read=nbytes,
                         bandwidth_utilisation=round(nbytes / (ms * 1e-3) / (copy * 1e9), 3),
                         graph_bandwidth_utilisation=round(nbytes / (graph_ms * 1e-3) / (copy * 1e9), 3))
+            if k == 0 and args.batch_invariant:
+                row["decode_batch_invariant"] = time_invariant(step, ms, graph_ms)
             del caches
             torch.cuda.empty_cache()
         result["rows"].append(row)

@@ -190,3 +190,22 @@ def test_cpu_mla_attention_matches_reference(rank: int, rope: int, dtype: torch.
     alone_meta, _ = make_meta(rows[1:2], block_size)
     alone = ops.paged_attention_mla(q[4:5], cache, alone_meta, 0.05, kv_lora_rank=rank)
     assert torch.equal(alone, out[4:5])
+
+
+@pytest.mark.parametrize("widths,dtype,expected", [
+    (dict(kv_lora_rank=512, qk_rope_head_dim=64), torch.bfloat16, True),
+    (dict(kv_lora_rank=512, qk_rope_head_dim=64), torch.float16, True),
+    (dict(kv_lora_rank=512, qk_rope_head_dim=64), torch.float32, False),  # MLA reference: torch's GEMMs
+    ({}, torch.bfloat16, False),  # the tiny widths: no MLA kernel
+])
+def test_batch_invariant_on_cuda_only_where_the_mla_kernel_runs(widths: dict, dtype: torch.dtype,
+                                                                expected: bool) -> None:
+    """LLM(batch_invariant=True) on CUDA reads the model's batch_invariant_on_cuda: every GEMM of
+    DeepSeek-V3 has an invariant kernel, attention only at the MLA kernel's widths and dtypes."""
+    from pyengine.models.deepseek_v3 import DeepseekV3ForCausalLM, deepseek_v3_model_config
+
+    hf = transformers.DeepseekV3Config(**dict(DEEPSEEK_V3, **widths)).to_dict()
+    hf["architectures"] = ["DeepseekV3ForCausalLM"]
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(deepseek_v3_model_config(hf), dtype)
+    assert model.batch_invariant_on_cuda is expected

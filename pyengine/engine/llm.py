@@ -150,8 +150,9 @@ class LLM:
                                                                        load_mtp=spec is not None and spec.method == "mtp")
             if (self.kernel_config.batch_invariant and self.device.type == "cuda"
                     and not getattr(self.model, "batch_invariant_on_cuda", True)):
-                raise ValueError(f"{self.model_config.architecture}: batch_invariant is not available on CUDA yet "
-                                 "(its per-head, router and expert GEMMs run torch's)")
+                raise ValueError(f"{self.model_config.architecture}: batch_invariant is not available on CUDA in "
+                                 f"{self.dtype} at this model's widths (DeepSeek-V3 needs fp16/bf16 and the MLA "
+                                 "kernel's kv_lora_rank 512 / qk_rope_head_dim 64)")
             draft = None  # draft model: loaded before the KV budget, which then covers both caches
             if spec is not None and spec.method == "draft_model":
                 draft_model, draft_config, draft_tokenizer = load_model(spec.model, str(self.device), self.dtype)

@@ -26,6 +26,7 @@ from pyengine.models.layers import (WeightTargets, cpu_linear_packer, linear, on
                                     rope_attention_factor, rope_inv_freq, yarn_mscale)
 from pyengine.models.moe import MoE, MoEConfig, SwiGLU, moe_graphable
 from pyengine.models.weight_utils import decoder_weight_targets, load_named_weights
+from pyengine.ops.kernel_config import get_kernel_config
 
 
 @dataclass
@@ -112,8 +113,11 @@ class MlaRope(nn.Module):
 
 def per_head_linear(x: torch.Tensor, weights: Any) -> torch.Tensor:
     """x [T, H, in] times head h's [in, out] weight -> [T, H, out]. weights: a stacked [H, in, out]
-    tensor (one batched GEMM) or a list of packed per-head weights (the CPU's batch-invariant GEMM)."""
+    tensor (one batched GEMM: under KernelConfig.batch_invariant the grouped invariant GEMM, heads
+    as groups, else torch.bmm) or a list of packed per-head weights (the CPU's batch-invariant GEMM)."""
     if isinstance(weights, torch.Tensor):
+        if get_kernel_config().batch_invariant:
+            return ops.grouped_linear(x, weights)
         return torch.bmm(x.transpose(0, 1), weights).transpose(0, 1)
     return torch.stack([linear(x[:, h], w) for h, w in enumerate(weights)], dim=1)
 
@@ -243,7 +247,14 @@ def kv_b_transform(layers: dict[str, MlaAttention]) -> Callable[[str, torch.Tens
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    batch_invariant_on_cuda = False  # per-head (bmm), router and expert GEMMs are torch's on CUDA
+    @property
+    def batch_invariant_on_cuda(self) -> bool:
+        """Under KernelConfig.batch_invariant every GEMM on CUDA is one of pyengine's invariant ones
+        (the projections and the fp32 router through linear(), the per-head W_UK / W_UV and the
+        routed experts through ops.grouped_linear; routing ties and the experts' combine follow
+        per-row rules), and attention is the MLA kernel's with one key split per row: fp16/bf16 at
+        the kernel's widths. Elsewhere the MLA reference runs, whose einsums are torch's GEMMs."""
+        return self.dtype in (torch.float16, torch.bfloat16) and self.mla_kernel_widths
 
     @property
     def supports_cuda_graphs(self) -> bool:

@@ -5,10 +5,12 @@ shared expert scaled by a sigmoid gate).
 Batch invariance (docs/architecture.md): a token's output must not depend on which other tokens
 chose its experts. On the CPU each expert runs its tokens through linear(), whose packed GEMM
 computes a row the same way for every M; the top-k outputs of a token are then summed in its own
-slot order (0..k-1), never in an order the batch decides. On CUDA (bf16) the routed experts run as
-two grouped GEMMs (torch._grouped_mm, one group per expert, no host synchronisation); that
-kernel's row invariance is not established, and LLM(batch_invariant=True) refuses these models on
-CUDA.
+slot order (0..k-1), never in an order the batch decides. On CUDA the routed experts run as two
+grouped GEMMs (one group per expert, no host synchronisation, so steps can be CUDA graphs): under
+KernelConfig.batch_invariant pyengine's grouped invariant GEMM (ops.grouped_linear: a row's bits
+are those of the row alone with its expert's weight), else torch._grouped_mm (bf16), whose row
+invariance is not established. Top-k ties go to the lower expert index (a stable sort), a rule of
+the row alone; torch.topk's tie order follows its kernel choice, which follows the tensor's shape.
 """
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pyengine import ops
 from pyengine.models.layers import WeightTargets, linear, pack_weights, param, rowwise
+from pyengine.ops.kernel_config import get_kernel_config
 
 
 @dataclass
@@ -54,21 +58,26 @@ class MoEConfig:
             raise ValueError(f"unsupported MoE scoring_func {self.scoring_func!r} (supported: sigmoid, softmax)")
 
 
+def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of each row's k largest values [T, k], largest first, ties to the lower index."""
+    return torch.sort(values, dim=-1, descending=True, stable=True)[1][:, :k].contiguous()
+
+
 def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] fp32 -> (expert ids [T, k] int64, combine weights [T, k] fp32), per row.
     Selection ranks the scores (sigmoid or softmax) + bias inside the topk_group groups whose top-2
-    biased scores sum highest; the weights are the unbiased scores of the chosen experts (normalised
-    if norm_topk_prob), times routed_scaling_factor."""
+    biased scores sum highest (ties to the lower index: top_indices); the weights are the unbiased
+    scores of the chosen experts (normalised if norm_topk_prob), times routed_scaling_factor."""
     scores = rowwise(torch.sigmoid, logits) if cfg.scoring_func == "sigmoid" else torch.softmax(logits, dim=-1)
     choice = scores if bias is None else scores + bias
     if cfg.n_group > 1:
         t = choice.shape[0]
         grouped = choice.view(t, cfg.n_group, -1)
         group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
-        keep = group_scores.topk(cfg.topk_group, dim=-1)[1]
+        keep = top_indices(group_scores, cfg.topk_group)
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
         choice = grouped.masked_fill(~group_mask[:, :, None], float("-inf")).view(t, -1)
-    ids = choice.topk(cfg.top_k, dim=-1, sorted=True)[1]
+    ids = top_indices(choice, cfg.top_k)
     weights = scores.gather(1, ids)
     if cfg.norm_topk_prob:
         total = weights[:, 0:1]
@@ -138,14 +147,21 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             shared = self.shared_experts(x).float()
             if self.shared_expert_gate is not None:
-                shared = shared * rowwise(torch.sigmoid, linear(x, self.shared_expert_gate).float())
+                shared = shared * rowwise(torch.sigmoid, self._shared_gate_logit(x).float())
             out = out + shared
         return out.to(x.dtype)
 
     def runs_grouped_on_cuda(self, dtype: torch.dtype) -> bool:
-        """bf16 with 16-aligned widths: torch's grouped GEMM (sm_90) over the stacked experts."""
-        return (dtype == torch.bfloat16 and isinstance(self.w_gate_up, torch.Tensor) and hasattr(torch, "_grouped_mm")
-                and self.w_gate_up.shape[1] % 16 == 0 and self.w_down.shape[1] % 16 == 0)
+        """Whether CUDA runs the stacked experts as grouped GEMMs: under KernelConfig.batch_invariant
+        pyengine's (fp16/bf16 on NVIDIA, widths multiples of 64; elsewhere the experts run one at a
+        time through linear(), invariant too), else torch's (bf16, sm_90, 16-aligned widths)."""
+        if not isinstance(self.w_gate_up, torch.Tensor):
+            return False
+        hidden, inter = self.w_gate_up.shape[1], self.w_down.shape[1]
+        if get_kernel_config().batch_invariant:
+            return (torch.version.hip is None and dtype in (torch.float16, torch.bfloat16)
+                    and hidden % 64 == 0 and inter % 64 == 0)
+        return dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and hidden % 16 == 0 and inter % 16 == 0
 
     def _runs_grouped(self, x: torch.Tensor) -> bool:
         return x.is_cuda and self.runs_grouped_on_cuda(x.dtype)
@@ -159,9 +175,21 @@ class MoE(nn.Module):
         counts = torch.zeros(e, dtype=torch.int32, device=x.device).index_add_(
             0, slots, torch.ones_like(slots, dtype=torch.int32))
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        h = torch._grouped_mm(x.index_select(0, order // k), self.w_gate_up, offs=offs)
-        y = torch._grouped_mm(ops.silu_and_mul(h), self.w_down, offs=offs)
+        rows = x.index_select(0, order // k)
+        if get_kernel_config().batch_invariant:  # each row as if alone with its expert's weight
+            y = ops.grouped_linear(ops.silu_and_mul(ops.grouped_linear(rows, self.w_gate_up, offs)), self.w_down, offs)
+        else:
+            y = torch._grouped_mm(ops.silu_and_mul(torch._grouped_mm(rows, self.w_gate_up, offs=offs)), self.w_down,
+                                  offs=offs)
         return torch.empty_like(y).index_copy_(0, order, y)
+
+    def _shared_gate_logit(self, x: torch.Tensor) -> torch.Tensor:
+        """x . shared_expert_gate [T, 1]. Under batch_invariant on CUDA the weight's one column is
+        padded to 8 (the invariant GEMM's N granularity) and the first column kept."""
+        w = self.shared_expert_gate
+        if x.is_cuda and isinstance(w, torch.Tensor) and get_kernel_config().batch_invariant and w.shape[1] % 8:
+            return linear(x, F.pad(w, (0, -w.shape[1] % 8)))[:, :w.shape[1]]
+        return linear(x, w)
 
     def _per_expert(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each hit expert over its tokens through linear() (the CPU's packed GEMM: a row's bits do
