@@ -163,15 +163,23 @@ def test_facade_runs_the_kernel_and_loops_for_fp32(monkeypatch) -> None:
     close_to_reference(y32.to(torch.bfloat16), x, w, counts)
 
 
-def test_moe_token_alone_equals_in_a_batch() -> None:
-    """A DeepSeek-style MoE layer under batch_invariant (fp32 router through the invariant fp32
-    GEMM, grouped experts, slot-ordered combine): each token's output is the same alone and in a
+@pytest.mark.parametrize("style", ["deepseek_v3", "qwen3_next"])
+def test_moe_token_alone_equals_in_a_batch(style: str) -> None:
+    """A MoE layer under batch_invariant (fp32 router through the invariant fp32 GEMM, grouped
+    experts, slot-ordered combine; DeepSeek-V3's sigmoid group-limited routing, or Qwen3-Next's
+    softmax routing with a gated shared expert): each token's output is the same alone and in a
     batch of 37 that routes other tokens to its experts."""
     from pyengine.models.moe import MoE, MoEConfig
     from pyengine.ops.kernel_config import use_kernel_config
 
-    cfg = MoEConfig(num_experts=16, top_k=4, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
-                    n_shared_experts=1, moe_intermediate_size=128)
+    if style == "deepseek_v3":
+        cfg = MoEConfig(num_experts=16, top_k=4, n_group=4, topk_group=2, norm_topk_prob=True,
+                        routed_scaling_factor=2.5, n_shared_experts=1, moe_intermediate_size=128)
+    else:
+        cfg = MoEConfig(num_experts=16, top_k=4, n_group=1, topk_group=1, norm_topk_prob=True,
+                        routed_scaling_factor=1.0, n_shared_experts=1, moe_intermediate_size=128,
+                        scoring_func="softmax", correction_bias=False, shared_intermediate_size=192,
+                        shared_expert_gate=True)
     moe = MoE(256, cfg, torch.bfloat16).cuda()
     g = generator(11)
     with torch.no_grad():
