@@ -100,6 +100,11 @@ PYBIND11_MODULE(_C, m) {
         const auto& b = self.cast<const ScheduledBatch&>();
         return view(b.state_copies, self, {static_cast<py::ssize_t>(b.state_copies.size() / 4), 4});
       })
+      .def_property_readonly("state_copy_slots", [](py::object self) {
+        const auto& b = self.cast<const ScheduledBatch&>();
+        const auto n = static_cast<py::ssize_t>(b.state_copies.size() / 4);
+        return view(b.state_copy_slots, self, {n, n ? static_cast<py::ssize_t>(b.state_copy_slots.size()) / n : 0});
+      })
 #define PE_VIEW(name) .def_property_readonly(#name, [](py::object self) { \
         return view(self.cast<const ScheduledBatch&>().name, self); })
       PE_VIEW(seq_ids) PE_VIEW(input_ids) PE_VIEW(positions) PE_VIEW(slot_mapping) PE_VIEW(query_start_loc)

@@ -53,6 +53,10 @@ struct ScheduledBatch {
   // checkpoint into an admitted request's first slot (after its prefix hit). Saves run first.
   std::vector<int32_t> state_copies;
   int32_t num_state_saves = 0;
+  // Per copy, the slots_per_seq state slots of its source: a save's row (slot 0 holds the base state,
+  // slot t token t's record for Gated DeltaNet pools, pyengine/ops/reference/gdn.py), a restore's
+  // checkpoint then PAD (-1).
+  std::vector<int32_t> state_copy_slots;
   BatchArray<int32_t> request_slots;      // Sequence::slot of each row (a dense request index)
   BatchArray<int64_t> tokens_left;        // tokens each row may still commit, before this step
   std::vector<int64_t> preempted_seq_ids;

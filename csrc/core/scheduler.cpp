@@ -175,6 +175,8 @@ std::shared_ptr<ScheduledBatch> Scheduler::schedule() {
   preempted.clear();
   batch->state_copies.swap(pending_state_saves_);  // the last update()'s checkpoint saves run first
   pending_state_saves_.clear();
+  batch->state_copy_slots.swap(pending_state_save_slots_);
+  pending_state_save_slots_.clear();
   batch->num_state_saves = static_cast<int32_t>(batch->state_copies.size() / 4);
   int64_t budget = config_.max_num_batched_tokens;
   int64_t num_decode = 0;
@@ -243,6 +245,8 @@ std::shared_ptr<ScheduledBatch> Scheduler::schedule() {
     if (cached > 0 && checkpoints_states()) {  // resume from the state at the end of the last hit block
       const int32_t src = block_manager_.restore_slot(seq->kv, cached / config_.block_size);
       batch->state_copies.insert(batch->state_copies.end(), {src, src, 0, seq->kv.state_slots[0]});
+      batch->state_copy_slots.push_back(src);
+      batch->state_copy_slots.resize(batch->state_copy_slots.size() + seq->kv.state_slots.size() - 1, -1);
       ++stats_.num_state_restores;
     }
     seq->num_computed = cached;
@@ -374,6 +378,8 @@ UpdateResult Scheduler::update(const int32_t* tokens, int64_t num_tokens, const 
     const int32_t dst = block_manager_.assign_checkpoint(c.seq->kv, c.block_index);
     if (dst < 0) continue;
     pending_state_saves_.insert(pending_state_saves_.end(), {c.ssm_slot, c.conv_line, c.conv_offset, dst});
+    const std::vector<int32_t>& slots = c.seq->kv.state_slots;
+    pending_state_save_slots_.insert(pending_state_save_slots_.end(), slots.begin(), slots.end());
     ++stats_.num_state_checkpoints_saved;
   }
   checkpoint_candidates_.clear();

@@ -161,6 +161,7 @@ class Scheduler {
   // Recurrent-state copies for the next batch (ScheduledBatch::state_copies): the checkpoints
   // update() assigned, which the next forward saves before anything runs.
   std::vector<int32_t> pending_state_saves_;
+  std::vector<int32_t> pending_state_save_slots_;  // ScheduledBatch::state_copy_slots of those saves
   struct CheckpointCandidate {  // a state at a checkpoint position, waiting for its block's hash
     Sequence* seq;
     int64_t block_index;

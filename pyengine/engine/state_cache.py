@@ -1,10 +1,13 @@
-"""Recurrent-state pool of hybrid models (Mamba2 layers): conv and SSM state tensors indexed by slot.
+"""Recurrent-state pool of hybrid models (Mamba2 and Gated DeltaNet layers): conv and SSM state
+tensors indexed by slot.
 
 The scheduler owns the slots (SchedulerConfig.num_state_slots; each request holds 1 + k of them,
 admission charges KV blocks and slots together); this pool owns the tensors. Per Mamba layer:
     conv[layer] [num_slots, W - 1 + k, conv_dim]   model dtype; a window read at offset a - 1
     ssm[layer]  [num_slots, H, P, N]              fp32; slot idx[n, a - 1] holds the valid state
-Semantics of slots and offsets: pyengine/ops/reference/ssm.py.
+Semantics of slots and offsets: pyengine/ops/reference/ssm.py. Gated DeltaNet layers (shapes given as
+DeltaRuleShapes) keep the same conv windows, but their ssm slots hold the state after a step's
+first token in idx[n, 0] and a record per later token in idx[n, t] (pyengine/ops/reference/gdn.py).
 
 Every decode row (with or without drafts) runs the one speculative path (T = 1 + drafts tokens,
 read at slot / offset a - 1); prefill rows start from zeros (num_computed == 0) or from the state
@@ -13,7 +16,9 @@ their previous chunk (or a restored checkpoint) left at offset 0 (a = 1).
 Prefix caching: slots from num_running_slots on are checkpoints, each the state at the end of one
 hashed KV block (csrc/core/state_checkpoints.h). The scheduler lists the copies a step needs
 (ScheduledBatch.state_copies): saves of the last step's states into checkpoints, then restores of a
-checkpoint into an admitted request's first slot; apply_copies runs them before the forward.
+checkpoint into an admitted request's first slot; apply_copies runs them before the forward. A save
+of a Gated DeltaNet layer materialises base + records (ScheduledBatch.state_copy_slots names the
+source row's slots, the conv offset t the number of records).
 """
 from __future__ import annotations
 
@@ -21,6 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from pyengine import ops
+
+
+class DeltaRuleShapes(tuple):
+    """(conv row shape, ssm shape) of a Gated DeltaNet layer: its ssm slots hold a base state and
+    per-token records, so checkpoint saves materialise the state instead of copying a slot."""
 
 
 @dataclass
@@ -60,6 +72,7 @@ class StateCache:
         self.conv = [None if s is None else torch.zeros((num_slots, *s[0]), dtype=dtype, device=device) for s in shapes]
         self.ssm = [None if s is None else torch.zeros((num_slots, *s[1]), dtype=torch.float32, device=device)
                     for s in shapes]
+        self.records = [isinstance(s, DeltaRuleShapes) for s in shapes]
 
     def bytes_per_slot(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.conv + self.ssm if t is not None)
@@ -70,19 +83,23 @@ class StateCache:
         copies = batch.state_copies
         if copies.shape[0] == 0:
             return
-        saves = int(batch.num_state_saves)
-        for part in (copies[:saves], copies[saves:]):
-            if part.shape[0]:
-                self._copy(self._tensor(part).long())
+        saves, slots = int(batch.num_state_saves), batch.state_copy_slots
+        for part in (slice(0, saves), slice(saves, copies.shape[0])):
+            if part.stop > part.start:
+                self._copy(self._tensor(copies[part]).long(), self._tensor(slots[part]))
 
-    def _copy(self, copies: torch.Tensor) -> None:
-        """copies [n, 4] (ssm slot, conv line, conv offset, destination): state[dst] = state[ssm slot];
+    def _copy(self, copies: torch.Tensor, source_slots: torch.Tensor) -> None:
+        """copies [n, 4] (ssm slot, conv line, conv offset, destination): state[dst] = state[ssm slot]
+        (Gated DeltaNet: base source_slots[:, 0] + the records source_slots[:, 1..offset]);
         conv[dst][0, W-1) = conv[line][offset, offset + W-1): the window valid at that offset."""
         src, line, offset, dst = copies.unbind(1)
-        for conv, ssm in zip(self.conv, self.ssm):
+        for conv, ssm, records in zip(self.conv, self.ssm, self.records):
             if ssm is None:
                 continue
-            ssm.index_copy_(0, dst, ssm.index_select(0, src))
+            if records:
+                ops.gated_delta_rule_materialise(ssm, source_slots, (offset + 1).to(torch.int32), dst.to(torch.int32))
+            else:
+                ssm.index_copy_(0, dst, ssm.index_select(0, src))
             window = torch.arange(conv.shape[1] - self.num_spec_tokens, device=conv.device)
             conv[dst[:, None], window] = conv[line[:, None], offset[:, None] + window]
 

@@ -5,9 +5,11 @@ Gated DeltaNet (linear_attention) layer, per token: in_proj_qkvz -> q, k (H key 
 value heads); a causal depthwise conv (SiLU) over q|k|v; beta = sigmoid(b), g = -exp(A_log) *
 softplus(a + dt_bias); the gated delta rule over the recurrent state (fp32, stored [HV, V, K]; pyengine/ops/
 reference/gdn.py is the spec); a gated RMSNorm per value head (norm(o) * silu(z)); out_proj.
-Conv and recurrent state live in the runner's StateCache with the Mamba2 conventions (each row
-reads slot / conv offset a - 1, writes every token's state to its own slot), so a row with no
-drafts after an accepted run takes the same path as a verify row.
+Conv and recurrent state live in the runner's StateCache: the conv windows with the Mamba2
+conventions (each row reads conv offset a - 1); the recurrent state as a base state (after the step's
+first token, slot idx[n, 0]) and a record per later token (slot idx[n, t]), replayed for the a - 1
+accepted ones by the next step (pyengine/ops/reference/gdn.py), so a row with no drafts after an
+accepted run takes the same path as a verify row.
 
 Full-attention layer: q_proj yields the query and an output gate per head (sigmoid); per-head
 q/k RMSNorm; RoPE on the first partial_rotary_factor of each head; the paged GQA kernels.
@@ -30,7 +32,7 @@ from torch import nn
 from pyengine import ops
 from pyengine.config import ModelConfig, hf_int
 from pyengine.engine.attention_metadata import AttentionMetadata
-from pyengine.engine.state_cache import StateCache, StateMetadata
+from pyengine.engine.state_cache import DeltaRuleShapes, StateCache, StateMetadata
 from pyengine.models.bamba import rope_permutation
 from pyengine.models.layers import (KVCache, RotaryEmbedding, WeightTargets, cpu_linear_packer, linear, onednn_prepack,
                                     pack_weights, param, rowwise)
@@ -137,7 +139,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj: Any = param(self.value_dim, cfg.hidden_size, dtype=dtype)
 
     def state_shape(self, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return (self.width - 1 + k, self.conv_dim), (self.hv, self.dv, self.dk)  # recurrent state S^T per head
+        # recurrent state S^T per head; the slots after a row's first hold token records
+        return DeltaRuleShapes(((self.width - 1 + k, self.conv_dim), (self.hv, self.dv, self.dk)))
 
     def weight_targets(self, prefix: str) -> WeightTargets:
         qkvz, ba = self.in_proj_qkvz.t(), self.in_proj_ba.t()
