@@ -146,11 +146,12 @@ int resolved_split(int k, int n, int num_sms, int split) {
 }  // namespace
 
 int invariant_gemm_f32_split(int k, int n, int num_sms) {
-  // About half a multiprocessor's worth of blocks or more for a one-tile-high launch (decode), while
-  // every range keeps at least eight k tiles. A function of K, N and the device only.
+  // Up to about four blocks per multiprocessor for a one-tile-high launch (decode: enough loads in
+  // flight to stream the weights), while every range keeps at least four k tiles. A function of K,
+  // N and the device only.
   const int tiles = n_tiles_of(n), k_tiles = k_tiles_of(k);
   int splits = 1;
-  while (splits < kMaxSplit && 2 * tiles * splits <= num_sms && k_tiles >= 8 * splits) splits *= 2;
+  while (splits < kMaxSplit && tiles * splits < 4 * num_sms && k_tiles >= 8 * splits) splits *= 2;
   return splits;
 }
 
