@@ -200,6 +200,9 @@ class PoisonedLLM(LLM):
         with torch.no_grad():
             if m.embed_tokens is not None:
                 m.embed_tokens[int(sys.argv[1])] = float("nan")
+            elif hasattr(m.embedding_columns, "packed"):  # rows read from the packed lm_head
+                gather, bad = m.embedding_columns.gather, int(sys.argv[1])
+                m.embedding_columns.gather = lambda ids: gather(ids).masked_fill((ids == bad)[:, None], float("nan"))
             elif m.embedding_columns is not None:  # the tied table kept as int8 codes + scales
                 m.embedding_columns.scales[..., int(sys.argv[1])] = float("nan")
             else:

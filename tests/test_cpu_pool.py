@@ -1,5 +1,6 @@
 """The CPU ops' pool under a busy core (issue 24): the thread count chosen from the cores free, the
-stall policy that runs jobs on the caller alone for a while, and that neither changes a result."""
+policy that runs jobs on the caller alone for a while (after a stall, or a window where the workers
+ran under half their share of the chunks), and that none of it changes a result."""
 from __future__ import annotations
 
 import pytest
@@ -18,6 +19,7 @@ def restore_pool():
     threads = torch.get_num_threads()
     yield
     kernels.set_pool_adaptive(True)
+    kernels.set_pool_absent_fraction(0.5)
     torch.set_num_threads(threads)
     kernels.set_num_threads(threads)
 
@@ -82,6 +84,41 @@ def test_backoff_doubles_per_stall_and_resets_after_a_clean_stretch() -> None:
     assert b.solo_us == 2 * Backoff.MIN_SOLO_US
 
 
+@pytest.mark.parametrize("threads,chunks,worker_chunks,absent", [
+    (2, 100, 24, True), (2, 100, 25, False), (2, 64, 0, True), (2, 64, 32, False),
+    (3, 99, 32, True), (3, 99, 33, False), (4, 100, 37, True), (4, 100, 38, False)])
+def test_workers_are_absent_under_half_their_fair_share(threads: int, chunks: int, worker_chunks: int,
+                                                         absent: bool) -> None:
+    assert Backoff(threads).absent(chunks, worker_chunks) == absent
+    b = Backoff(threads)
+    b.set_absent_fraction(0.0)  # stalls only
+    assert not b.absent(chunks, 0)
+
+
+def test_a_window_of_absent_workers_starts_a_quiet_period() -> None:
+    window = Backoff.WINDOW_JOBS
+    b = Backoff(2)
+    t = 0
+    for _ in range(window):  # the workers ran their share: no quiet period
+        t += 10
+        b.on_parallel_job(t, False, 8, 4)
+        assert b.parallel(t + 1)
+    for _ in range(window - 1):  # absent, but the window is not over yet
+        t += 10
+        b.on_parallel_job(t, False, 8, 0)
+        assert b.parallel(t + 1)
+    t += 10
+    b.on_parallel_job(t, False, 8, 0)
+    assert not b.parallel(t + 1) and b.parallel(t + Backoff.MIN_SOLO_US)
+    assert b.solo_us == 2 * Backoff.MIN_SOLO_US and b.solo_periods == 1
+    t += Backoff.MIN_SOLO_US
+    for _ in range(window):  # the probe after it: a window of its own, absent again -> twice as long
+        t += 10
+        b.on_parallel_job(t, False, 8, 1)
+    assert not b.parallel(t + 2 * Backoff.MIN_SOLO_US - 1) and b.parallel(t + 2 * Backoff.MIN_SOLO_US)
+    assert b.solo_periods == 2
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_pool_runs_every_chunk_exactly_once(threads: int, adaptive: bool, restore_pool) -> None:
@@ -108,8 +145,23 @@ def test_gemm_bits_do_not_depend_on_threads_or_the_stall_policy(dtype: torch.dty
     kernels.set_num_threads(1)
     want = layer(x, None)
     for threads in (2, 3):
-        for adaptive in (False, True):
+        for adaptive, fraction in ((False, 0.5), (True, 0.0), (True, 0.5), (True, 1.0)):
             kernels.set_num_threads(threads)
             kernels.set_pool_adaptive(adaptive)
-            for m in (1, 2, 33):
-                assert torch.equal(layer(x[:m], None), want[:m]), f"{threads} threads, adaptive {adaptive}, M {m}"
+            kernels.set_pool_absent_fraction(fraction)  # 1.0: nearly every window counts the workers absent
+            for _ in range(3):
+                for m in (1, 2, 33):
+                    assert torch.equal(layer(x[:m], None), want[:m]), f"{threads} threads, {adaptive} {fraction}, M {m}"
+
+
+def test_silu_and_mul_bits_do_not_depend_on_threads(restore_pool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 2 * 1536, generator=gen)  # 9 x 1536 outputs: over the pool's threshold
+    want = torch.empty(9, 1536)
+    kernels.set_num_threads(1)
+    kernels.silu_and_mul(x.data_ptr(), want.data_ptr(), 9, 1536, DTYPE_CODE[torch.float32], True)
+    for threads in (2, 3):
+        kernels.set_num_threads(threads)
+        got = torch.empty(9, 1536)
+        kernels.silu_and_mul(x.data_ptr(), got.data_ptr(), 9, 1536, DTYPE_CODE[torch.float32], True)
+        assert torch.equal(got, want), f"{threads} threads"

@@ -123,3 +123,63 @@ def test_a_linear_the_codes_cannot_pack_is_dequantised(smollm2_path, dequantised
     model = _load(smollm2_path, from_codes=True)
     assert calls[0] == model[1].vocab_size and len(calls) == 1 + 4 * model[1].num_hidden_layers
     _same_model(model, dequantised_model)
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q8_0])
+def test_packed_columns_are_the_dequantised_rows(ggml_type):
+    """A tied embedding's rows read back from the packed codes (PackedLinear.columns): Q8_0 bit for
+    bit, -0 included (d * q, as GGUF dequantises); 4-bit as the GEMM's weights (equal as numbers)."""
+    rows, cols = 40, 96
+    raw = random_blocks(ggml_type, rows, cols, seed=3)
+    packed = PackedLinear.from_gguf(ggml_type, addresses(raw, np.arange(rows)), cols)
+    if packed is None or packed.isa not in ("avx2", "avx512"):
+        pytest.skip("no packed GEMM here")
+    table = torch.from_numpy(dequantize(raw.reshape(-1), ggml_type, (rows, cols)).copy())  # [rows, cols]
+    ids = torch.tensor([0, 39, 17, 17, 16, 15, 1])
+    got = packed.columns(ids)
+    assert got.shape == (len(ids), cols)
+    if ggml_type == Q8_0:
+        assert torch.equal(got.view(torch.int32), table[ids].view(torch.int32))
+    else:
+        assert torch.equal(got, table[ids]) and torch.equal(got, packed(torch.eye(cols)).t()[ids])
+    with pytest.raises(IndexError):
+        packed.columns(torch.tensor([rows]))
+
+
+def test_packed_columns_of_float_weights_exact_or_refused():
+    """From float32 weights (not a GGUF file) the packed codes stand for the embedding only where
+    every bit comes back; a -0 weight (no code holds its sign) keeps the dense table."""
+    from pyengine.models.llama import PackedColumns
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (2, 32, 48), generator=gen).float()
+    q[:, 0] = 127  # every run holds its largest code, as Q8_0 makes them
+    s = torch.rand(2, 1, 48, generator=gen).half().float() + 0.01
+    w = (q * s).view(64, 48)  # [hidden 64, vocab 48]
+    packed = PackedLinear(w)
+    if packed.bits_per_weight != 8:
+        pytest.skip("no packed GEMM here")
+    columns = PackedColumns.of(packed, w, chunk=20)
+    ids = torch.arange(48)
+    assert columns is not None and torch.equal(columns.gather(ids).view(torch.int32), w.t().contiguous().view(torch.int32))
+    signed = w.clone()
+    signed[:, 7] = -0.0  # packs (as +0: equal as numbers), reads back +0
+    assert PackedColumns.of(PackedLinear(signed), signed) is None
+
+
+def test_default_model_keeps_the_tied_codes_once(smollm2_path):
+    """The default model's token embeddings read the packed lm_head's codes (no second copy of
+    them), and give the file's dequantised token_embd rows bit for bit."""
+    from pyengine.loader.gguf_reader import GGUFFile
+    from pyengine.models.llama import PackedColumns
+
+    model, config, _ = _load(smollm2_path, from_codes=True)
+    if not isinstance(model.lm_logits_weight, PackedLinear):
+        pytest.skip("this CPU runs oneDNN, not pyengine's packed GEMM")
+    assert isinstance(model.embedding_columns, PackedColumns) and model.embedding_columns.packed is model.packed_lm_head
+    reader = GGUFFile(smollm2_path)
+    tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    table = dequantize(reader.data(tensor), tensor.ggml_type, (config.vocab_size, config.hidden_size))
+    ids = torch.tensor([0, 1, 2, 100, 4096, config.vocab_size - 1])
+    want = torch.from_numpy(np.ascontiguousarray(table[ids.numpy()]))
+    assert torch.equal(model.embed(ids).view(torch.int32), want.view(torch.int32))

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from pyengine import LLM, SamplingParams
+from pyengine.models.llama import PackedColumns
 from pyengine.outputs import RequestOutput
 
 MAX_TOKENS = 12
@@ -74,7 +75,15 @@ def nan_embedding(llm: LLM, token: int) -> Iterator[None]:
     m = llm.model
     if m.embed_tokens is not None:
         table, index = m.embed_tokens, (token,)
-    elif m.embedding_columns is not None:  # the tied table kept as int8 codes + scales (GGUF on the CPU)
+    elif isinstance(m.embedding_columns, PackedColumns):  # rows read from the packed lm_head (GGUF on the CPU)
+        columns, gather = m.embedding_columns, m.embedding_columns.gather
+        columns.gather = lambda ids: gather(ids).masked_fill((ids == token)[:, None], float("nan"))
+        try:
+            yield
+        finally:
+            del columns.gather
+        return
+    elif m.embedding_columns is not None:  # the tied table kept as int8 codes + scales
         table, index = m.embedding_columns.scales, (..., token)
     else:
         if m.packed_lm_head is None:

@@ -70,10 +70,14 @@ void register_cpu_ops(py::module_& m) {
   cpu.def("set_num_threads", &set_pool_threads, "threads of the CPU ops' pool, the caller included");
   cpu.def("set_pool_adaptive", &set_pool_adaptive,
           "whether the pool runs jobs on the caller alone for a while after a descheduled worker held one up");
+  cpu.def("set_pool_absent_fraction", &set_pool_absent_fraction,
+          "workers that run under this fraction of their fair share of a window's chunks are held back (when "
+          "adaptive; 0: never)");
   cpu.def("pool_stats", [] {
     const ThreadPool::Stats s = shared_pool().stats();
     return py::dict(py::arg("parallel_jobs") = s.parallel_jobs, py::arg("solo_jobs") = s.solo_jobs,
-                    py::arg("stalls") = s.stalls);
+                    py::arg("stalls") = s.stalls, py::arg("chunks") = s.chunks,
+                    py::arg("worker_chunks") = s.worker_chunks, py::arg("solo_periods") = s.solo_periods);
   }, "the shared pool's job counts since it was made (set_num_threads with a new count makes a new one)");
   cpu.def("pool_run_counts", [](int64_t n, int64_t busy_us) {
     // For tests: how many times run_chunks ran each of n chunks, and on how many threads.
@@ -94,12 +98,17 @@ void register_cpu_ops(py::module_& m) {
     for (int64_t i = 0; i < n; ++i) out[i] = counts[i].load();
     return py::make_tuple(out, threads.size());
   });
-  py::class_<SoloBackoff>(cpu, "SoloBackoff", "the pool's stall policy (cpu_pool_policy.h), for tests")
-      .def(py::init<>())
+  py::class_<SoloBackoff>(cpu, "SoloBackoff", "the pool's policy (cpu_pool_policy.h: stalls, absent workers), for tests")
+      .def(py::init<int>(), py::arg("num_threads") = 2)
       .def_static("stalled", &SoloBackoff::stalled, py::arg("own_us"), py::arg("waited_us"))
+      .def("absent", &SoloBackoff::absent, py::arg("chunks"), py::arg("worker_chunks"))
+      .def("set_absent_fraction", &SoloBackoff::set_absent_fraction, py::arg("fraction"))
       .def("parallel", &SoloBackoff::parallel, py::arg("now_us"))
-      .def("on_parallel_job", &SoloBackoff::on_parallel_job, py::arg("now_us"), py::arg("was_stalled"))
+      .def("on_parallel_job", &SoloBackoff::on_parallel_job, py::arg("now_us"), py::arg("was_stalled"),
+           py::arg("chunks") = 0, py::arg("worker_chunks") = 0)
       .def_property_readonly("solo_us", &SoloBackoff::solo_us)
+      .def_property_readonly("solo_periods", &SoloBackoff::solo_periods)
+      .def_readonly_static("WINDOW_JOBS", &SoloBackoff::kWindowJobs)
       .def_readonly_static("MIN_SOLO_US", &SoloBackoff::kMinSoloUs)
       .def_readonly_static("MAX_SOLO_US", &SoloBackoff::kMaxSoloUs)
       .def_readonly_static("CLEAN_US", &SoloBackoff::kCleanUs)
@@ -120,7 +129,12 @@ void register_cpu_ops(py::module_& m) {
                         uintptr_t y) {
         py::gil_scoped_release release;  // the pool's threads run while Python may do other work
         self.matmul(ptr(x), x_row_stride, m, ptr(bias), ptr(y));
-      });
+      })
+      .def("columns", [](const PackedWeight& self, uintptr_t ids, int64_t count, uintptr_t out) {
+        // affine formats are fp32 weights only (cpu_gemm_affine.h)
+        return packed_columns(self.panels(), self.format(), self.k(), self.n(), ptr<const int64_t>(ids), count,
+                              ptr<float>(out));
+      }, "columns ids (count int64) as rows out [count, k] fp32 (cpu_gguf_pack.h); False for a dense format");
   cpu.def(
       "pack_gguf",
       [](int32_t ggml_type, uintptr_t row_addresses, int64_t k, int64_t n) -> py::object {
@@ -134,11 +148,6 @@ void register_cpu_ops(py::module_& m) {
       },
       "an fp32 [k, n] PackedWeight from n rows of GGUF blocks (row_addresses: n uint64 addresses; "
       "cpu_gguf_pack.h), or None where they cannot be packed");
-  cpu.def("gguf_q8_0_columns", [](uintptr_t row_addresses, int64_t k, int64_t n, uintptr_t codes, uintptr_t scales) {
-    py::gil_scoped_release release;
-    return gguf_q8_0_columns(GgufRows{8, ptr<const uint8_t* const>(row_addresses)}, k, n, ptr<int8_t>(codes),
-                             ptr<float>(scales));
-  }, "n Q8_0 rows of k values -> codes [k][n] int8 and scales [k / 32][n] fp32 (cpu_gguf_pack.h)");
   py::class_<LlamaStack>(cpu, "LlamaStack")
       .def(py::init([](const py::list& layers, int32_t hidden, int32_t num_heads, int32_t num_kv_heads,
                        int32_t head_dim, int32_t intermediate, float eps, float scale, int32_t dtype) {

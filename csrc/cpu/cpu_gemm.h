@@ -56,6 +56,7 @@ class PackedWeight {
   PanelFormat format() const { return format_; }
   GemmIsa isa() const { return isa_; }
   int64_t packed_bytes() const { return static_cast<int64_t>(packed_.size() * sizeof(uint32_t)); }
+  const uint32_t* panels() const { return packed_.data(); }  // the layout format() says
 
   // y [M, N] (row stride N) = x [M, K] (row stride x_row_stride) @ W + bias (bias [N] or null).
   // All of `dtype`.

@@ -1,4 +1,4 @@
-// cpu_gguf_pack.h: GGUF Q4_0 / Q4_1 / Q8_0 rows -> compact panels, and Q8_0 rows -> column codes.
+// cpu_gguf_pack.h: GGUF Q4_0 / Q4_1 / Q8_0 rows -> compact panels, and packed columns -> rows.
 #include "cpu_gguf_pack.h"
 
 #include <algorithm>
@@ -101,19 +101,32 @@ bool pack_gguf_rows(const GgufRows& src, int64_t k, int64_t n, PanelStore& out) 
   return ok.load();
 }
 
-bool gguf_q8_0_columns(const GgufRows& src, int64_t k, int64_t n, int8_t* codes, float* scales) {
-  if (static_cast<GgufBlockType>(src.ggml_type) != GgufBlockType::kQ8_0 || k % kAffineRun != 0) return false;
-  const int64_t blocks = k / kAffineRun;
-  constexpr int64_t kTile = 64;  // rows per tile: each code line written 64 bytes at a time
-  shared_pool().run_chunks(ceil_div(n, kTile), [&](int64_t tile) {
-    const int64_t j0 = tile * kTile, j1 = std::min(n, j0 + kTile);
-    for (int64_t b = 0; b < blocks; ++b)
-      for (int64_t j = j0; j < j1; ++j) {
-        const uint8_t* blk = src.rows[j] + b * 34;
-        scales[b * n + j] = half_to_float(blk);
-        for (int i = 0; i < kAffineRun; ++i) codes[(b * kAffineRun + i) * n + j] = static_cast<int8_t>(blk[2 + i]);
+bool packed_columns(const uint32_t* panels, PanelFormat format, int64_t k, int64_t n, const int64_t* ids,
+                    int64_t count, float* out) {
+  if (format == PanelFormat::kDense || k % kAffineRun != 0) return false;
+  for (int64_t t = 0; t < count; ++t)  // before anything is written
+    if (ids[t] < 0 || ids[t] >= n) return false;
+  const int64_t blocks = k / kAffineRun, words = affine_block_words(format);
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t p = ids[t] / kPanelCols, c = ids[t] % kPanelCols;
+    const uint32_t* block = panels + p * blocks * words;
+    float* row = out + t * k;
+    for (int64_t b = 0; b < blocks; ++b, block += words, row += kAffineRun) {
+      float s, m;
+      std::memcpy(&s, block + c, sizeof(s));
+      std::memcpy(&m, block + kPanelCols + c, sizeof(m));
+      const uint8_t* q = reinterpret_cast<const uint8_t*>(block + 32) + c;
+      if (format == PanelFormat::kAffine8) {
+        for (int i = 0; i < kAffineRun; ++i) row[i] = s * static_cast<float>(static_cast<int8_t>(q[i * kPanelCols]));
+      } else {  // line j: input 2j in the low nibble, 2j + 1 in the high one
+        for (int j = 0; j < kAffineRun / 2; ++j) {
+          const uint8_t byte = q[j * kPanelCols];
+          row[2 * j] = std::fma(s, static_cast<float>(byte & 0x0F), m);
+          row[2 * j + 1] = std::fma(s, static_cast<float>(byte >> 4), m);
+        }
       }
-  });
+    }
+  }
   return true;
 }
 

@@ -1,4 +1,5 @@
-// Packing a GGUF tensor's Q4_0 / Q4_1 / Q8_0 blocks straight into the GEMM's compact panels.
+// Packing a GGUF tensor's Q4_0 / Q4_1 / Q8_0 blocks straight into the GEMM's compact panels, and
+// reading packed columns back (a tied embedding's rows).
 //
 // pack_affine (cpu_gemm_affine.h) takes fp32 weights and searches each 32-input run for a scale s,
 // offset m and codes q with fma(s, q, m) == w; for a GGUF model's dequantised weights that search
@@ -39,9 +40,12 @@ struct GgufRows {
 // panels. False (out unspecified) for another type, K not a multiple of 32, or a non-finite d / m.
 bool pack_gguf_rows(const GgufRows& src, int64_t k, int64_t n, PanelStore& out);
 
-// A Q8_0 [N rows, K] table (a tied embedding) as column codes codes[K][N] int8 and scales
-// [K / 32][N] fp32 (the layout of models/llama.py's Int8Columns: q * s is the row's value).
-// False for another type or K not a multiple of 32; d is copied as it is, finite or not.
-bool gguf_q8_0_columns(const GgufRows& src, int64_t k, int64_t n, int8_t* codes, float* scales);
+// Columns ids[0 .. count) of a [K, N] weight packed in `format` (kAffine4 or kAffine8: the panels of
+// PackedWeight, cpu_gemm_affine.h) as rows out[count][K] fp32: a tied lm_head's packed copy read
+// back as token embeddings, so no second copy of its codes is kept. kAffine8 values are s * q, as
+// GGUF dequantises Q8_0 (d * q, -0 included; both packers store m = +0 there); kAffine4 ones are
+// the GEMM's fma(s, q, m). False (out unspecified) for a dense format or an id outside [0, N).
+bool packed_columns(const uint32_t* panels, PanelFormat format, int64_t k, int64_t n, const int64_t* ids,
+                    int64_t count, float* out);
 
 }  // namespace pyengine::cpu

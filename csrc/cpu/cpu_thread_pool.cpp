@@ -11,6 +11,7 @@ std::mutex pool_mutex;
 std::unique_ptr<ThreadPool> pool;
 int pool_threads = 1;
 bool pool_adaptive = true;
+double pool_absent_fraction = 0.5;
 
 }  // namespace
 
@@ -20,6 +21,7 @@ ThreadPool& shared_pool() {
   if (!pool || pool->num_threads() != pool_threads) {
     pool = std::make_unique<ThreadPool>(pool_threads);
     pool->set_adaptive(pool_adaptive);
+    pool->set_absent_fraction(pool_absent_fraction);
   }
   return *pool;
 }
@@ -33,6 +35,12 @@ void set_pool_adaptive(bool on) {
   std::lock_guard<std::mutex> lock(pool_mutex);
   pool_adaptive = on;
   if (pool) pool->set_adaptive(on);
+}
+
+void set_pool_absent_fraction(double f) {
+  std::lock_guard<std::mutex> lock(pool_mutex);
+  pool_absent_fraction = f;
+  if (pool) pool->set_absent_fraction(f);
 }
 
 }  // namespace pyengine::cpu

@@ -9,8 +9,9 @@
 // shared with other processes, a worker that is not scheduled no longer holds every step up by a
 // time slice (its chunks are taken by the threads that run). Callers must therefore compute
 // nothing that depends on which thread runs a chunk (the CPU ops' results never do). A worker
-// preempted inside a chunk still holds the caller up; the pool then runs jobs on the caller
-// alone for a while (adaptive, the default: cpu_pool_policy.h).
+// preempted inside a chunk still holds the caller up, and workers rarely on a core cost the caller
+// its share of one; the pool then runs jobs on the caller alone for a while (adaptive, the
+// default: cpu_pool_policy.h).
 #pragma once
 
 #include <unistd.h>
@@ -30,7 +31,8 @@ namespace pyengine::cpu {
 
 class ThreadPool {
  public:
-  explicit ThreadPool(int num_threads) : num_threads_(num_threads < 1 ? 1 : num_threads), pid_(getpid()) {
+  explicit ThreadPool(int num_threads)
+      : num_threads_(num_threads < 1 ? 1 : num_threads), pid_(getpid()), backoff_(num_threads_) {
     for (int t = 1; t < num_threads_; ++t) workers_.emplace_back([this, t] { work(t); });
   }
   ~ThreadPool() {
@@ -50,15 +52,26 @@ class ThreadPool {
 
   // Off: every job uses the workers however long they keep the caller waiting (the old pool).
   void set_adaptive(bool on) { adaptive_.store(on); }
+  // Workers below this fraction of their fair share of a window's chunks count as absent
+  // (cpu_pool_policy.h); 0: only stalls send jobs to the caller alone.
+  void set_absent_fraction(double f) {
+    std::lock_guard<std::mutex> caller(run_mutex_);
+    backoff_.set_absent_fraction(f);
+  }
 
   struct Stats {
     int64_t parallel_jobs = 0;  // jobs handed to the workers
     int64_t solo_jobs = 0;      // jobs the caller ran alone while the workers were held back
     int64_t stalls = 0;         // parallel jobs held up by a descheduled worker
+    int64_t chunks = 0;         // chunks of the parallel jobs
+    int64_t worker_chunks = 0;  // of those, run by the workers
+    int64_t solo_periods = 0;   // times the policy held the workers back
   };
   Stats stats() {
     std::lock_guard<std::mutex> caller(run_mutex_);
-    return stats_;
+    Stats s = stats_;
+    s.solo_periods = backoff_.solo_periods();
+    return s;
   }
 
   // Runs fn(i) for every i in [0, n), each once, spread over the pool's threads (the caller too);
@@ -85,7 +98,7 @@ class ThreadPool {
       std::lock_guard<std::mutex> lock(mutex_);
       wake_.notify_all();
     }
-    execute(job);
+    const int64_t own_chunks = execute(job);
     // Every chunk is claimed. A worker may still run one: it announced itself (active_) before
     // reading current_, so after the store below no worker can reach `job` unannounced.
     current_.store(nullptr);
@@ -99,7 +112,8 @@ class ThreadPool {
     const int64_t end = now_us();
     const bool stalled = SoloBackoff::stalled(own, end - start - own);
     stats_.stalls += stalled;
-    backoff_.on_parallel_job(end, stalled);
+    stats_.chunks += n, stats_.worker_chunks += n - own_chunks;
+    backoff_.on_parallel_job(end, stalled, n, n - own_chunks);
   }
 
   // Runs fn(t, num_threads) for t in [0, num_threads): run_chunks with one chunk per thread.
@@ -120,8 +134,11 @@ class ThreadPool {
                std::chrono::steady_clock::now().time_since_epoch()).count();
   }
 
-  static void execute(Job& job) {
-    for (int64_t i; (i = job.next.fetch_add(1)) < job.n;) (*job.fn)(i);
+  // Runs chunks until none is left unclaimed; returns how many this thread ran.
+  static int64_t execute(Job& job) {
+    int64_t ran = 0;
+    for (int64_t i; (i = job.next.fetch_add(1)) < job.n; ++ran) (*job.fn)(i);
+    return ran;
   }
 
   void work(int /*index*/) {
@@ -168,6 +185,8 @@ ThreadPool& shared_pool();
 void set_pool_threads(int num_threads);
 // Whether the shared pool holds its workers back after a stall (cpu_pool_policy.h); default on.
 void set_pool_adaptive(bool on);
+// Below which fraction of their fair share workers count as absent (cpu_pool_policy.h); 0: never.
+void set_pool_absent_fraction(double f);
 
 // Index range [begin, end) of part t of n when `count` items are split into `parts` near-equal ranges.
 inline int64_t split_begin(int64_t count, int t, int parts) { return count * t / parts; }

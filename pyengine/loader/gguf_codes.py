@@ -5,8 +5,9 @@ dequantises every weight to float32 and lets the C++ packer search each 32-input
 offset and codes that rebuild it: ~1.5 s of a ~3 s load on a 2-core EPYC. The file holds exactly
 those codes and scales already, so here a linear goes from the addresses of its rows in the map
 (q/k rows reordered and fused projections concatenated as addresses, nothing copied) to
-PackedLinear.from_gguf, and a tied Q8_0 embedding to Int8Columns: the same weights bit for bit
-(csrc/cpu/cpu_gguf_pack.h says why), with no float32 copy made. Where each tensor goes is the
+PackedLinear.from_gguf, and a tied Q8_0 embedding is read back from the packed lm_head's codes
+(PackedColumns): the same weights bit for bit (csrc/cpu/cpu_gguf_pack.h says why), with no
+float32 copy made and no second copy of the codes. Where each tensor goes is the
 model's own mapping (its _place, run with a put that collects rows instead of copying them);
 whatever cannot go this way (another type, a fused linear of mixed types, a non-finite scale, a
 misshapen tensor) is left to load_weights, which packs or reports it as before.
@@ -122,22 +123,11 @@ def _pack(model: Any, owner: Any, attr: str, target: _Target, packed_linear: Any
         return False
     if is_lm_head:
         model.packed_lm_head = packed
-        if tied:
-            model.embedding_columns = _int8_columns(addresses, target.cols)
+        if tied:  # embeddings read from the packed codes: d * q, no second copy of them
+            from pyengine.models.llama import PackedColumns
+            model.embedding_columns = PackedColumns(packed)
         model.lm_head.data = torch.empty(0, dtype=model.lm_head.dtype)  # as _pack_lm_head leaves it
     else:
         delattr(owner, attr)  # as pack_weights replaces a parameter
         setattr(owner, attr, packed)
     return True
-
-
-def _int8_columns(addresses: np.ndarray, hidden: int) -> Any:
-    """The rows of a tied Q8_0 embedding as Int8Columns (the file's codes and fp16 scales)."""
-    from pyengine.models.llama import Int8Columns
-    from pyengine.ops.cpu.extension import kernels
-
-    vocab = len(addresses)
-    codes = torch.empty(hidden // Int8Columns.RUN, Int8Columns.RUN, vocab, dtype=torch.int8)
-    scales = torch.empty(hidden // Int8Columns.RUN, 1, vocab, dtype=torch.float32)
-    kernels.gguf_q8_0_columns(addresses.ctypes.data, hidden, vocab, codes.data_ptr(), scales.data_ptr())
-    return Int8Columns(codes, scales)

@@ -3,7 +3,7 @@
 One flat token batch [T] runs through the decoder layers (pyengine.models.layers.LlamaDecoderLayer);
 each appends its new K/V to the paged cache and attends over it. Weights are [in, out] (see
 docs/models.md for why); a tied lm_head is kept only once, as [hidden, vocab], and token embedding
-then gathers its columns (on the CPU, once packed, from Int8Columns where its values allow).
+then gathers its columns (on the CPU, once packed, from the packed codes where its values allow).
 """
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ class LlamaForCausalLM(nn.Module):
         # Set by prepack_for_cpu: the packed lm_head, and every layer in one C++ call per step.
         self.packed_lm_head: Any = None
         self.cpu_stack: CpuLlamaStack | None = None
-        # A tied lm_head whose dense copy went once packed: token embedding reads these instead.
-        self.embedding_columns: Int8Columns | None = None
+        # A tied lm_head whose dense copy went once packed: token embedding reads these instead
+        # (PackedColumns: the packed lm_head's own codes; Int8Columns where another packer ran).
+        self.embedding_columns: PackedColumns | Int8Columns | None = None
         self._cpu_pack: Any = None  # the packer load_weights(prepack_cpu=True) used
         # EAGLE-3 (set_aux_layers): the layers whose input stream a forward keeps, and the last one's
         self.aux_layers: tuple[int, ...] | None = None
@@ -179,10 +180,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _pack_lm_head(self, pack: Any) -> None:
         """Pack lm_head; its dense copy goes, unless tied and token embedding must gather from it
-        (values that Int8Columns cannot hold exactly)."""
+        (values that neither the packed codes nor Int8Columns give back exactly)."""
         self.packed_lm_head = pack(self.lm_head.detach())
         if self.embed_tokens is None:
-            self.embedding_columns = Int8Columns.of(self.lm_head.detach())
+            w = self.lm_head.detach()
+            self.embedding_columns = PackedColumns.of(self.packed_lm_head, w) or Int8Columns.of(w)
             if self.embedding_columns is None:
                 return
         self.lm_head.data = torch.empty(0, dtype=self.dtype)
@@ -292,6 +294,33 @@ def _same_layout(src: torch.Tensor, dst: torch.Tensor) -> bool:
     return (src.dtype == dst.dtype and src.device == dst.device and src.shape == dst.shape
             and src.stride() == dst.stride() and src.storage_offset() == 0
             and src.untyped_storage().nbytes() == src.numel() * src.element_size())
+
+
+class PackedColumns:
+    """The rows of a tied token embedding read from the packed lm_head's own codes
+    (PackedLinear.columns), so its codes are held once for both the logits and the embeddings.
+    From a GGUF Q8_0 table (loader/gguf_codes.py) the values are d * q, the dequantised ones, by
+    construction; of() checks every bit of a table packed from float32 values."""
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed  # PackedLinear [hidden, vocab] in a 4- or 8-bit format
+
+    @staticmethod
+    def of(packed: Any, w: torch.Tensor, chunk: int = 4096) -> PackedColumns | None:
+        """A view of packed (made from w [hidden, vocab]) that gives w's columns back bit for bit
+        (signed zeros included), or None."""
+        columns = getattr(packed, "columns", None)
+        if columns is None or w.dtype != torch.float32 or w.dim() != 2:
+            return None
+        for c0 in range(0, w.shape[1], chunk):
+            got = columns(torch.arange(c0, min(c0 + chunk, w.shape[1])))
+            if got is None or not torch.equal(got.view(torch.int32), w[:, c0:c0 + chunk].t().contiguous().view(torch.int32)):
+                return None
+        return PackedColumns(packed)
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids of the embedding: [T, hidden] float32, as lm_head.index_select(1, ids).t()."""
+        return self.packed.columns(ids)
 
 
 class Int8Columns:

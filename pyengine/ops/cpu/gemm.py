@@ -64,6 +64,18 @@ class PackedLinear:
     def packed_bytes(self) -> int:
         return int(self.packed.packed_bytes)
 
+    def columns(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Columns ids of the weight as rows [len(ids), in_features] float32, read from the packed
+        codes (csrc/cpu/cpu_gguf_pack.h packed_columns): 8-bit ones as s * q, 4-bit ones as the
+        GEMM's fma(s, q, m). None for a dense format; IndexError for an id outside [0, out_features)."""
+        if self.dtype != torch.float32 or self.bits_per_weight not in (4, 8):
+            return None
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), self.in_features, dtype=torch.float32)
+        if not self.packed.columns(ids.data_ptr(), ids.numel(), out.data_ptr()):
+            raise IndexError(f"column ids must lie in [0, {self.out_features})")
+        return out
+
     @staticmethod
     def _unsupported(weight: torch.Tensor) -> str:
         """Why this weight cannot be packed here (empty: it can); shape and CPU rules are C++'s."""

@@ -6,7 +6,8 @@ torch's count by the cores of this process's affinity that were free while the m
 on the shared 2-core VM, under fair-share load rather than one spinning process, it chose one
 thread where two decoded faster (benchmarks/results/busy_core_cpu.json). A core taken while the
 pool runs is handled by the pool itself, which runs jobs on the caller alone for a while after a
-job waited on a descheduled worker (cpu_pool_policy.h).
+job waited on a descheduled worker, or after a window of jobs where the workers ran under half
+their share of the chunks (they were seldom on a core: csrc/cpu/cpu_pool_policy.h).
 """
 from __future__ import annotations
 
