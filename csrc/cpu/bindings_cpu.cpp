@@ -14,6 +14,7 @@
 #include "cpu_llama_stack.h"
 #include "cpu_ops.h"
 #include "cpu_thread_pool.h"
+#include "gguf_strings.h"
 
 namespace py = pybind11;
 using namespace pyengine::cpu;
@@ -148,6 +149,9 @@ void register_cpu_ops(py::module_& m) {
       },
       "an fp32 [k, n] PackedWeight from n rows of GGUF blocks (row_addresses: n uint64 addresses; "
       "cpu_gguf_pack.h), or None where they cannot be packed");
+  cpu.def("gguf_string_starts", [](uintptr_t base, int64_t size, int64_t pos, int64_t count, uintptr_t starts) {
+    return gguf_string_starts(ptr<const uint8_t>(base), size, pos, count, ptr<int64_t>(starts));
+  }, "the body offsets of a GGUF string array (starts: count int64) and its end, -1 if it runs past size");
   py::class_<LlamaStack>(cpu, "LlamaStack")
       .def(py::init([](const py::list& layers, int32_t hidden, int32_t num_heads, int32_t num_kv_heads,
                        int32_t head_dim, int32_t intermediate, float eps, float scale, int32_t dtype) {

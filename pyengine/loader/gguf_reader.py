@@ -1,8 +1,8 @@
 """pyengine's GGUF reader (llama.cpp's format, v2/v3, little-endian) over a memory map of the file.
 
 Metadata comes back as plain Python values (numbers, strings, lists; nested arrays as nested
-lists), with string arrays (a vocabulary and its merges: ~100k strings) decoded in one pass
-over the bytes instead of one object per length and body; tensors as (name, type, dims, offset)
+lists), with string arrays (a vocabulary and its merges: ~100k strings) located by one C++ walk
+(csrc/cpu/gguf_strings.h) and decoded as one text, not one Python step per string; tensors as (name, type, dims, offset)
 records whose data are numpy views of the map. Every read is checked against the end of the
 file, and every malformed file is a one-line ValueError naming what is wrong.
 """
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import numpy as np
+
+from pyengine.ops.cpu.extension import kernels
 
 # Metadata value types.
 _STRING, _ARRAY = 8, 9
@@ -124,25 +126,16 @@ class GGUFFile:
         self.fail(f"metadata {key!r}: unknown array element type {etype}")
 
     def _string_array(self, count: int, key: str) -> list[str]:
-        """count (u64 length, bytes) strings: one loop finds where each body lies, then all the
-        bodies are decoded as one UTF-8 text and cut at character offsets."""
-        buf, pos, size = self._map, self.pos, self.size
-        unpack = struct.Struct("<Q").unpack_from
-        starts: list[int] = []
-        append = starts.append
-        for _ in range(count):
-            if pos + 8 > size:
-                break
-            n = unpack(buf, pos)[0]
-            append(pos + 8)
-            pos += 8 + n
-            if pos > size:
-                break
-        else:
-            self.pos = pos
-            return _decode_bodies(buf, np.array(starts, dtype=np.int64), pos)
-        self.pos = min(pos, size)
-        self.fail(f"metadata {key!r} string array runs past the end of the file ({size} bytes): truncated or corrupt")
+        """count (u64 length, bytes) strings: the C++ walk finds where each body lies, then all the
+        bodies are decoded as one UTF-8 text and split (_decode_bodies)."""
+        starts = np.empty(count, dtype=np.int64)
+        whole = np.frombuffer(self._map, np.uint8)  # for its address only; dropped at once (close needs no view)
+        end = kernels.gguf_string_starts(whole.ctypes.data, self.size, self.pos, count, starts.ctypes.data)
+        del whole
+        if end < 0:
+            self.fail(f"metadata {key!r} string array runs past the end of the file ({self.size} bytes): truncated or corrupt")
+        self.pos = end
+        return _decode_bodies(self._map, starts, end)
 
     # ---- structure ----
     def _parse(self) -> None:
@@ -234,32 +227,34 @@ class GGUFFile:
 
 
 def _decode_bodies(buf: mmap.mmap, starts: np.ndarray, end: int) -> list[str]:
-    """The strings whose bodies start at `starts` (each ends 8 bytes before the next start, the
-    last at `end`), decoded as UTF-8; an invalid string decodes with U+FFFD replacements."""
+    """The strings whose bodies start at `starts` (each ends at the next one's 8-byte length field,
+    the last at `end`), decoded as UTF-8; an invalid string decodes with U+FFFD replacements.
+
+    The bytes from the first body to `end` become one text with each length field cut to a single
+    newline: one decode and one split make every string (no Python loop). A newline only ever
+    encodes itself in UTF-8, so where no body holds one the pieces are exactly the bodies, and the
+    text decodes exactly when every body does on its own (a character cut between two bodies now
+    has a newline inside it). Otherwise each body is decoded alone."""
     count = len(starts)
     if count == 0:
         return []
-    ends = np.empty_like(starts)
-    ends[:-1] = starts[1:] - 8
-    ends[-1] = end
     first = int(starts[0])
     region = np.frombuffer(buf, np.uint8, end - first, first)
-    keep = np.ones(end - first, dtype=bool)
-    keep[((starts[1:] - 8 - first)[:, None] + np.arange(8)).ravel()] = False  # the length fields
-    body = region[keep]
-    # Byte offsets of each string in `body`: its start less the length fields before it.
-    lo = starts - first - 8 * np.arange(count)
-    hi = lo + (ends - starts)
-    lead = (body & 0xC0) != 0x80  # bytes that begin a character
-    text = None
-    if lead[lo[lo < len(body)]].all():  # no string begins inside another's last character
+    fields = starts[1:] - first - 8  # the later strings' length fields, as offsets in region
+    keep = np.ones(len(region), dtype=bool)
+    keep[(fields[:, None] + np.arange(7)).ravel()] = False  # all of each field but its last byte
+    joined = region[keep]  # a copy
+    newlines = fields - 7 * np.arange(count - 1)  # each field's last byte in joined (7 dropped per field up to it)
+    if not (joined == 0x0A).any():  # no newline in a body (a field's last byte is 0: lengths < 2**56)
+        joined[newlines] = 0x0A
         try:
-            text = body.tobytes().decode("utf-8")
+            return joined.tobytes().decode("utf-8").split("\n")
         except UnicodeDecodeError:
             pass
-    if text is None:  # some string is not valid UTF-8 on its own: one at a time
-        return [bytes(buf[a:b]).decode("utf-8", errors="replace") for a, b in zip(starts.tolist(), ends.tolist())]
-    if len(text) != len(body):  # multi-byte characters: byte offsets -> character offsets
-        chars = np.concatenate(([0], np.cumsum(lead)))
-        lo, hi = chars[lo], chars[hi]
-    return [text[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
+    return _decode_each(buf, starts, end)
+
+
+def _decode_each(buf: mmap.mmap, starts: np.ndarray, end: int) -> list[str]:
+    """_decode_bodies one string at a time (the slow way)."""
+    ends = np.append(starts[1:] - 8, end)
+    return [bytes(buf[a:b]).decode("utf-8", errors="replace") for a, b in zip(starts.tolist(), ends.tolist())]
