@@ -1,8 +1,10 @@
 """The CUDA Gated DeltaNet kernel (hipkernels/ssm/gated_delta_rule.hip) against the PyTorch
-reference (pyengine/ops/reference/gdn.py): outputs and every token's state for every acceptance
-length, PAD rows, grouped heads, fp32 and bf16; a verify row's tokens equal the same tokens
+reference (pyengine/ops/reference/gdn.py): outputs and committed states (base + replayed records,
+materialised) over multi-step acceptance sequences with every acceptance length, PAD rows, grouped
+heads, partial record tiles, fp32 and bf16; verify rows over several steps equal the same tokens
 decoded one by one, bit for bit, and a row's bits do not depend on its neighbours; prefill rows
-(final state only) against the chunked form. Qwen3-Next end to end with MTP. Skips without CUDA."""
+(final state only, from base + records) against the chunked form. Qwen3-Next end to end with MTP.
+Skips without CUDA."""
 from __future__ import annotations
 
 import gc
@@ -43,45 +45,84 @@ def run_update(fn, x: dict, state: torch.Tensor, lengths, idx, acc) -> torch.Ten
 needs_kernels = pytest.mark.skipif(cuda_ops is None, reason="built without GPU kernels")
 
 
+def materialised(fn, state: torch.Tensor, row: list[int], a: int) -> torch.Tensor:
+    """The full state a row committed (base + a - 1 records), materialised by fn into a scratch copy."""
+    scratch = torch.cat([state, state[:1]])
+    fn(scratch, i32([row]), i32([a]), i32([state.shape[0]]))
+    return scratch[-1]
+
+
+SHAPES = [(2, 4, 16, 24), (16, 32, 128, 128), (1, 2, 256, 64), (2, 6, 64, 72)]
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("h,hv,dk,dv", [(2, 4, 16, 24), (16, 32, 128, 128), (1, 2, 256, 64)])
-def test_update_matches_reference(dtype: torch.dtype, h: int, hv: int, dk: int, dv: int) -> None:
-    k_spec = 3
-    lengths, acc = [1, 4, 2, 3, 1], [1, 4, 2, 3, 2]
-    idx = [[0, 1, 2, 3], [4, 5, 6, 7], [-1, -1, -1, -1], [8, 9, 10, 11], [12, -1, 13, 14]]
-    x = inputs(sum(lengths), h, hv, dk, dv, dtype)
-    base = torch.randn(16, hv, dv, dk, device="cuda")
+@pytest.mark.parametrize("h,hv,dk,dv", SHAPES)
+def test_update_matches_reference_over_steps(dtype: torch.dtype, h: int, hv: int, dk: int, dv: int) -> None:
+    """Steps of rows with 1..4 tokens and every acceptance length, a PAD row, grouped heads, a partial
+    record tile: outputs and committed states (materialised) against the reference's."""
+    idx = [[0, 1, 2, 3], [4, 5, 6, 7], [-1, -1, -1, -1], [8, 9, 10, 11], [12, 13, 14, 15]]
+    base = torch.randn(16, hv, dv, dk, device="cuda") * 0.5
     got_state, ref_state = base.clone(), base.clone()
-    got = run_update(cuda_ops.gated_delta_rule_update, x, got_state, lengths, idx, acc)
-    ref = run_update(reference.gated_delta_rule_update, x, ref_state, lengths, idx, acc)
+    acc = [1] * 5
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(got.float(), ref.float(), atol=tol * 4, rtol=tol)
-    torch.testing.assert_close(got_state, ref_state, atol=1e-4, rtol=1e-4)
-    assert (got[5:7] == 0).all()  # the PAD row
-    assert len(idx[0]) == 1 + k_spec
+    for step, lengths in enumerate([[1, 4, 2, 3, 4], [4, 4, 1, 2, 3], [2, 3, 4, 4, 1]]):
+        x = inputs(sum(lengths), h, hv, dk, dv, dtype, seed=step)
+        got = run_update(cuda_ops.gated_delta_rule_update, x, got_state, lengths, idx, acc)
+        ref = run_update(reference.gated_delta_rule_update, x, ref_state, lengths, idx, acc)
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol * 4, rtol=tol)
+        pad = sum(lengths[:2])
+        assert (got[pad:pad + lengths[2]] == 0).all()  # the PAD row
+        acc = [1 + (step + n) % q for n, q in enumerate(lengths)]
+        for n, row in enumerate(idx):
+            if row[0] >= 0:
+                torch.testing.assert_close(materialised(cuda_ops.gated_delta_rule_materialise, got_state, row, acc[n]),
+                                           materialised(reference.gated_delta_rule_materialise, ref_state, row,
+                                                        acc[n]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_state[[0, 4, 8, 12]], ref_state[[0, 4, 8, 12]], atol=1e-4, rtol=1e-4)  # bases
 
 
 @needs_kernels
-def test_verify_row_equals_single_steps_and_neighbours_do_not_matter() -> None:
+@pytest.mark.parametrize("h,hv,dk,dv", [(16, 32, 128, 128), (2, 6, 64, 72)])
+def test_verify_steps_equal_single_token_steps_bitwise(h: int, hv: int, dk: int, dv: int) -> None:
+    """Verify rows over several steps (each replaying the previous step's accepted records) against
+    the same tokens decoded one per call from the committed state: outputs, and committed states
+    materialised by the kernel, bit for bit."""
+    row = [3, 0, 5, 1]
+    pool = torch.randn(8, hv, dv, dk, device="cuda")
+    single = pool.clone()
+    single[7] = pool[row[0]]  # the committed state, slot 7 of the single-token pool
+    a = 1
+    for step, (q_len, accept) in enumerate([(4, 3), (4, 1), (2, 2), (4, 4), (3, 2)]):
+        x = inputs(q_len, h, hv, dk, dv, torch.bfloat16, seed=10 + step)
+        out = run_update(cuda_ops.gated_delta_rule_update, x, pool, [q_len], [row], [a])
+        states = []
+        single[6] = single[7]
+        for t in range(q_len):  # slot 6 carries the state from token to token
+            one = {n: v[t:t + 1] for n, v in x.items()}
+            assert torch.equal(run_update(cuda_ops.gated_delta_rule_update, one, single, [1], [[6, -1, -1, -1]], [1]),
+                               out[t:t + 1]), f"step {step} token {t}"
+            states.append(single[6].clone())
+        for t in range(q_len):
+            assert torch.equal(materialised(cuda_ops.gated_delta_rule_materialise, pool, row, t + 1), states[t])
+        a = accept
+        single[7] = states[a - 1]
+
+
+@needs_kernels
+def test_neighbours_do_not_matter() -> None:
     h, hv, dk, dv = 16, 32, 128, 128
     x = inputs(4, h, hv, dk, dv, torch.bfloat16, seed=1)
-    base = torch.randn(8, hv, dv, dk, device="cuda")
+    base = torch.randn(12, hv, dv, dk, device="cuda")
+    prev = inputs(4, h, hv, dk, dv, torch.bfloat16, seed=3)
+    run_update(cuda_ops.gated_delta_rule_update, prev, base, [4], [[0, 1, 2, 3]], [1])  # records to replay
     together = base.clone()
-    out = run_update(cuda_ops.gated_delta_rule_update, x, together, [4], [[0, 1, 2, 3]], [1])
-    single = base.clone()
-    for t in range(4):  # token t starts from slot t - 1 (a = 2 reads idx[1]) and writes slot t
-        one = {n: v[t:t + 1] for n, v in x.items()}
-        step = run_update(cuda_ops.gated_delta_rule_update, one, single, [1], [[t, max(t - 1, 0), 7, 7]],
-                          [1 if t == 0 else 2])
-        assert torch.equal(step, out[t:t + 1])
-    assert torch.equal(single[:4], together[:4])
-    # the same row next to others: the same bits
+    out = run_update(cuda_ops.gated_delta_rule_update, x, together, [4], [[0, 1, 2, 3]], [3])
     y = inputs(2, h, hv, dk, dv, torch.bfloat16, seed=2)
     mixed = {n: torch.cat([y[n][:1], x[n], y[n][1:]]) for n in x}
     crowd = base.clone()
-    out2 = run_update(cuda_ops.gated_delta_rule_update, mixed, crowd, [1, 4, 1], [[5, 7, 7, 7], [0, 1, 2, 3],
-                                                                                 [6, -1, -1, -1]], [1, 1, 1])
+    out2 = run_update(cuda_ops.gated_delta_rule_update, mixed, crowd, [1, 4, 1],
+                      [[5, 6, 7, 8], [0, 1, 2, 3], [9, -1, -1, -1]], [2, 3, 1])
     assert torch.equal(out2[1:5], out) and torch.equal(crowd[:4], together[:4])
 
 
@@ -93,6 +134,8 @@ def test_prefill_matches_chunked_reference(dtype: torch.dtype) -> None:
     idx, acc = [[0, 1], [2, 3], [4, 5], [6, 7]], [2, 1, 1, 1]
     x = inputs(sum(lengths), h, hv, dk, dv, dtype, seed=3)
     base = torch.randn(8, hv, dv, dk, device="cuda") * 0.3
+    prev = inputs(2, h, hv, dk, dv, dtype, seed=4)
+    run_update(reference.gated_delta_rule_update, prev, base, [2], [[0, 1]], [1])  # a record in slot 1 (row 0: a = 2)
     got_state, ref_state = base.clone(), base.clone()
     args = (qsl(lengths),)
     got = cuda_ops.gated_delta_rule_chunked(x["q"], x["k"], x["v"], x["g"], x["beta"], *args, got_state, i32(idx),
@@ -103,6 +146,12 @@ def test_prefill_matches_chunked_reference(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), ref.float(), atol=tol * 4, rtol=tol)
     torch.testing.assert_close(got_state, ref_state, atol=2e-4, rtol=2e-4)
     assert torch.equal(got_state[[1, 3, 5, 7]], base[[1, 3, 5, 7]])  # only idx[n, 0] is written
+    # from base + record == from the materialised state with a = 1, bit for bit
+    flat = base.clone()
+    cuda_ops.gated_delta_rule_materialise(flat, i32([[0, 1]]), i32([2]), i32([0]))
+    again = cuda_ops.gated_delta_rule_chunked(x["q"], x["k"], x["v"], x["g"], x["beta"], *args, flat, i32(idx),
+                                              i32([1, 1, 1, 1]), torch.tensor(init, device="cuda"))
+    assert torch.equal(again, got) and torch.equal(flat[[0, 2, 4]], got_state[[0, 2, 4]])
 
 
 def test_qwen3_next_mtp_end_to_end(tmp_path) -> None:
