@@ -11,6 +11,7 @@ extension copied in) for a before/after on the same machine.
     python benchmarks/bench_load.py --runs 5
     git archive HEAD pyengine | tar -x -C /tmp/before && cp pyengine/_C*.so /tmp/before/pyengine/
     python benchmarks/bench_load.py --runs 5 --pythonpath /tmp/before --label before
+    python benchmarks/bench_load.py --runs 5 --baseline /tmp/before   # both, in alternation
 """
 from __future__ import annotations
 
@@ -111,27 +112,13 @@ def machine() -> dict[str, Any]:
             "loadavg_at_start": loadavg()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--model", default="", help="a GGUF or HF directory (default: the default model)")
-    ap.add_argument("--pythonpath", default=str(ROOT), help="the checkout whose pyengine runs")
-    ap.add_argument("--label", default="after")
-    ap.add_argument("--note", default="", help="what the checkout is (stored with the result)")
-    ap.add_argument("--no-write", action="store_true", help="print the result, leave results/load_cpu.json alone")
-    args = ap.parse_args()
-    started = machine()["loadavg_at_start"], time.strftime("%Y-%m-%d %H:%M")
-    runs = []
-    for i in range(args.runs):
-        r = run_once(args.model, args.pythonpath)
-        runs.append(r)
-        print(f"run {i + 1}: load {r['load_s']:.2f} s (packing {r['pack_s']:.2f} s), answer {r['answer_s']:.2f} s, peak RSS {r['peak_rss_mb']:.0f} MB,"
-              f" import {r['import_s']:.2f} s: {r['text']!r}", flush=True)
-    summary = {
-        "label": args.label,
+def summarize(label: str, pythonpath: str, note: str, started: tuple[Any, str], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The medians (and best load, worst RSS) of one checkout's runs, with the runs themselves."""
+    return {
+        "label": label,
         "command": "python benchmarks/bench_load.py " + shlex.join(sys.argv[1:]),
-        "pythonpath": args.pythonpath,
-        "note": args.note,
+        "pythonpath": pythonpath,
+        "note": note,
         "loadavg_at_start": started[0],
         "date": started[1],
         "load_s_median": round(statistics.median(r["load_s"] for r in runs), 3),
@@ -144,7 +131,33 @@ def main() -> None:
         "answer": runs[0]["text"],
         "runs": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k != "text"} for r in runs],
     }
-    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--model", default="", help="a GGUF or HF directory (default: the default model)")
+    ap.add_argument("--pythonpath", default=str(ROOT), help="the checkout whose pyengine runs")
+    ap.add_argument("--label", default="after")
+    ap.add_argument("--note", default="", help="what the checkout is (stored with the result)")
+    ap.add_argument("--baseline", default="", help="another checkout run in alternation with --pythonpath (a paired "
+                                                   "before/after: each round runs both, the same load on both)")
+    ap.add_argument("--baseline-label", default="before")
+    ap.add_argument("--no-write", action="store_true", help="print the result, leave results/load_cpu.json alone")
+    args = ap.parse_args()
+    started = machine()["loadavg_at_start"], time.strftime("%Y-%m-%d %H:%M")
+    checkouts = ([(args.baseline_label, args.baseline)] if args.baseline else []) + [(args.label, args.pythonpath)]
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in checkouts}
+    for i in range(args.runs):
+        for label, path in checkouts if i % 2 == 0 else checkouts[::-1]:  # neither always goes first
+            r = run_once(args.model, path)
+            runs[label].append(r)
+            print(f"run {i + 1} {label}: load {r['load_s']:.2f} s (packing {r['pack_s']:.2f} s), answer {r['answer_s']:.2f} s,"
+                  f" peak RSS {r['peak_rss_mb']:.0f} MB, import {r['import_s']:.2f} s: {r['text']!r}", flush=True)
+    summaries = {label: summarize(label, path, args.note if label == args.label else f"baseline of {args.label}",
+                                  started, runs[label]) for label, path in checkouts}
+    for summary in summaries.values():
+        print(json.dumps({k: v for k, v in summary.items() if k != "runs"}))
     if args.no_write:
         return
     out = ROOT / "benchmarks" / "results" / "load_cpu.json"
@@ -155,7 +168,7 @@ def main() -> None:
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": "python benchmarks/bench_load.py " + shlex.join(sys.argv[1:]),
-        "results": {**previous.get("results", {}), args.label: summary},
+        "results": {**previous.get("results", {}), **summaries},
     }
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")
