@@ -27,7 +27,9 @@ TILE_V = 32  # value columns per block (gdn_chunked_prefill.hip)
 
 def chunked_flops(lengths: list[int], chunk: int) -> float:
     """FLOPs (2 per multiply-add) the chunked kernel's blocks execute."""
-    per_chunk = (2 * chunk * chunk * DK            # Gram matrices k.k and q.k
+    # each thread's Gram micro-tile (gram x gram entries) skips the gram (gram - 1) / 2 above the diagonal
+    gram = chunk // 16
+    per_chunk = (2 * chunk * chunk * DK * (gram + 1) // (2 * gram)  # Gram matrices k.k and q.k
                  + 2 * chunk * DK * TILE_V         # S0^T k and S0^T q
                  + chunk * chunk * TILE_V // 2     # forward substitution
                  + chunk * chunk * TILE_V          # M U

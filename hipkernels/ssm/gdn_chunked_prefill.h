@@ -20,7 +20,7 @@
 
 #include <cstdint>
 
-constexpr int kGdnPrefillMaxKeyDim = 256;  // K <= 256 (<= 128 under hipcc: 64 KB of LDS)
+constexpr int kGdnPrefillMaxKeyDim = 256;  // K <= 256, a multiple of 4 (<= 128 under hipcc: 64 KB of LDS)
 
 struct GdnChunkedPrefillParams {
   float* state = nullptr;       // [num_slots, HV, V, K]

@@ -35,8 +35,9 @@ constexpr int kRowsPerGroup = kChunk / kGroups;  // steps 1, 2, 5: tokens grp + 
 constexpr int kGram = kChunk / 16;               // step 2: Gram rows gi + 16 i, columns gj + 16 j
 constexpr int kSolveLanes = 8;                   // step 4: lanes per value column
 constexpr int kSolveRegs = kChunk / kSolveLanes; // tokens sub + 8 j of the lane
-constexpr int kTileP = kTileV + 1;               // padded row strides: conflict-free columns
-constexpr int kChunkP = kChunk + 1;
+constexpr int kTileP = kTileV + 1;               // padded: a column of the tile is conflict-free
+constexpr int kChunkP = kChunk + 4;              // k, q, A, M rows padded by 4: 16-byte reads
+constexpr int kQuadPasses = 4;                   // step 6: 4-key quads per thread and pass
 static_assert(kTileV * kSolveLanes == kThreads, "the solve gives each value column 8 lanes");
 static_assert(kChunk % 16 == 0 && kChunk <= kThreads, "chunk size");
 
@@ -46,24 +47,25 @@ PE_DEVICE float group_sum(float x) {  // over the 32-lane group
   return x;
 }
 
-// Shared memory, in floats: k [C][K+1]; q [C][K+1], over which A [C][C+1] and M [C][C+1] go once
+// Shared memory, in floats: k [C][K+4]; q [C][K+4], over which A [C][C+1] and M [C][C+1] go once
 // the Gram step has read q; the tile S [K][kTileP]; U [C][kTileP]; g, beta, cum, decay-to-end [C].
 __host__ __device__ inline size_t region_floats(int K) {
-  const size_t q = (size_t)kChunk * (K + 1), am = 2 * (size_t)kChunk * kChunkP;
+  const size_t q = (size_t)kChunk * (K + 4), am = 2 * (size_t)kChunk * kChunkP;
   return q > am ? q : am;
 }
 
 size_t smem_bytes(int K) {
-  return sizeof(float) * ((size_t)kChunk * (K + 1) + region_floats(K) + (size_t)K * kTileP +
+  return sizeof(float) * ((size_t)kChunk * (K + 4) + region_floats(K) + (size_t)K * kTileP +
                           (size_t)kChunk * kTileP + 4 * kChunk);
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) gdn_chunked_prefill_kernel(GdnChunkedPrefillParams p) {
-  extern __shared__ float smem[];
+  extern __shared__ float4 smem4[];  // float4: 16-byte alignment
+  float* smem = reinterpret_cast<float*>(smem4);
   const int tid = threadIdx.x, lane = tid % kLanes, grp = tid / kLanes;
   const int v0 = blockIdx.x * kTileV, hv = blockIdx.y, n = blockIdx.z;
-  const int K = p.key_dim, V = p.value_dim, HV = p.num_v_heads, KP = K + 1;
+  const int K = p.key_dim, V = p.value_dim, HV = p.num_v_heads, KP = K + 4;
   const int cols = min(kTileV, V - v0);
   const int s0 = p.query_start_loc[n], num = p.query_start_loc[n + 1] - s0;
   const int slot = p.state_idx[(int64_t)n * p.state_idx_stride];
@@ -127,28 +129,35 @@ __global__ void __launch_bounds__(kThreads) gdn_chunked_prefill_kernel(GdnChunke
       for (int s = 0; s <= tid; ++s) run += gs[s];
       cum[tid] = run;
     }
+    // Entry (i, j) is t - s = gi - gj + 16 (i - j): j > i is above the diagonal, never needed.
     float gkk[kGram][kGram] = {}, gqk[kGram][kGram] = {};
-    for (int kk = 0; kk < K; ++kk) {
-      float a[kGram], b[kGram], q[kGram];
+    for (int kk = 0; kk < K; kk += 4) {
+      float4 a[kGram], b[kGram], q[kGram];
 #pragma unroll
       for (int i = 0; i < kGram; ++i) {
-        a[i] = ks[(gi + 16 * i) * KP + kk];
-        q[i] = qs[(gi + 16 * i) * KP + kk];
-        b[i] = ks[(gj + 16 * i) * KP + kk];
+        a[i] = *reinterpret_cast<const float4*>(ks + (gi + 16 * i) * KP + kk);
+        q[i] = *reinterpret_cast<const float4*>(qs + (gi + 16 * i) * KP + kk);
+        b[i] = *reinterpret_cast<const float4*>(ks + (gj + 16 * i) * KP + kk);
       }
 #pragma unroll
       for (int i = 0; i < kGram; ++i)
 #pragma unroll
-        for (int j = 0; j < kGram; ++j) gkk[i][j] += a[i] * b[j], gqk[i][j] += q[i] * b[j];
+        for (int j = 0; j <= i; ++j) {
+          gkk[i][j] += a[i].x * b[j].x + a[i].y * b[j].y + a[i].z * b[j].z + a[i].w * b[j].w;
+          gqk[i][j] += q[i].x * b[j].x + q[i].y * b[j].y + q[i].z * b[j].z + q[i].w * b[j].w;
+        }
     }
     float kS[kRowsPerGroup] = {}, oq[kRowsPerGroup] = {};
-    for (int kk = 0; kk < K; ++kk) {
-      const float s = ss[kk * kTileP + lane];
+    for (int kk = 0; kk < K; kk += 4) {
+      const float s0_ = ss[kk * kTileP + lane], s1 = ss[(kk + 1) * kTileP + lane];
+      const float s2 = ss[(kk + 2) * kTileP + lane], s3 = ss[(kk + 3) * kTileP + lane];
 #pragma unroll
       for (int r = 0; r < kRowsPerGroup; ++r) {
         const int t = grp + kGroups * r;
-        kS[r] += ks[t * KP + kk] * s;
-        oq[r] += qs[t * KP + kk] * s;
+        const float4 a = *reinterpret_cast<const float4*>(ks + t * KP + kk);
+        const float4 b = *reinterpret_cast<const float4*>(qs + t * KP + kk);
+        kS[r] += a.x * s0_ + a.y * s1 + a.z * s2 + a.w * s3;
+        oq[r] += b.x * s0_ + b.y * s1 + b.z * s2 + b.w * s3;
       }
     }
     __syncthreads();  // cum is complete; q is read: A and M may go over it
@@ -159,9 +168,9 @@ __global__ void __launch_bounds__(kThreads) gdn_chunked_prefill_kernel(GdnChunke
 #pragma unroll
       for (int j = 0; j < kGram; ++j) {
         const int t = gi + 16 * i, s = gj + 16 * j;
-        const float d = s <= t ? expf(cum[t] - cum[s]) : 0.f;
-        am[t * kChunkP + s] = s < t ? bs[t] * gkk[i][j] * d : 0.f;
-        mm[t * kChunkP + s] = gqk[i][j] * d;
+        const float d = (j <= i && s <= t) ? expf(cum[t] - cum[s]) : 0.f;
+        am[t * kChunkP + s] = (j <= i && s < t) ? bs[t] * gkk[i][j] * d : 0.f;
+        mm[t * kChunkP + s] = j <= i ? gqk[i][j] * d : 0.f;
       }
 #pragma unroll
     for (int r = 0; r < kRowsPerGroup; ++r) {
@@ -195,10 +204,14 @@ __global__ void __launch_bounds__(kThreads) gdn_chunked_prefill_kernel(GdnChunke
     __syncthreads();
 
     // 5. outputs: o_t = e^{cum_t} S0^T q_t + sum_{s<=t} M[t][s] u_s (M is zero above the diagonal)
-    for (int s = 0; s < kChunk; ++s) {
-      const float us_ = us[s * kTileP + lane];
+    for (int s = 0; s < kChunk; s += 4) {
+      const float u0 = us[s * kTileP + lane], u1 = us[(s + 1) * kTileP + lane];
+      const float u2 = us[(s + 2) * kTileP + lane], u3 = us[(s + 3) * kTileP + lane];
 #pragma unroll
-      for (int r = 0; r < kRowsPerGroup; ++r) oq[r] += mm[(grp + kGroups * r) * kChunkP + s] * us_;
+      for (int r = 0; r < kRowsPerGroup; ++r) {
+        const float4 m = *reinterpret_cast<const float4*>(mm + (grp + kGroups * r) * kChunkP + s);
+        oq[r] += m.x * u0 + m.y * u1 + m.z * u2 + m.w * u3;
+      }
     }
 #pragma unroll
     for (int r = 0; r < kRowsPerGroup; ++r) {
@@ -206,27 +219,34 @@ __global__ void __launch_bounds__(kThreads) gdn_chunked_prefill_kernel(GdnChunke
       if (t < len && lane < cols) Io<T>::st(out + ((tok0 + t) * HV + hv) * V + v0 + lane, oq[r]);
     }
 
-    // 6. S = e^{cum_last} S0 + sum_s k_s (e^{cum_last - cum_s} u_s)^T; lane = column, k = grp + 8 i
+    // 6. S = e^{cum_last} S0 + sum_s k_s (e^{cum_last - cum_s} u_s)^T; lane = column; the thread
+    // owns the key quads grp + 8 r (keys 4 quad .. 4 quad + 3), read as one 16-byte broadcast each
     const float glast = expf(cum[kChunk - 1]);
-    for (int k0 = grp; k0 < K; k0 += 4 * kGroups) {
-      float acc[4];
+    for (int base = grp; base < K / 4; base += kGroups * kQuadPasses) {
+      float acc[kQuadPasses][4];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int kk = k0 + kGroups * r;
-        acc[r] = kk < K ? glast * ss[kk * kTileP + lane] : 0.f;
+      for (int r = 0; r < kQuadPasses; ++r) {
+        const int quad = base + kGroups * r;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[r][e] = quad < K / 4 ? glast * ss[(4 * quad + e) * kTileP + lane] : 0.f;
       }
       for (int s = 0; s < kChunk; ++s) {
         const float w = to_end[s] * us[s * kTileP + lane];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int kk = k0 + kGroups * r;
-          if (kk < K) acc[r] += ks[s * KP + kk] * w;
+        for (int r = 0; r < kQuadPasses; ++r) {
+          const int quad = base + kGroups * r;
+          if (quad < K / 4) {
+            const float4 k4 = *reinterpret_cast<const float4*>(ks + s * KP + 4 * quad);
+            acc[r][0] += k4.x * w, acc[r][1] += k4.y * w, acc[r][2] += k4.z * w, acc[r][3] += k4.w * w;
+          }
         }
       }
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int kk = k0 + kGroups * r;
-        if (kk < K) ss[kk * kTileP + lane] = acc[r];
+      for (int r = 0; r < kQuadPasses; ++r) {
+        const int quad = base + kGroups * r;
+        if (quad < K / 4)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ss[(4 * quad + e) * kTileP + lane] = acc[r][e];
       }
     }
     __syncthreads();  // before the next chunk overwrites k, q, g, beta and reads S
@@ -259,7 +279,7 @@ int gdn_chunked_prefill_chunk_size() { return kChunk; }
 
 int launch_gdn_chunked_prefill(const GdnChunkedPrefillParams& p, void* stream) {
   if (p.num_rows == 0) return 0;
-  if (p.key_dim <= 0 || p.key_dim > kGdnPrefillMaxKeyDim || p.value_dim <= 0 || p.num_k_heads <= 0 ||
+  if (p.key_dim <= 0 || p.key_dim > kGdnPrefillMaxKeyDim || p.key_dim % 4 != 0 || p.value_dim <= 0 || p.num_k_heads <= 0 ||
       p.num_v_heads % p.num_k_heads != 0 || p.num_rows > 65535 || p.state_idx_stride < 1)
     return -1;
   const peStream_t s = static_cast<peStream_t>(stream);

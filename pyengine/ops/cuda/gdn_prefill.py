@@ -4,9 +4,9 @@ pyengine/ops/reference/gdn.py, which this equals within fp32 rounding): row n st
 state[state_idx[n, 0]] when has_initial_state[n] (else zeros), runs its tokens, and writes its final
 state back to state[state_idx[n, 0]]; a PAD (-1) first slot writes nothing and gets zero output.
 
-The kernel runs whenever q / k / v are fp16, bf16 or fp32, the pool is contiguous fp32 and
-K <= 256 (128 on AMD): a choice made from the model's shapes alone, never from the batch, so a row
-takes the same path and gets the same bits whatever else is in the step."""
+The kernel runs whenever q / k / v are fp16, bf16 or fp32, the pool is contiguous fp32 and K is
+a multiple of 4 up to 256 (128 on AMD): a choice made from the model's shapes alone, never from the
+batch, so a row takes the same path and gets the same bits whatever else is in the step."""
 from __future__ import annotations
 
 import torch
@@ -45,7 +45,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
 
 def runs_kernel(q: torch.Tensor, state: torch.Tensor) -> bool:
     return (q.is_cuda and q.dtype in DTYPE_CODE and state.is_contiguous() and state.dtype == torch.float32
-            and q.shape[-1] <= MAX_KEY_DIM)
+            and q.shape[-1] <= MAX_KEY_DIM and q.shape[-1] % 4 == 0)
 
 
 def chunked_gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
