@@ -1,15 +1,19 @@
-"""Batch invariance of the Mamba2-family hybrids on CUDA (LLM(batch_invariant=True)): for Mamba2,
-Bamba and NemotronH tiny random models in fp32 (and Mamba2 in bf16), every committed token's logits are
-bit-identical whether its request runs in a batch of 8, alone, with every prefill cut into chunks
-of 7 tokens, or with ngram speculation (k 3), and - Mamba2, which has no attention layers - with
-CUDA graphs and eagerly. The GPU version of tests/test_hybrid_invariance_cpu.py.
+"""Batch invariance of the recurrent-state hybrids on CUDA (LLM(batch_invariant=True)): for Mamba2,
+Bamba, NemotronH and Qwen3-Next tiny random models in fp32 (and Mamba2 and Qwen3-Next in bf16),
+every committed token's logits are bit-identical whether its request runs in a batch of 8, alone,
+with every prefill cut into chunks of 7 tokens, or with ngram speculation (k 3); for Qwen3-Next also
+with its MTP layer (k 3); and - Mamba2 (no attention layers) and bf16 Qwen3-Next (GQA kernel, head
+dim 256, grouped MoE) - with CUDA graphs and eagerly. The GPU version of
+tests/test_hybrid_invariance_cpu.py.
 
-This holds because LLM runs HybridForCausalLM.prepack_for_cuda (the mixers' HF [out, in] in_proj /
-out_proj and the lm_head onto pyengine's invariant GEMMs), the norms run pyengine's row kernel
-(layers.rms_norm_rows, the mixer's gated group norm included), the state ops are per-row kernels
-(hipkernels/ssm/ssm_state.hip: prefill is the recurrence token after token), and attention layers
-whose head size no kernel takes run the per-query reference. Qwen3-Next stays refused. Skips
-without CUDA."""
+This holds because LLM runs the model's prepack_for_cuda (the Mamba2 mixers' HF [out, in] in_proj /
+out_proj and the lm_head onto pyengine's invariant GEMMs; Qwen3-Next's [in, out] projections
+checked, a tied lm_head copied), the norms run pyengine's row kernel (layers.rms_norm_rows, the
+mixer's gated group norm, Qwen3-Next's q/k and gated norms included), the state ops are per-row
+kernels whose prefill is the recurrence token after token (hipkernels/ssm/ssm_state.hip,
+gated_delta_rule.hip: the chunk-wise GDN prefill is not used under batch_invariant), the MoE runs
+the grouped invariant GEMM, and attention layers whose dtype or head size no kernel takes run the
+per-query reference. Skips without CUDA."""
 from __future__ import annotations
 
 import gc
@@ -21,20 +25,40 @@ import torch
 from pyengine import LLM
 from pyengine.models.hybrid import HybridForCausalLM, InOutLinear
 from pyengine.models.layers import Mamba2Mixer
+from pyengine.models.qwen3_next import Qwen3NextForCausalLM, invariant_gemm_misfits
 from tests.test_hybrid_invariance_cpu import FAMILIES, NGRAM, Run, assert_identical, generate, make_prompts
 from tests.test_mamba2 import make_mamba2_checkpoint
+from tests.tiny_models import make_qwen3_next_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+# Qwen3-Next in bf16 at widths the tensor-core invariant GEMM takes (K % 64, N % 8: hidden 64, value
+# heads 4 x 32, key heads 2 x 32, experts and shared expert 64 wide), attention at Qwen3-Next's head
+# dim 256 (the GQA kernel), untied lm_head; an MTP layer (mtp.*) for the MTP run. Output projections
+# at 0.03 (greedy runs fall into loops: on the CPU in fp32 ngram accepts 13 drafts, MTP 37).
+QWEN3_NEXT_ALIGNED = dict(head_dim=256, linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=64,
+                          shared_expert_intermediate_size=64, intermediate_size=128)
 # fp32: the CPU test's checkpoints (odd widths: the fp32 GEMM takes any shape). bf16: the tensor-core
 # invariant GEMM needs K % 64 == 0 and N % 8 == 0, which test_mamba2's default checkpoint meets.
-BUILDERS = dict(FAMILIES, mamba2_aligned=make_mamba2_checkpoint)
-CASES = [("mamba2", "float32"), ("bamba", "float32"), ("nemotron_h", "float32"), ("mamba2_aligned", "bfloat16")]
+BUILDERS = dict(
+    FAMILIES, mamba2_aligned=make_mamba2_checkpoint,
+    qwen3_next=lambda path: make_qwen3_next_checkpoint(path, layer_scale=0.3, tie_word_embeddings=True,
+                                                       linear_key_head_dim=12, linear_value_head_dim=9,
+                                                       mtp_agreement=0.01),
+    qwen3_next_aligned=lambda path: make_qwen3_next_checkpoint(path, layer_scale=0.03, mtp_agreement=0.01,
+                                                               **QWEN3_NEXT_ALIGNED))
+CASES = [("mamba2", "float32"), ("bamba", "float32"), ("nemotron_h", "float32"), ("mamba2_aligned", "bfloat16"),
+         ("qwen3_next", "float32"), ("qwen3_next_aligned", "bfloat16")]
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive_draft_length": False}
 
 
 def runs_on(llm: LLM, prompts: list[list[int]], batched: bool = True) -> Run:
     out = generate(llm, prompts, batched)
     return [(tokens, [x.cpu() for x in logits]) for tokens, logits in out]
+
+
+def graph_replays(llm: LLM) -> int:
+    return getattr(getattr(llm.engine.runner, "graph_runner", None), "num_replays", 0)
 
 
 def free(llm: LLM) -> None:
@@ -53,24 +77,35 @@ def runs(request, tmp_path_factory) -> dict[str, Any]:
                                   enable_prefix_caching=False, batch_invariant=True)
     result: dict[str, Any] = {"family": family}
     batched = LLM(path, **common)
-    result.update(model=batched.model, batched=runs_on(batched, prompts), alone=runs_on(batched, prompts, False))
+    result.update(model=batched.model, batched=runs_on(batched, prompts), batched_graph_replays=graph_replays(batched),
+                  alone=runs_on(batched, prompts, False))
     free(batched)
-    for name, kw in [("chunked", dict(max_num_batched_tokens=7)), ("ngram", dict(speculative_config=NGRAM)),
-                     ("eager", dict(enforce_eager=True))]:
+    variants = [("chunked", dict(max_num_batched_tokens=7)), ("ngram", dict(speculative_config=NGRAM)),
+                ("eager", dict(enforce_eager=True))]
+    if family.startswith("qwen3_next"):
+        variants.append(("mtp", dict(speculative_config=MTP)))
+    for name, kw in variants:
         llm = LLM(path, **common, **kw)
         result[name] = runs_on(llm, prompts)
         result[name + "_stats"] = llm.stats()
+        result[name + "_graph_replays"] = graph_replays(llm)
         free(llm)
     return result
 
 
 def test_hf_projections_run_the_invariant_gemm(runs) -> None:
-    """prepack_for_cuda ran: no mixer projection is a dense [out, in] tensor (F.linear) any more,
-    and the lm_head is an [in, out] CUDA tensor."""
+    """prepack_for_cuda ran: no mixer projection is a dense [out, in] tensor (F.linear) any more
+    (Qwen3-Next: every projection an [in, out] weight the invariant GEMM takes), and the lm_head is
+    an [in, out] CUDA tensor."""
     model = runs["model"]
-    assert isinstance(model, HybridForCausalLM)
-    mixers = [m for m in model.modules() if isinstance(m, Mamba2Mixer)]
-    assert mixers and all(isinstance(m.in_proj, InOutLinear) and isinstance(m.out_proj, InOutLinear) for m in mixers)
+    if isinstance(model, Qwen3NextForCausalLM):
+        assert invariant_gemm_misfits(model, None) == []
+        assert model.packed_lm_head.is_contiguous()
+    else:
+        assert isinstance(model, HybridForCausalLM)
+        mixers = [m for m in model.modules() if isinstance(m, Mamba2Mixer)]
+        assert mixers and all(isinstance(m.in_proj, InOutLinear) and isinstance(m.out_proj, InOutLinear)
+                              for m in mixers)
     head = model.packed_lm_head
     assert isinstance(head, torch.Tensor) and head.is_cuda and head.shape == (model.config.hidden_size,
                                                                              model.config.vocab_size)
@@ -90,15 +125,27 @@ def test_ngram_equals_plain(runs) -> None:
 
 
 def test_eager_equals_graphs(runs) -> None:
+    if runs["family"] == "qwen3_next_aligned":  # the graphed runs really replayed graphs
+        assert runs["batched_graph_replays"] > 0 and runs["ngram_graph_replays"] > 0 and runs["mtp_graph_replays"] > 0
+        assert runs["eager_graph_replays"] == 0
     assert_identical(runs["batched"], runs["eager"], "enforce_eager")
 
 
-def test_qwen3_next_is_still_refused(tmp_path) -> None:
-    from tests.tiny_models import make_qwen3_next_checkpoint
+def test_mtp_equals_plain(runs) -> None:
+    if not runs["family"].startswith("qwen3_next"):
+        pytest.skip("no MTP layer")
+    assert runs["mtp_stats"]["num_accepted_tokens"] > 0, runs["mtp_stats"]  # verify rows really ran
+    assert_identical(runs["batched"], runs["mtp"], "mtp k=3")
 
+
+def test_qwen3_next_widths_the_invariant_gemm_does_not_take_are_refused(tmp_path) -> None:
+    """bf16 at the default tiny widths (value heads 24 wide: out_proj K = 96; experts 32 wide) is
+    refused at load, naming the projections; the same checkpoint loads in fp32 (any width)."""
     make_qwen3_next_checkpoint(str(tmp_path))
-    with pytest.raises(ValueError, match="not available for this recurrent-state model"):
-        LLM(str(tmp_path), device="cuda", dtype="bfloat16", batch_invariant=True, max_model_len=64)
+    common: dict[str, Any] = dict(device="cuda", batch_invariant=True, max_model_len=64)
+    with pytest.raises(ValueError, match=r"invariant GEMM does not take .*out_proj.*w_down"):
+        LLM(str(tmp_path), dtype="bfloat16", **common)
+    free(LLM(str(tmp_path), dtype="float32", **common))
 
 
 @pytest.mark.parametrize("width", [4, 3])

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
-from pyengine import LLM, SamplingParams
+from pyengine import LLM, SamplingParams, ops
 from pyengine.loader import load_model
+from pyengine.models.qwen3_next import Qwen3NextForCausalLM, invariant_gemm_misfits, qwen3_next_model_config
+from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
 from tests.hybrid_spec_checks import SCRIPTED_CASES, check_greedy_matches_hf_generate, check_ngram_ragged, check_scripted
 from tests.spec_harness import assert_lossless, check_second_token_follows_target, run
-from tests.tiny_models import make_prompts, make_qwen3_5_checkpoint, make_qwen3_next_checkpoint
+from tests.tiny_models import QWEN3_NEXT, make_prompts, make_qwen3_5_checkpoint, make_qwen3_next_checkpoint
 from tests.utils_paged import make_meta
 
 PROMPT = [5, 17, 3, 88, 41, 41, 9, 60, 2, 33, 71, 12, 7, 50, 29, 94, 18, 3, 66, 40, 21] * 4  # 84: > one chunk of 64
@@ -139,3 +142,50 @@ def test_random_sampling_with_ngram_keeps_target_distribution(spec_model: str) -
     spec = {"method": "ngram", "num_speculative_tokens": 2, "adaptive_draft_length": False,  # first token gets a
             "prompt_lookup_min": 1, "prompt_lookup_max": 2}  # prompt-lookup draft
     check_second_token_follows_target(spec_model, spec, prompt)
+
+
+def _bare_model(dtype: torch.dtype, **overrides) -> Qwen3NextForCausalLM:
+    """An uninitialised Qwen3-Next of the tiny config (shapes only: nothing is run)."""
+    hf = transformers.Qwen3NextConfig(**dict(QWEN3_NEXT, **overrides)).to_dict()
+    return Qwen3NextForCausalLM(qwen3_next_model_config(dict(hf, architectures=["Qwen3NextForCausalLM"])), dtype)
+
+
+def test_batch_invariant_cuda_refuses_widths_the_invariant_gemm_does_not_take() -> None:
+    """prepack_for_cuda's check: in bf16 the default tiny widths name out_proj (K 96), the experts'
+    w_down (K 32) and the shared expert's down_proj (K 48); aligned widths, and fp32, pass; a tied
+    lm_head is checked as its [in, out] transpose (N = vocab); the shared expert gate (N 1) is padded
+    at the call."""
+    misfits = invariant_gemm_misfits(_bare_model(torch.bfloat16), None)
+    assert {m.split(" ")[0].split(".", 2)[-1] for m in misfits} == {"mixer.out_proj", "mlp.w_down",
+                                                                    "mlp.shared_experts.down_proj"}
+    aligned = dict(head_dim=256, linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=64,
+                   shared_expert_intermediate_size=64)
+    assert invariant_gemm_misfits(_bare_model(torch.bfloat16, **aligned), None) == []
+    assert invariant_gemm_misfits(_bare_model(torch.float32), None) == []
+    tied = _bare_model(torch.bfloat16, **aligned, tie_word_embeddings=True, vocab_size=100)
+    assert invariant_gemm_misfits(tied, tied.embed_tokens.t()) == ["lm_head (tied) (64, 100)"]
+    assert tied.prepack_for_cuda() is False and tied.packed_lm_head is None  # off CUDA: unchanged
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_prefill_entry_keeps_the_recurrence_on_the_cpu(chunked: bool) -> None:
+    """ops.gated_delta_rule_prefill (the model's prefill call) on the CPU is gated_delta_rule_chunked
+    (the recurrence token after token) bit for bit, whatever KernelConfig.gdn_chunked_prefill says:
+    the chunk-wise kernel is CUDA's, outside batch_invariant."""
+    gen = torch.Generator().manual_seed(1)
+    lengths, h, hv, dk, dv = [5, 70, 1], 2, 4, 16, 24
+    n = sum(lengths)
+    q, k = torch.randn(n, h, dk, generator=gen), torch.randn(n, h, dk, generator=gen)
+    v = torch.randn(n, hv, dv, generator=gen)
+    g, beta = -torch.rand(n, hv, generator=gen), torch.rand(n, hv, generator=gen)
+    qsl = torch.tensor([0, 5, 75, 76], dtype=torch.int32)
+    idx, acc = torch.tensor([[0], [1], [2]], dtype=torch.int32), torch.ones(3, dtype=torch.int32)
+    init = torch.tensor([True, False, True])
+    base = torch.randn(3, hv, dv, dk, generator=gen) * 0.3
+    got_state, want_state = base.clone(), base.clone()
+    config = KernelConfig.from_value({"gdn_chunked_prefill": chunked})
+    with use_kernel_config(config):
+        got = ops.gated_delta_rule_prefill(q, k, v, g, beta, qsl, got_state, idx, acc, init)
+        want = ops.gated_delta_rule_chunked(q, k, v, g, beta, qsl, want_state, idx, acc, init)
+    assert torch.equal(got, want) and torch.equal(got_state, want_state)
+    assert not torch.equal(got_state, base)  # the final states were written

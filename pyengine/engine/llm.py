@@ -180,7 +180,9 @@ class LLM:
                         raise ValueError(f"{self.model_config.architecture}: batch_invariant is not available for "
                                          "this recurrent-state model on CUDA yet (its projections or state ops run "
                                          "torch's batched kernels)")
-                    self.model.prepack_for_cuda()  # HF [out, in] projections onto the invariant GEMM
+                    # projections onto the invariant GEMM: [in, out] copies of HF [out, in] weights (Mamba2
+                    # family), a tied lm_head's copy (Qwen3-Next), or a refusal of widths it does not take
+                    self.model.prepack_for_cuda()
                 if spec is not None and spec.method == "draft_model":
                     raise ValueError(f"{self.model_config.architecture}: draft-model speculation is not supported for "
                                      "recurrent-state models (use ngram)")

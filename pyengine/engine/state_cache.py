@@ -110,10 +110,13 @@ class StateCache:
         nd = int(batch.num_decode_rows)
         init = np.asarray(batch.num_computed) > 0
         init[:nd] = True
+        accepted = np.maximum(np.asarray(batch.num_accepted_prev, dtype=np.int32), 1)
+        # prefill rows start from their base slot alone (the chunk-wise GDN prefill replays no records)
+        assert (accepted[nd:] == 1).all(), "a prefill row with num_accepted > 1"
         return StateMetadata(
             conv=self.conv, ssm=self.ssm,
             state_idx=self._tensor(np.asarray(batch.state_slots, dtype=np.int32).reshape(batch.num_rows, -1)),
-            num_accepted=self._tensor(np.maximum(np.asarray(batch.num_accepted_prev, dtype=np.int32), 1)),
+            num_accepted=self._tensor(accepted),
             has_initial_state=self._tensor(init),
             query_start_loc=query_start_loc,
             num_decode_rows=nd,

@@ -17,13 +17,18 @@ q/k RMSNorm; RoPE on the first partial_rotary_factor of each head; the paged GQA
 Checkpoint layouts are rearranged once at load: the per-key-head groups of in_proj_qkvz / in_proj_ba
 become [q | k | v | z] and [b | a]; q/k rows (and their norms) are permuted into the RoPE layout
 (as Bamba's); each zero-centred norm stores 1 + w.
+
+Batch invariance on CUDA (docs/architecture.md): [in, out] projections on the invariant GEMMs
+(prepack_for_cuda checks widths), experts on the grouped one; every norm a row kernel (head_rms_norm);
+conv and delta rule per-row kernels whose prefill computes decode's bits (no chunk-wise GDN prefill);
+attention the GQA kernel without key splits (other dtypes / head sizes: the per-query reference).
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +40,7 @@ from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.state_cache import DeltaRuleShapes, StateCache, StateMetadata
 from pyengine.models.bamba import rope_permutation
 from pyengine.models.layers import (KVCache, RotaryEmbedding, WeightTargets, cpu_linear_packer, linear, onednn_prepack,
-                                    pack_weights, param, rowwise)
+                                    pack_weights, param, rms_norm_rows, rowwise)
 from pyengine.models.moe import MoE, MoEConfig, SwiGLU, moe_graphable
 from pyengine.models.weight_utils import decoder_weight_targets, load_named_weights
 
@@ -122,6 +127,19 @@ def zero_centred(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor + 1 if norm and "linear_attn.norm" not in name else tensor
 
 
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm of each head of an fp32 x [T, heads, D], then times weight [D] fp32 (None: 1). On CUDA
+    pyengine's row kernel over a fresh [T * heads, D] copy (layers.rms_norm_rows: torch's reductions
+    lay their threads out by the number of rows; a fresh tensor's alignment, which picks the kernel's
+    vector width, never depends on the batch); on the CPU torch's, whose rows are independent."""
+    if x.is_cuda:
+        d = x.shape[-1]
+        w = torch.ones(d, dtype=torch.float32, device=x.device) if weight is None else weight  # x * 1: exact
+        return rms_norm_rows(x.reshape(-1, d).contiguous(), w, eps).view(x.shape)
+    y = F.rms_norm(x, (x.shape[-1],), None, eps)
+    return y if weight is None else y * weight
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: Qwen3NextModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -195,11 +213,13 @@ class GatedDeltaNet(nn.Module):
             o[:nd] = ops.gated_delta_rule_update(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], rec_state, dec_qsl,
                                                  dec_idx, dec_acc)
         if nd < t:
-            o[nd:] = ops.gated_delta_rule_chunked(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], pre_qsl, rec_state,
+            # CUDA: the chunk-wise kernel by default; under KernelConfig.batch_invariant the recurrence,
+            # so that a token gets the same bits prefilled (cut anywhere), re-prefilled after
+            # preemption, or decoded (ops.gated_delta_rule_prefill)
+            o[nd:] = ops.gated_delta_rule_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], pre_qsl, rec_state,
                                                   pre_idx, pre_acc, pre_init)
         # gated RMSNorm per value head: norm(o) * w, then times silu(z), in fp32
-        of = o.float()
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
+        of = head_rms_norm(o.float(), None, self.eps)
         gated = (self.norm * of.to(x.dtype)).float().reshape(t, -1) * rowwise(F.silu, z.float().contiguous())
         return linear(gated.to(x.dtype), self.out_proj)
 
@@ -224,8 +244,8 @@ class GatedAttention(nn.Module):
         y = linear(x, self.qgkv_proj)
         q, gate = y[:, :hq * d].view(t, hq, d), y[:, hq * d:2 * hq * d]
         k, v = y[:, 2 * hq * d:(2 * hq + hkv) * d].view(t, hkv, d), y[:, (2 * hq + hkv) * d:].view(t, hkv, d)
-        qn = F.rms_norm(q.float(), (d,), None, self.eps) * self.q_norm.float()
-        kn = F.rms_norm(k.float(), (d,), None, self.eps) * self.k_norm.float()
+        qn = head_rms_norm(q.float(), self.q_norm.float(), self.eps)
+        kn = head_rms_norm(k.float(), self.k_norm.float(), self.eps)
         qk = torch.cat([qn, kn], dim=1).to(x.dtype)
         ops.rope_and_cache(qk, v, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping)
         out = ops.paged_attention(qk[:, :hq], kv_cache[0], kv_cache[1], meta, self.scale)
@@ -291,7 +311,22 @@ class Qwen3NextDecoderLayer(nn.Module):
         return t
 
 
+def invariant_gemm_misfits(model: nn.Module, tied_head: torch.Tensor | None) -> list[str]:
+    """'name (shape)' of each projection (experts, a tied lm_head [in, out]) the invariant GEMMs do not
+    take: fp32 any; fp16/bf16 contiguous with N % 8 and K % 64 (AMD's skinny GEMM: K % 8). The shared
+    expert gate's one column is padded at the call (MoE._shared_gate_logit)."""
+    k_step = 64 if torch.version.hip is None else 8
+    weights = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2 and not n.endswith(("embed_tokens",
+                                                                                              "conv_weight"))]
+    weights += [] if tied_head is None else [("lm_head (tied)", tied_head)]
+    return [f"{name} {tuple(w.shape)}" for name, w in weights if w.dtype != torch.float32 and (
+        not w.is_contiguous() or w.shape[-2] % k_step or (w.shape[-1] % 8 and not name.endswith("shared_expert_gate")))]
+
+
 class Qwen3NextForCausalLM(nn.Module):
+    # LLM(batch_invariant=True) on CUDA: every op of a step is row-invariant once prepack_for_cuda ran
+    batch_invariant_state_on_cuda: ClassVar[bool] = True
+
     @property
     def supports_cuda_graphs(self) -> bool:
         return moe_graphable(self.layers, self.dtype)
@@ -337,6 +372,22 @@ class Qwen3NextForCausalLM(nn.Module):
             pack_weights(self, ("lm_head",), pack)
             self.packed_lm_head = self.lm_head
         self.owns_cpu_threads = pack is not onednn_prepack
+        return True
+
+    def prepack_for_cuda(self) -> bool:
+        """Under KernelConfig.batch_invariant on CUDA (LLM calls it): the [in, out] projections already
+        run the invariant GEMMs; a tied lm_head gets a contiguous copy. Raises ValueError (at load, not
+        the first step) for widths they do not take. False (unchanged) off CUDA or when done already."""
+        if self.embed_tokens.device.type != "cuda" or self.packed_lm_head is not None:
+            return False
+        head = self.embed_tokens.detach().t() if self.lm_head is None else self.lm_head
+        misfits = invariant_gemm_misfits(self, head if self.lm_head is None else None)
+        if misfits:
+            more = f" and {len(misfits) - 6} more" if len(misfits) > 6 else ""
+            raise ValueError(f"{type(self).__name__}: batch_invariant on CUDA needs every projection on pyengine's "
+                             f"invariant GEMM, which does not take these {self.dtype} [in, out] weights (K must be "
+                             f"a multiple of 64, N of 8): {', '.join(misfits[:6])}{more}")
+        self.packed_lm_head = head.contiguous()
         return True
 
     def state_shapes(self, num_spec_tokens: int) -> list[tuple[tuple[int, ...], tuple[int, ...]] | None]:

@@ -24,7 +24,8 @@ from pyengine.ops.reference.mla import KV_LORA_RANK
 __all__ = ["paged_attention", "paged_attention_mla", "reshape_and_cache_mla", "rms_norm", "fused_add_rms_norm",
            "silu_and_mul", "rope_and_cache", "linear", "grouped_linear", "causal_conv1d_update", "causal_conv1d_fn",
            "selective_state_update", "ssd_chunk_scan", "gated_delta_rule_update", "gated_delta_rule_chunked",
-           "gated_delta_rule_materialise", "copy_state", "normalize_state", "PAD", "cpu_kernels_enabled"]
+           "gated_delta_rule_prefill", "gated_delta_rule_materialise", "copy_state", "normalize_state", "PAD",
+           "cpu_kernels_enabled"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _backends: dict[str, ModuleType | None] = {}
@@ -358,6 +359,31 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """Gated DeltaNet prefill rows in chunked form, the final state to slot idx[n, 0] (see
     reference.gated_delta_rule_chunked)."""
     _check_delta_rule(q, k, v, g, beta, state)
+    return _impl(q.device, "gated_delta_rule_chunked")(q, k, v, g, beta, query_start_loc, state, state_idx,
+                                                       num_accepted, has_initial_state)
+
+
+def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                             query_start_loc: torch.Tensor, state: torch.Tensor, state_idx: torch.Tensor,
+                             num_accepted: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+    """A model's Gated DeltaNet prefill rows (gated_delta_rule_chunked's arguments and result). On
+    CUDA, while KernelConfig.gdn_chunked_prefill and not batch_invariant, the chunk-wise kernel
+    (pyengine/ops/cuda/gdn_prefill.py): faster, equal to the recurrence within fp32 rounding but not
+    bit for bit, and its bits depend on where the prompt was cut into chunks. Under batch_invariant a
+    token must get the same bits prefilled, re-prefilled after preemption, cut anywhere, or decoded,
+    so it keeps gated_delta_rule_chunked (the decode kernel's recurrence on CUDA); so do the CPU and
+    shapes the kernel does not take. The chunk-wise kernel starts from the base state idx[n, 0]
+    alone (no records replayed): every prefill row must have num_accepted 1, which the scheduler
+    guarantees (a prefill row follows admission, preemption or a prefill chunk; StateCache.prepare
+    asserts it)."""
+    _check_delta_rule(q, k, v, g, beta, state)
+    config = get_kernel_config()
+    if q.is_cuda and config.gdn_chunked_prefill and not config.batch_invariant and _load("cuda") is not None:
+        from pyengine.ops.cuda import gdn_prefill
+
+        if gdn_prefill.runs_kernel(q, state):
+            return gdn_prefill.chunked_gated_delta_rule_prefill(q, k, v, g, beta, state, query_start_loc, state_idx,
+                                                                has_initial_state)
     return _impl(q.device, "gated_delta_rule_chunked")(q, k, v, g, beta, query_start_loc, state, state_idx,
                                                        num_accepted, has_initial_state)
 

@@ -23,6 +23,9 @@ class KernelConfig:
     # CUDA graphs: verify steps whose rows carry different draft counts replay the graph of the
     # longest row (False: they run eagerly, as before; benchmarks compare the two)
     graph_ragged_verify: bool = True
+    # CUDA: Gated DeltaNet prefill rows on the chunk-wise kernel (docs/kernels/gdn_prefill.md) outside
+    # batch_invariant; False (and batch_invariant) runs the recurrence token after token, decode's bits
+    gdn_chunked_prefill: bool = True
     # Every op computes a row's result from that row alone, whatever shares the step (docs/
     # architecture.md, "Batch invariance"): CUDA projections of every size run one GEMM family.
     batch_invariant: bool = False
