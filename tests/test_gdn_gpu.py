@@ -3,8 +3,9 @@ reference (pyengine/ops/reference/gdn.py): outputs and committed states (base + 
 materialised) over multi-step acceptance sequences with every acceptance length, PAD rows, grouped
 heads, partial record tiles, fp32 and bf16; verify rows over several steps equal the same tokens
 decoded one by one, bit for bit, and a row's bits do not depend on its neighbours; prefill rows
-(final state only, from base + records) against the chunked form. Qwen3-Next end to end with MTP.
-Skips without CUDA."""
+(final state only, from base + records) against the chunked form; the model's prefill entry takes the
+chunk-wise kernel by default and the recurrence under batch_invariant. Qwen3-Next end to end with MTP
+and with the chunk-wise prefill against the recurrence. Skips without CUDA."""
 from __future__ import annotations
 
 import gc
@@ -152,6 +153,80 @@ def test_prefill_matches_chunked_reference(dtype: torch.dtype) -> None:
     again = cuda_ops.gated_delta_rule_chunked(x["q"], x["k"], x["v"], x["g"], x["beta"], *args, flat, i32(idx),
                                               i32([1, 1, 1, 1]), torch.tensor(init, device="cuda"))
     assert torch.equal(again, got) and torch.equal(flat[[0, 2, 4]], got_state[[0, 2, 4]])
+
+
+@needs_kernels
+def test_default_prefill_runs_the_chunked_kernel() -> None:
+    """ops.gated_delta_rule_prefill (the model's prefill call) on CUDA: by default the chunk-wise
+    kernel, its outputs and final states exactly, within fp32 tolerance of the recurrence but not its
+    bits (130 tokens: three chunks); under batch_invariant or gdn_chunked_prefill=False the recurrence,
+    bit for bit."""
+    from pyengine import ops
+    from pyengine.ops.cuda import gdn_prefill
+    from pyengine.ops.kernel_config import use_kernel_config
+
+    h, hv, dk, dv = 2, 4, 64, 32
+    lengths, init = [70, 1, 130], torch.tensor([True, False, True], device="cuda")
+    idx, acc = i32([[0, 1], [2, 3], [4, 5]]), i32([1, 1, 1])
+    x = inputs(sum(lengths), h, hv, dk, dv, torch.float32, seed=5)
+    base = torch.randn(6, hv, dv, dk, device="cuda") * 0.3
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], qsl(lengths))
+
+    def prefill(fn, **config) -> tuple[torch.Tensor, torch.Tensor]:
+        state = base.clone()
+        with use_kernel_config(**config):
+            return fn(*args, state, idx, acc, init), state
+
+    default, recurrence = prefill(ops.gated_delta_rule_prefill), prefill(ops.gated_delta_rule_chunked)
+    kernel_state = base.clone()
+    kernel = gdn_prefill.chunked_gated_delta_rule_prefill(*args[:5], kernel_state, qsl(lengths), idx, init)
+    assert torch.equal(default[0], kernel) and torch.equal(default[1], kernel_state)
+    for got, want in zip(default, recurrence):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not (torch.equal(default[0], recurrence[0]) and torch.equal(default[1], recurrence[1]))
+    for config in (dict(batch_invariant=True), dict(gdn_chunked_prefill=False)):
+        out, state = prefill(ops.gated_delta_rule_prefill, **config)
+        assert torch.equal(out, recurrence[0]) and torch.equal(state, recurrence[1]), config
+
+
+def test_qwen3_next_chunked_prefill_greedy_equals_recurrence(tmp_path, monkeypatch) -> None:
+    """A tiny fp32 Qwen3-Next, prompts of 65..140 tokens (past a 64-token chunk): by default every
+    prefill runs the chunk-wise kernel, and the first tokens' logits differ from the recurrence's
+    (KernelConfig gdn_chunked_prefill=False) in the last bits only; greedy tokens are the same."""
+    import random
+
+    from pyengine.ops.cuda import gdn_prefill
+    from tests.tiny_models import VOCAB, make_qwen3_next_checkpoint
+
+    path = str(tmp_path / "q3n")
+    make_qwen3_next_checkpoint(path, layer_scale=0.3, linear_key_head_dim=32, linear_value_head_dim=32, head_dim=64)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (65, 80, 97, 110, 128, 140)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    calls = []
+    launch = gdn_prefill.chunked_gated_delta_rule_prefill
+    monkeypatch.setattr(gdn_prefill, "chunked_gated_delta_rule_prefill",
+                        lambda *a, **kw: calls.append(a[0].shape[0]) or launch(*a, **kw))
+
+    def generate(chunked: bool) -> list[tuple[list[int], torch.Tensor]]:
+        llm = LLM(path, device="cuda", dtype="float32", max_model_len=256,
+                  kernel_config={"gdn_chunked_prefill": chunked})
+        llm.engine.cfg.record_logits = True
+        reqs = llm.run_requests([(None, p) for p in prompts], [params] * len(prompts))
+        out = [(list(r.output_token_ids), r.logits[0].cpu()) for r in reqs]
+        del llm
+        gc.collect()
+        return out
+
+    chunked = generate(True)
+    assert sum(calls) >= sum(len(p) for p in prompts)  # every prompt token went through the kernel
+    calls.clear()
+    recurrence = generate(False)
+    assert not calls
+    assert [t for t, _ in chunked] == [t for t, _ in recurrence]
+    for (_, a), (_, b) in zip(chunked, recurrence):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    assert any(not torch.equal(a, b) for (_, a), (_, b) in zip(chunked, recurrence))
 
 
 def test_qwen3_next_mtp_end_to_end(tmp_path) -> None:
