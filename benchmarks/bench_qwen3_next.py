@@ -5,11 +5,17 @@ recurrent state written to its own slot) against a decode step, measured in the 
 eager (the Python launch loop) and replayed from a CUDA graph (what the engine's decode/verify
 steps run: the MoE's grouped path reads nothing on the host).
 
+--e2e: decode tokens/s through the engine (LLM around the random model, CUDA graphs, greedy, random
+token prompts) at each batch size, plain and with ngram speculation (k = 4, adaptive), in the same
+run; with random weights the acceptance is whatever the model's output repeats, reported beside it.
+
     python3 benchmarks/bench_qwen3_next.py --out benchmarks/results/qwen3_next_h100.json
+    python3 benchmarks/bench_qwen3_next.py --e2e --out benchmarks/results/qwen3_next_e2e_h100.json
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -17,6 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_decode import llm_from_model, run_pyengine  # noqa: E402
 from benchmarks.bench_deepseek_v3 import record_step, step_inputs  # noqa: E402
 from benchmarks.gpu_timing import copy_bandwidth_gbps, run_header, time_ms, time_ms_graph, write_result  # noqa: E402
 from pyengine.engine.state_cache import StateCache, StateMetadata  # noqa: E402
@@ -45,13 +52,46 @@ def build() -> Qwen3NextForCausalLM:
     return model.eval()
 
 
+def end_to_end(model: Qwen3NextForCausalLM, batches: list[int], prompt_len: int, new_tokens: int) -> list[dict]:
+    """Engine decode tokens/s, plain and ngram (k = 4, adaptive), per batch size."""
+    cfg = qwen3_next_model_config(QWEN3_NEXT_80B)
+    rows = []
+    for batch in batches:
+        row: dict = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens}
+        for name, spec in (("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4})):
+            llm = llm_from_model(model, cfg, device="cuda", dtype="bfloat16", max_num_seqs=batch,
+                                 max_model_len=prompt_len + new_tokens + 64, gpu_memory_utilization=0.6,
+                                 speculative_config=spec)
+            res = run_pyengine(llm, batch, prompt_len, new_tokens, QWEN3_NEXT_80B["vocab_size"])
+            res["acceptance_rate"] = llm.stats().get("acceptance_rate")
+            row[name] = {k: res[k] for k in ("tokens_per_s", "median_step_ms", "decode_steps", "acceptance_rate")}
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        row["ngram_vs_plain"] = round(row["ngram"]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--ks", default="1,2,3")
+    ap.add_argument("--e2e", action="store_true", help="engine tokens/s, plain vs ngram, instead of step costs")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.e2e:
+        model = build()
+        result = dict(run_header(), model=QWEN3_NEXT_80B,
+                      rows=end_to_end(model, [int(b) for b in args.batches.split(",")], args.prompt_len,
+                                      args.new_tokens))
+        if args.out:
+            write_result(args.out, result)
+        return
     ks = [int(k) for k in args.ks.split(",")]
     copy = copy_bandwidth_gbps()
     model = build()
