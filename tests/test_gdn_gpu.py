@@ -156,11 +156,11 @@ def test_prefill_matches_chunked_reference(dtype: torch.dtype) -> None:
 
 
 @needs_kernels
-def test_default_prefill_runs_the_chunked_kernel() -> None:
-    """ops.gated_delta_rule_prefill (the model's prefill call) on CUDA: by default the chunk-wise
-    kernel, its outputs and final states exactly, within fp32 tolerance of the recurrence but not its
-    bits (130 tokens: three chunks); under batch_invariant or gdn_chunked_prefill=False the recurrence,
-    bit for bit."""
+def test_prefill_switch_runs_the_chunked_kernel() -> None:
+    """ops.gated_delta_rule_prefill (the model's prefill call) on CUDA: with gdn_chunked_prefill the
+    chunk-wise kernel, its outputs and final states exactly, within fp32 tolerance of the recurrence
+    but not its bits (130 tokens: three chunks); by default, under batch_invariant or with the switch
+    off, the recurrence, bit for bit."""
     from pyengine import ops
     from pyengine.ops.cuda import gdn_prefill
     from pyengine.ops.kernel_config import use_kernel_config
@@ -177,22 +177,23 @@ def test_default_prefill_runs_the_chunked_kernel() -> None:
         with use_kernel_config(**config):
             return fn(*args, state, idx, acc, init), state
 
-    default, recurrence = prefill(ops.gated_delta_rule_prefill), prefill(ops.gated_delta_rule_chunked)
+    default, recurrence = (prefill(ops.gated_delta_rule_prefill, gdn_chunked_prefill=True),
+                           prefill(ops.gated_delta_rule_chunked))
     kernel_state = base.clone()
     kernel = gdn_prefill.chunked_gated_delta_rule_prefill(*args[:5], kernel_state, qsl(lengths), idx, init)
     assert torch.equal(default[0], kernel) and torch.equal(default[1], kernel_state)
     for got, want in zip(default, recurrence):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert not (torch.equal(default[0], recurrence[0]) and torch.equal(default[1], recurrence[1]))
-    for config in (dict(batch_invariant=True), dict(gdn_chunked_prefill=False)):
+    for config in (dict(), dict(batch_invariant=True, gdn_chunked_prefill=True), dict(gdn_chunked_prefill=False)):
         out, state = prefill(ops.gated_delta_rule_prefill, **config)
         assert torch.equal(out, recurrence[0]) and torch.equal(state, recurrence[1]), config
 
 
 def test_qwen3_next_chunked_prefill_greedy_equals_recurrence(tmp_path, monkeypatch) -> None:
-    """A tiny fp32 Qwen3-Next, prompts of 65..140 tokens (past a 64-token chunk): by default every
-    prefill runs the chunk-wise kernel, and the first tokens' logits differ from the recurrence's
-    (KernelConfig gdn_chunked_prefill=False) in the last bits only; greedy tokens are the same."""
+    """A tiny fp32 Qwen3-Next, prompts of 65..140 tokens (past a 64-token chunk): with the switch on every
+    prefill runs the chunk-wise kernel under gdn_chunked_prefill, and the first tokens' logits differ
+    from the recurrence's (the default) in the last bits only; greedy tokens are the same."""
     import random
 
     from pyengine.ops.cuda import gdn_prefill

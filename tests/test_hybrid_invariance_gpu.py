@@ -143,7 +143,7 @@ def test_qwen3_next_widths_the_invariant_gemm_does_not_take_are_refused(tmp_path
     refused at load, naming the projections; the same checkpoint loads in fp32 (any width)."""
     make_qwen3_next_checkpoint(str(tmp_path))
     common: dict[str, Any] = dict(device="cuda", batch_invariant=True, max_model_len=64)
-    with pytest.raises(ValueError, match=r"invariant GEMM does not take .*out_proj.*w_down"):
+    with pytest.raises(ValueError, match=r"invariant GEMM, which does not take .*out_proj.*w_down"):
         LLM(str(tmp_path), dtype="bfloat16", **common)
     free(LLM(str(tmp_path), dtype="float32", **common))
 

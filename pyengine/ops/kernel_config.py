@@ -24,8 +24,10 @@ class KernelConfig:
     # longest row (False: they run eagerly, as before; benchmarks compare the two)
     graph_ragged_verify: bool = True
     # CUDA: Gated DeltaNet prefill rows on the chunk-wise kernel (docs/kernels/gdn_prefill.md) outside
-    # batch_invariant; False (and batch_invariant) runs the recurrence token after token, decode's bits
-    gdn_chunked_prefill: bool = True
+    # batch_invariant; False (and batch_invariant) runs the recurrence token after token, decode's bits.
+    # Off by default: on an H100 the chunk-wise kernel (fp32 SIMT) runs at 0.76-0.89x the recurrence
+    # kernel (benchmarks/results/gdn_prefill_h100.json), which stages a row's tokens in shared memory
+    gdn_chunked_prefill: bool = False
     # Every op computes a row's result from that row alone, whatever shares the step (docs/
     # architecture.md, "Batch invariance"): CUDA projections of every size run one GEMM family.
     batch_invariant: bool = False
