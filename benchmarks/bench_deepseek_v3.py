@@ -120,7 +120,7 @@ def time_invariant(step, ms: float, graph_ms: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--moe-layers", type=int, default=2, help="MoE layers after the dense one (3 needs > 80 GB)")
+    ap.add_argument("--moe-layers", type=int, default=2, help="MoE layers after the dense one (3, the issue's shape, needs an H200: ~73 GB of weights)")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--ks", default="1,2,3")
