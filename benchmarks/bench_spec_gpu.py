@@ -9,9 +9,11 @@ replayed), steps launched ahead (async), the measured graph replay times the dra
 weighs (by bucket, q = 1..k+1) and whether every output equals plain decoding's. With
 --per-category N: N prompts of each Spec-Bench category, interleaved, and at batch 1 (one request
 at a time) tokens/s and the ratio to plain by category; --eagle3 DIR adds an EAGLE-3 head.
-benchmarks/plot_spec.py draws a result as a PNG.
+benchmarks/plot_spec.py draws a result as a PNG. --device cpu runs the same comparison on the CPU
+(no graphs there: the graph fields stay 0 and every step counts as eager).
 
     python3 benchmarks/bench_spec_gpu.py --gguf PATH --prompts spec_bench.jsonl --out results.json
+    python benchmarks/bench_spec_gpu.py --device cpu --gguf PATH --prompts spec_bench.jsonl --batches 1 --per-category 2
 """
 from __future__ import annotations
 
@@ -45,14 +47,15 @@ def time_steps(llm: LLM, per_request: dict) -> dict:
     engine, kinds = llm.engine, {}
     step = engine.step
     since_finish = [0.0]
+    graphs = engine.runner.graph_runner  # None on the CPU
 
     def timed() -> list:
         verify0, prefill0 = engine.scheduler.stats()["num_verify_rows"], engine.counters["prefill_tokens"]
-        mixed0 = engine.runner.graph_runner.num_mixed
+        mixed0 = graphs.num_mixed if graphs else 0
         start = time.perf_counter()
         out = step()
         seconds = time.perf_counter() - start
-        graphed = engine.runner.last_graph_key is not None or engine.runner.graph_runner.num_mixed > mixed0
+        graphed = graphs is not None and (engine.runner.last_graph_key is not None or graphs.num_mixed > mixed0)
         kind = "graph" if graphed else "eager"
         kind += "_prefill" if engine.counters["prefill_tokens"] > prefill0 else ""
         kind += "_drafts" if engine.scheduler.stats()["num_verify_rows"] > verify0 else ""
@@ -82,8 +85,11 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=0,
                     help="N prompts of each Spec-Bench category, interleaved (0: the first --num-prompts)")
     ap.add_argument("--eagle3", help="an EAGLE-3 head directory: adds method eagle3_adaptive")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if args.eagle3:
         METHODS["eagle3_adaptive"] = ({"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": 4}, True)
     with open(args.prompts) as f:
@@ -98,7 +104,13 @@ def main() -> None:
         rows_in = rows_in[:args.num_prompts]
     questions = [r["turns"][0] for r in rows_in]
     categories = [r.get("category", "") for r in rows_in]
-    result = dict(run_header(), prompts=len(questions), max_tokens=args.max_tokens, rows=[])
+    if cuda:
+        header = run_header()
+    else:  # the CPU benchmarks' header (bench_load.machine) with the date and command run_header gives
+        from benchmarks.bench_load import loadavg, machine
+        header = dict(machine(), device="cpu", date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      command="python " + " ".join(sys.argv), torch=torch.__version__)
+    result = dict(header, prompts=len(questions), max_tokens=args.max_tokens, rows=[])
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for batch in [int(b) for b in args.batches.split(",")]:
         if args.per_category:
@@ -110,32 +122,35 @@ def main() -> None:
         for name, (spec, ragged) in METHODS.items():
             if name not in args.methods.split(","):
                 continue
-            llm = LLM(args.gguf, device="cuda", dtype="bfloat16", max_num_seqs=batch, max_model_len=2048,
+            llm = LLM(args.gguf, device=args.device, dtype="bfloat16" if cuda else "auto", max_num_seqs=batch,
+                      max_model_len=2048,
                       speculative_config=spec, kernel_config={"graph_ragged_verify": ragged})
             conversations = [[{"role": "user", "content": q}] for q in prompts]
             # warm-up: the graphs the timed run needs, captured (every prefill graph, then decode and
             # verify graphs): the timed prompts with their words reversed (same lengths, nothing a
             # prefix or suffix cache could reuse)
             mirrored = [[{"role": "user", "content": " ".join(q.split()[::-1])}] for q in prompts]
-            llm.engine.runner.graph_runner.capture_prefill_graphs()
-            llm.chat(mirrored, params, use_tqdm=False)
             g = llm.engine.runner.graph_runner
-            replays0, steps0, async0 = g.num_replays, llm.stats()["num_steps"], llm.engine.num_async_steps
+            if g is not None:
+                g.capture_prefill_graphs()
+            llm.chat(mirrored, params, use_tqdm=False)
+            replays0, steps0, async0 = g.num_replays if g else 0, llm.stats()["num_steps"], llm.engine.num_async_steps
             per_request: dict = {}
             kinds = time_steps(llm, per_request)
-            torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
             outs = llm.chat(conversations, params, use_tqdm=False)
-            torch.cuda.synchronize()
+            sync()
             seconds = time.perf_counter() - start
             tokens = [o.outputs[0].token_ids for o in outs]
             reference = tokens if reference is None else reference
             stats = llm.stats()
             row[name] = {"tokens_per_s": round(sum(map(len, tokens)) / seconds, 1),
-                         "graph_steps": g.num_replays - replays0, "steps": stats["num_steps"] - steps0,
+                         "graph_steps": (g.num_replays if g else 0) - replays0, "steps": stats["num_steps"] - steps0,
                          "acceptance_rate": stats.get("acceptance_rate"),
                          "async_steps": llm.engine.num_async_steps - async0,
-                         "replay_ms_by_q": {b: [round(1e3 * t, 3) for t in v] for b, v in g.replay_seconds.items()},
+                         "replay_ms_by_q": {b: [round(1e3 * t, 3) for t in v]
+                                            for b, v in (g.replay_seconds.items() if g else ())},
                          "step_kinds": {k: {"steps": v["steps"], "ms": round(1e3 * v["seconds"], 1)}
                                         for k, v in sorted(kinds.items())},
                          "identical_to_plain": tokens == reference}
@@ -146,7 +161,8 @@ def main() -> None:
                     cat_tokens[cat] = (t + len(o.outputs[0].token_ids), sec + per_request.get(o.request_id, 0.0))
                 row[name]["tokens_per_s_by_category"] = {c: round(t / sec, 1) for c, (t, sec) in cat_tokens.items()}
             del llm
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
         plain = row["plain"]["tokens_per_s"]
         for name in row.keys() & METHODS.keys():
             row[name]["vs_plain"] = round(row[name]["tokens_per_s"] / plain, 3)
@@ -155,6 +171,8 @@ def main() -> None:
                 row[name]["vs_plain_by_category"] = {c: round(v / plain_cat[c], 3) for c, v in by_cat.items()}
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
+    if not cuda:
+        result["loadavg_at_end"] = loadavg()
     if args.out:
         write_result(args.out, result)
 
