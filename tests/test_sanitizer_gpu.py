@@ -1,4 +1,4 @@
-"""The attention kernels and the invariant GEMM under compute-sanitizer (memcheck: out-of-bounds / misaligned accesses;
+"""The attention kernels and the invariant GEMMs under compute-sanitizer (memcheck: out-of-bounds / misaligned accesses;
 synccheck: barrier misuse, e.g. a warp-aligned barrier reached by diverged lanes). Each check runs a
 mixed batch (decode, verify, prefill, empty and long rows; unused cache pages NaN) in a child process
 under the tool and requires its "ERROR SUMMARY: 0 errors". Skipped without a GPU or the tool.
@@ -48,6 +48,47 @@ for m, k, n in [(1, 576, 960), (17, 576, 968), (300, 4096, 1032), (5, 1536, 576)
     w = torch.randn(k, n, device="cuda", generator=g).bfloat16()
     for split in (1, 2, 8):
         cuda_ops.invariant_gemm(x, w, torch.ones(n, device="cuda").bfloat16(), split=split)
+torch.cuda.synchronize()
+""",
+    # The fp32 invariant GEMM (row and column tails, any width, every split) and the grouped
+    # bf16 one: expert-sorted rows with empty and one-row groups, and heads as groups of a strided view.
+    "f32gemm": """
+import torch
+from pyengine.ops.cuda.gemm import invariant_gemm_f32
+g = torch.Generator(device="cuda").manual_seed(0)
+for m, k, n in [(1, 576, 960), (17, 100, 37), (300, 4096, 1032), (5, 1536, 576)]:
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(k, n, device="cuda", generator=g)
+    for split in ((0, 1, 2) if k < 512 else (0, 1, 2, 8)):  # 0: the shape's default split
+        invariant_gemm_f32(x, w, torch.ones(n, device="cuda"), split=split)
+torch.cuda.synchronize()
+""",
+    "grouped": """
+import torch
+from pyengine.ops import cuda as cuda_ops
+g = torch.Generator(device="cuda").manual_seed(0)
+counts = torch.tensor([0, 1, 37, 0, 5, 130, 1, 0], dtype=torch.int32)
+x = torch.randn(int(counts.sum()), 512, device="cuda", generator=g).bfloat16()
+w = torch.randn(len(counts), 512, 264, device="cuda", generator=g).bfloat16()
+offs = counts.cumsum(0).to(torch.int32).cuda()
+for split in (1, 2, 4):
+    cuda_ops.grouped_gemm(x, w, offs, split=split)
+heads = torch.randn(9, 16, 192, device="cuda", generator=g).bfloat16()[:, :, :128]  # strided [T, H, K]
+cuda_ops.grouped_gemm(heads, torch.randn(16, 128, 512, device="cuda", generator=g).bfloat16())
+torch.cuda.synchronize()
+""",
+    # The chunk-wise Gated DeltaNet prefill: rows across chunk boundaries, an empty row, a PAD row.
+    "gdnchunk": """
+import torch
+from test_gdn_gpu import inputs, i32, qsl
+from pyengine.ops.cuda import gdn_prefill
+for h, hv, dk, dv in [(2, 4, 64, 32), (16, 32, 128, 128)]:
+    lengths = [70, 0, 130, 5]
+    x = inputs(sum(lengths), h, hv, dk, dv, torch.bfloat16)
+    state = torch.randn(8, hv, dv, dk, device="cuda")
+    gdn_prefill.chunked_gated_delta_rule_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], state, qsl(lengths),
+                                                 i32([[0, 1], [2, 3], [-1, -1], [6, 7]]),
+                                                 torch.tensor([True, False, False, True], device="cuda"))
 torch.cuda.synchronize()
 """,
     "gqa": f"""
@@ -119,11 +160,12 @@ def run_under(tool: str, program: str, variant: str) -> str:
     return out
 
 
-@pytest.mark.parametrize("kernel", ["mla", "gqa", "gqa_fma", "gemm", "gdn", "deepseek", "hybrid"])
+@pytest.mark.parametrize("kernel", ["mla", "gqa", "gqa_fma", "gemm", "f32gemm", "grouped", "gdn", "gdnchunk",
+                                    "deepseek", "hybrid"])
 def test_memcheck_clean(kernel):
     """gqa: the tensor-core kernel NVIDIA runs; gqa_fma: the FMA kernel (AMD's), forced; gemm: the
-    batch-invariant GEMM (row and column tails, every split); gdn: the Gated DeltaNet update and
-    prefill; deepseek: a DeepSeek-V3 model's
+    batch-invariant GEMM (row and column tails, every split); f32gemm and grouped: its fp32 and
+    grouped forms; gdn: the Gated DeltaNet update and prefill; gdnchunk: the chunk-wise prefill; deepseek: a DeepSeek-V3 model's
     kernels under MTP speculation; hybrid: a Bamba model's kernels and state checkpoint copies
     under prefix caching and ngram speculation."""
     family, _, variant = kernel.partition("_")
