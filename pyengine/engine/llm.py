@@ -176,12 +176,13 @@ class LLM:
             state = StatePoolPlan(0, 0, 0, 0)
             if hasattr(self.model, "state_shapes"):
                 if self.kernel_config.batch_invariant and self.device.type == "cuda":
-                    if not getattr(self.model, "batch_invariant_state_on_cuda", False):
+                    # a recurrent-state model is invariant on CUDA once prepack_for_cuda puts its projections
+                    # onto the invariant GEMM ([in, out] copies of HF [out, in] weights for the Mamba2 family, a
+                    # tied lm_head's copy for Qwen3-Next, or a refusal of widths it does not take)
+                    if not hasattr(self.model, "prepack_for_cuda"):
                         raise ValueError(f"{self.model_config.architecture}: batch_invariant is not available for "
                                          "this recurrent-state model on CUDA yet (its projections or state ops run "
                                          "torch's batched kernels)")
-                    # projections onto the invariant GEMM: [in, out] copies of HF [out, in] weights (Mamba2
-                    # family), a tied lm_head's copy (Qwen3-Next), or a refusal of widths it does not take
                     self.model.prepack_for_cuda()
                 if spec is not None and spec.method == "draft_model":
                     raise ValueError(f"{self.model_config.architecture}: draft-model speculation is not supported for "

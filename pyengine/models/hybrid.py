@@ -43,9 +43,6 @@ class HybridForCausalLM(nn.Module):
     # HF names of the trunk's embedding and final norm
     hf_embed_name: ClassVar[str]
     hf_norm_name: ClassVar[str]
-    # LLM(batch_invariant=True) on CUDA: every op of a step is row-invariant once prepack_for_cuda ran
-    batch_invariant_state_on_cuda: ClassVar[bool] = True
-
     def __init__(self, config: Mamba2ModelConfig, dtype: torch.dtype, layers: Iterable[nn.Module]) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -324,9 +324,6 @@ def invariant_gemm_misfits(model: nn.Module, tied_head: torch.Tensor | None) -> 
 
 
 class Qwen3NextForCausalLM(nn.Module):
-    # LLM(batch_invariant=True) on CUDA: every op of a step is row-invariant once prepack_for_cuda ran
-    batch_invariant_state_on_cuda: ClassVar[bool] = True
-
     @property
     def supports_cuda_graphs(self) -> bool:
         return moe_graphable(self.layers, self.dtype)

@@ -369,8 +369,8 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """A model's Gated DeltaNet prefill rows (gated_delta_rule_chunked's arguments and result). On
     CUDA, while KernelConfig.gdn_chunked_prefill (off by default: slower than the recurrence kernel
     today) and not batch_invariant, the chunk-wise kernel (pyengine/ops/cuda/gdn_prefill.py): equal
-    to the recurrence within fp32 rounding but not bit for bit, and its bits depend on where the prompt was cut into chunks. Under batch_invariant a
-    token must get the same bits prefilled, re-prefilled after preemption, cut anywhere, or decoded,
+    to the recurrence within fp32 rounding but not bit for bit, and its bits depend on where the
+    prompt was cut into chunks. Under batch_invariant a token must get the same bits prefilled, re-prefilled after preemption, cut anywhere, or decoded,
     so it keeps gated_delta_rule_chunked (the decode kernel's recurrence on CUDA); so do the CPU and
     shapes the kernel does not take. The chunk-wise kernel starts from the base state idx[n, 0]
     alone (no records replayed): every prefill row must have num_accepted 1, which the scheduler
