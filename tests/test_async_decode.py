@@ -165,3 +165,49 @@ def test_no_launch_ahead_for_proposers_that_read_hidden_states(tiny: str) -> Non
     llm.engine.runner.keep_hidden = True
     outputs(llm, make_prompts(2), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert llm.engine.num_async_steps == 0
+
+
+def test_launch_ahead_while_the_proposer_finds_nothing(tiny: str) -> None:
+    """Rows whose proposer finds nothing for a while (ngram on text that repeats nothing) keep being
+    asked for drafts; those plans launch the next step ahead anyway (DraftLengthPolicy.
+    expects_no_drafts), and when the proposer does find drafts the launched step is discarded.
+    Tokens equal plain decoding's, with many more steps launched ahead than under the old rule
+    (launch only on a plan without drafts)."""
+    import numpy as np
+
+    from pyengine.spec_decode.draft_length import DraftLengthPolicy
+    from tests.scripted_proposer import ScriptedProposer
+
+    prompts = make_prompts(3, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = outputs(LLM(model=tiny, device="cpu", max_num_seqs=3), prompts, params)
+    answers = {tuple(p): o[0] for p, o in zip(prompts, plain)}
+
+    def script(seq_id: int, tokens: list[int]) -> list[int]:
+        # the right continuation at every 15th position, nothing elsewhere
+        for prompt, answer in answers.items():
+            n = len(tokens) - len(prompt)
+            if tuple(tokens[:len(prompt)]) == prompt and 0 <= n < len(answer) and n % 15 == 14:
+                return list(answer[n:n + 2])
+        return []
+
+    def run(old_rule: bool) -> tuple[list, int, int]:
+        spec = {"method": "ngram", "num_speculative_tokens": 2, "step_cost": (1.0, 0.01)}
+        llm = spec_llm(tiny, spec, 3, max_num_seqs=3)
+        eng = llm.engine
+        eng.proposer = ScriptedProposer(script)
+        policy = DraftLengthPolicy(2, step_cost=(1.0, 0.01), probe_every=4,
+                                   graph_costs=lambda rows: np.array([1.0, 1.05, 1.1]))
+        policy.launch_overhead = 0.5
+        if old_rule:
+            policy.expects_no_drafts = lambda: not policy._planned_any
+        eng.draft_length = policy
+        got = outputs(llm, prompts, params)
+        return got, eng.num_async_steps, eng.stats()["num_accepted_tokens"]
+
+    got, launched, accepted = run(old_rule=False)
+    assert got == plain
+    assert accepted > 0, "the scripted drafts were found and accepted"
+    old, launched_old, _ = run(old_rule=True)
+    assert old == plain
+    assert launched > launched_old + 10, (launched, launched_old)

@@ -117,7 +117,7 @@ def test_quiet_spells_plan_what_a_full_plan_would(graphs: bool, accept: float) -
         return DraftLengthPolicy(K, step_cost=(1.0, 0.3), probe_every=10)
 
     full = make()
-    full._still_quiet = lambda *a: False
+    full._still_quiet = lambda *a: None
     fast = make()
     calls = []
     orig = fast._still_quiet
@@ -125,4 +125,64 @@ def test_quiet_spells_plan_what_a_full_plan_would(graphs: bool, accept: float) -
     a = simulate(K, rows=6, accept=accept, cost=(1.0, 0.01) if graphs else (1.0, 0.3), policy=full, steps=300)
     b = simulate(K, rows=6, accept=accept, cost=(1.0, 0.01) if graphs else (1.0, 0.3), policy=fast, steps=300)
     assert np.array_equal(a, b)
-    assert sum(calls) > 50, "the shortcut should serve most steps of a batch that does not speculate"
+    assert sum(c is not None for c in calls) > 50, "the shortcut should serve most steps of a batch that does not speculate"
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_plans_the_proposer_cannot_fill_repeat_without_planning_afresh(graphs: bool) -> None:
+    """A proposer that never finds drafts (ngram on text that repeats nothing): the rows keep being
+    asked (their first match is drafted at once), and the plan is repeated without planning
+    afresh: the lengths a full plan gives, step for step, from far fewer full plans. (On graph
+    steps a full plan weighs the rows' falling chance of finding drafts, so it may stop asking a
+    step or two earlier; an unfilled draft costs nothing either way.)"""
+    def make() -> DraftLengthPolicy:
+        if graphs:
+            return policy([1.0, 1.5, 1.6, 1.7, 1.8], probe_every=10)
+        return DraftLengthPolicy(K, step_cost=(1.0, 0.3), probe_every=10)
+
+    full = make()
+    full._still_quiet = lambda *a: None
+    fast = make()
+    calls = []
+    orig = fast._still_quiet
+    fast._still_quiet = lambda *a: calls.append(orig(*a)) or calls[-1]
+    cost = (1.0, 0.01) if graphs else (1.0, 0.3)
+    a = simulate(K, rows=6, accept=0.5, cost=cost, policy=full, steps=300, found=0.0)
+    b = simulate(K, rows=6, accept=0.5, cost=cost, policy=fast, steps=300, found=0.0)
+    differ = (a != b).any(axis=1)
+    assert differ.sum() <= (3 if graphs else 0), np.nonzero(differ)[0]
+    asked = b[DraftLengthPolicy.WARMUP_STEPS:] > 0
+    assert asked.mean() > 0.9, "rows whose proposer finds nothing keep being asked"
+    repeats = [c for c in calls if c is not None and c.any()]
+    assert len(repeats) > 200, f"the plan should be repeated, not made afresh ({len(repeats)} of 300)"
+
+
+def test_expects_no_drafts_where_the_proposer_seldom_finds_any() -> None:
+    """The engine launches the next step ahead on a plan that will most likely give no row drafts:
+    none planned, or rows whose proposer has found nothing for a while, weighed by what a launch
+    risks (a discarded decode replay) against what it saves (the host's work). New rows (no
+    history: they may well find drafts), rows that find drafts, or a step whose replay dwarfs the
+    host's work say otherwise."""
+    def run(replay: float, found: bool) -> list[tuple[bool, bool]]:
+        p = policy([replay, 1.5, 1.6, 1.7, 1.8], probe_every=5)
+        p.launch_overhead = 0.5
+        slots, ids = np.arange(4), np.arange(4) + 100
+        seen = []
+        for _ in range(60):
+            lengths = p.draft_lengths(slots, ids)
+            seen.append((bool(lengths.any()), p.expects_no_drafts()))
+            drafts = lengths if found else np.zeros(4, dtype=np.int64)
+            p.observe_rows(slots, drafts, drafts + 1)
+        return seen
+
+    seen = run(1.0, found=False)
+    assert seen[0] == (True, False), "the warm-up's probes of new rows may find drafts"
+    assert seen[-1] == (True, True), "rows whose proposer finds nothing: launch ahead"
+    assert all(no for drafts, no in seen if not drafts)
+    assert run(1000.0, found=False)[-1] == (True, False), "a replay that dwarfs the host's work is not risked"
+    found = run(1.0, found=True)
+    assert found[-1] == (True, False), "rows that find (and have accepted) drafts: no launch ahead"
+    no_graphs = DraftLengthPolicy(K, step_cost=(1.0, 0.01))
+    assert no_graphs.expects_no_drafts()
+    no_graphs.draft_lengths(np.arange(2), np.arange(2))
+    assert not no_graphs.expects_no_drafts(), "without graphs only a plan without drafts counts"

@@ -19,7 +19,7 @@ K/V only at the next position of its rows, in blocks those rows hold alone and t
 launch ahead.
 
 Under speculation a step launches ahead only with the draft-length policy, when it plans no drafts
-for the next step (_plan_next): the plan for step N + 1 is made while step N's tokens are on
+for the next step, or only probes that rarely find any (_plan_next): the plan for step N + 1 is made while step N's tokens are on
 their way, from the policy state the next step would see (a step without drafts teaches the
 policy only that its rows found none, shown to it first), and the next step proposes with that
 plan. Proposers that read the target's hidden states (MTP, EAGLE-3) never launch ahead: a
@@ -333,8 +333,9 @@ class LLMEngine:
 
     def _plan_next(self, batch) -> bool:
         """Speculation: plan the next step's drafts now, for this step's rows (all decode rows
-        without drafts, all continuing); True when it plans none, so the next step may be
-        launched ahead. This step is shown to the policy first (as the end of the step would);
+        without drafts, all continuing); True when it most likely gives no row drafts (none
+        planned, or only probes that rarely find any: DraftLengthPolicy.expects_no_drafts), so the
+        next step may be launched ahead; a probe that does find drafts discards it. This step is shown to the policy first (as the end of the step would);
         the next _propose uses the plan if its rows are these."""
         rows = batch.num_rows
         slots, seq_ids = np.array(batch.request_slots[:rows]), np.array(batch.seq_ids[:rows])
@@ -346,7 +347,7 @@ class LLMEngine:
         last = self._can_finish_last(view) if np.array_equal(view.seq_ids, seq_ids) else None
         lengths = self.draft_length.draft_lengths(slots, seq_ids, last)
         self._next_plan = (seq_ids, lengths)
-        return not lengths.any()
+        return self.draft_length.expects_no_drafts()
 
     def _record_logits(self, batch, logits: torch.Tensor, num_committed: np.ndarray) -> None:
         """Each committed token's logits (fp32, CPU) onto its request: a row's logits are its

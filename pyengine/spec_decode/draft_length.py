@@ -7,7 +7,11 @@ from typing import Any
 import numpy as np
 
 from pyengine.spec_decode.step_cost import (DEFAULT_STEP_COST, GraphCosts, StepCost, check_step_cost,
-                                            runner_graph_costs, runner_step_cost)
+                                            device_rates, runner_graph_costs, runner_step_cost)
+
+# (slots, seq ids, can_finish_last, the step from which a new probe may be due, lengths): a plan to repeat
+Plan = tuple[np.ndarray, np.ndarray, "np.ndarray | None", float, np.ndarray]
+
 
 class DraftLengthPolicy:
     """How many drafts each request proposes this step: the lengths with the best expected goodput.
@@ -37,7 +41,9 @@ class DraftLengthPolicy:
     next position has gone unverified for `probe_every` steps (longer in large batches: about k
     probe drafts per `probe_every` steps over the batch) gets a probe there, and an accepted probe
     wipes the row's evidence from that position on (its acceptance has changed). A probe the
-    proposer cannot fill costs nothing and is repeated next step.
+    proposer cannot fill costs nothing and is repeated next step. A plan whose drafts the proposer
+    found none of (or that has none) is repeated as it is, without planning afresh, until the rows
+    change, a draft is found or another row's probe falls due (_still_quiet).
 
     Rows that cannot finish last get no drafts: with no request waiting for admission the batch
     only shrinks, so a token that a row commits early does not shorten the run unless that row is
@@ -83,9 +89,13 @@ class DraftLengthPolicy:
         self.probes = np.zeros(0, dtype=np.int64)  # this step's probes: first probed position, -1: none
         self.fit_sums = [0.0] * 5  # opt-in calibration (observe_step): decayed sums of 1, n, t, n*n, n*t
         self.steps = 0
-        # (slots, seq ids, can_finish_last, first step a probe is due) of a plan without drafts (_still_quiet)
-        self._quiet: tuple[np.ndarray, np.ndarray, np.ndarray | None, float] | None = None
+        # a plan to repeat (_still_quiet): one without drafts, or one whose drafts the proposer found none of
+        self._quiet: Plan | None = None
+        self._unfilled: Plan | None = None  # the last plan, with drafts, until its step is observed
         self._planned_any = False  # the last plan gave some row drafts
+        self._plan_rows = np.zeros(0, dtype=np.int64)  # the slots the last plan was for
+        # seconds of host work a step launched ahead hides (expects_no_drafts); for_runner sets it
+        self.launch_overhead = 0.0
 
     @classmethod
     def for_runner(cls, k: int, runner: Any, step_cost: StepCost | None = None, **kw: Any) -> "DraftLengthPolicy":
@@ -93,8 +103,11 @@ class DraftLengthPolicy:
         else the cost model's for its model and device (runner_step_cost); a runner that replays
         CUDA graphs also gives the graphs' measured costs (runner_graph_costs), unless step_cost was given."""
         graph_costs = runner_graph_costs(runner, k) if step_cost is None else None
-        return cls(k, step_cost=step_cost if step_cost is not None else runner_step_cost(runner),
-                   graph_costs=graph_costs, **kw)
+        policy = cls(k, step_cost=step_cost if step_cost is not None else runner_step_cost(runner),
+                     graph_costs=graph_costs, **kw)
+        if graph_costs is not None:
+            policy.launch_overhead = device_rates(runner.device).overhead
+        return policy
 
     # ---- the plan ------------------------------------------------------------------------------
     def draft_lengths(self, slots: np.ndarray, seq_ids: np.ndarray,
@@ -104,14 +117,17 @@ class DraftLengthPolicy:
         True); a False row gets none (see the class docstring)."""
         rows = np.asarray(slots, dtype=np.int64)
         num_rows = len(rows)
-        if self._still_quiet(rows, seq_ids, can_finish_last):  # planned stays all zero
+        self._unfilled = None
+        repeat = self._still_quiet(rows, seq_ids, can_finish_last)
+        if repeat is not None:  # planned and probes stay as the plan left them
             self.steps += 1
             self.idle[rows] += 1
-            return np.zeros(num_rows, dtype=np.int32)
+            return repeat
         self._claim(rows, np.asarray(seq_ids, dtype=np.int64))
         self.planned[:] = 0
         self.probes[:] = -1
         self._planned_any = False
+        self._plan_rows = rows
         if not num_rows:
             return np.zeros(0, dtype=np.int32)
         self.steps += 1
@@ -138,32 +154,58 @@ class DraftLengthPolicy:
             idle = self.idle[rows[can_grow], lengths[can_grow]]
             stale = can_grow[idle >= interval]
             if table is not None and (len(stale) or lengths.any()):  # probes share the step that pays
-                stale = can_grow[idle >= interval / 2]
+                interval /= 2
+                stale = can_grow[idle >= interval]
             self.probes[rows[stale]] = lengths[stale]
             lengths[stale] = np.minimum(lengths[stale] + probe, self.k)
-            if not lengths.any():  # quiet until the first eligible row's next position goes stale
-                first_probe = self.steps + interval - int(self.idle[rows[eligible], 0].max(initial=0))
-                last = None if can_finish_last is None else np.array(can_finish_last, dtype=bool)
-                self._quiet = (rows.copy(), np.array(seq_ids, dtype=np.int64), last, first_probe)
+            # Repeat this plan until another row's next position goes stale: at once if it drafts
+            # nothing, else once the proposer has found none of its drafts (observe_rows).
+            waiting = np.setdiff1d(can_grow, stale, assume_unique=True)
+            idle_max = int(self.idle[rows[waiting], lengths[waiting]].max(initial=0))
+            last = None if can_finish_last is None else np.array(can_finish_last, dtype=bool)
+            plan = (rows.copy(), np.array(seq_ids, dtype=np.int64), last, self.steps + interval - idle_max,
+                    lengths.astype(np.int32))
+            if lengths.any():
+                self._unfilled = plan
+            else:
+                self._quiet = plan
         self.planned[rows] = lengths
         self._planned_any = bool(lengths.any())
         return lengths.astype(np.int32)
 
-    def _still_quiet(self, rows: np.ndarray, seq_ids: np.ndarray, can_finish_last: np.ndarray | None) -> bool:
-        """The last full plan drafted nothing for these same rows with the same rows able to finish
-        last, and no probe is due yet: this plan is the same (a step without drafts changes no estimate, only
-        the idle counts, which the probe deadline accounts for). Saves the plan's cost on the
-        host in the long runs where speculation does not pay."""
+    def expects_no_drafts(self) -> bool:
+        """The last plan will most likely give no row drafts, so that the engine may launch the
+        next step ahead (graph-replayed steps only): it asks for none, or its rows' proposers have
+        found drafts so rarely of late that a launched step is worth its risk. A row that finds
+        drafts discards the launched forward (its cost, F: the replay of a decode step); one that
+        does not hides the host's work (H, launch_overhead) behind it: launch while the chance P
+        that some row finds drafts keeps (1 - P) H > P F."""
+        if not self._planned_any:
+            return True
+        table = self.graph_costs(len(self._plan_rows)) if self.graph_costs is not None else None
+        if table is None or self.launch_overhead <= 0.0:
+            return False
+        rows = self._plan_rows[self.planned[self._plan_rows] > 0]
+        p_found = 1.0 - float(np.prod(1.0 - self.found[rows] / self.asked[rows]))
+        return p_found * (self.launch_overhead + float(table[0])) < self.launch_overhead
+
+    def _still_quiet(self, rows: np.ndarray, seq_ids: np.ndarray, can_finish_last: np.ndarray | None) -> np.ndarray | None:
+        """The lengths of the last full plan again, if it is to be repeated: it was for these same
+        rows, with the same rows able to finish last, no new probe is due yet, and it drafted
+        nothing, or the proposer found none of its drafts. Such a step changes no estimate but the
+        idle counts (which the probe deadline accounts for) and the rows' chance of finding
+        drafts, so the same plan, near enough, follows; repeating it saves the plan's cost on the
+        host in the long runs where speculation does not pay or finds nothing. None: plan afresh."""
         quiet, self._quiet = self._quiet, None
         if quiet is None or self.steps + 1 >= quiet[3]:
-            return False
+            return None
         if (can_finish_last is None) != (quiet[2] is None) or (
                 quiet[2] is not None and not np.array_equal(can_finish_last, quiet[2])):
-            return False
+            return None
         if not (np.array_equal(rows, quiet[0]) and np.array_equal(seq_ids, quiet[1])):
-            return False
+            return None
         self._quiet = quiet
-        return True
+        return quiet[4]
 
     def _padded_lengths(self, rows: np.ndarray, eligible: np.ndarray, cost: np.ndarray, closed: bool) -> np.ndarray:
         """Graph steps: every eligible row drafts the d with the best expected tokens per second
@@ -224,7 +266,7 @@ class DraftLengthPolicy:
         replaces step_cost; lengths are then a function of the samples given, in order."""
         for i, v in enumerate((1.0, num_tokens, seconds, num_tokens * num_tokens, num_tokens * seconds)):
             self.fit_sums[i] = self.decay * self.fit_sums[i] + v
-        self._quiet = None  # the cost line moved
+        self._quiet = self._unfilled = None  # the cost line moved
 
     def observe_rows(self, slots: np.ndarray, num_drafts: np.ndarray, num_committed: np.ndarray) -> None:
         """The decode rows of a step (request slots): drafts verified and tokens committed per row
@@ -237,8 +279,13 @@ class DraftLengthPolicy:
             return
         rows = slots[asked]
         drafts = np.asarray(num_drafts)[asked]
-        accepted = np.asarray(num_committed)[asked] - 1
         self.asked[rows] = self.decay * self.asked[rows] + 1.0
+        if not drafts.any():  # nothing was found: no evidence but that
+            self.found[rows] *= self.decay
+            self._quiet, self._unfilled = self._unfilled or self._quiet, None
+            return
+        self._quiet = self._unfilled = None
+        accepted = np.asarray(num_committed)[asked] - 1
         self.found[rows] = self.decay * self.found[rows] + (drafts > 0)
         cols = np.arange(self.k)
         verified = cols[None, :] < drafts[:, None]  # [rows, k]: position j verified
