@@ -12,6 +12,7 @@ import torch
 
 try:
     from pyengine.ops import cuda as cuda_ops
+    from pyengine.ops.cuda.launch import aligned_rows, kernels, num_sms, params, row_stride, stream
 except ImportError:  # no GPU kernels in this build
     cuda_ops = None
 
@@ -20,6 +21,24 @@ pytestmark = [pytest.mark.gpu,
 
 # (K, N): W_UK-like (split 1), W_UV-like, expert down / gate_up shapes (splits 2..8 on an H100)
 SHAPES = [(128, 512), (512, 64), (256, 384), (2048, 128), (1024, 1024)]
+
+
+def invariant_gemm(x: torch.Tensor, w: torch.Tensor, split: int = 0) -> torch.Tensor:
+    """The dense invariant GEMM of the mma.sync family (InvariantGemmParams.family = 1): the
+    grouped GEMM's tile kernel over one matrix."""
+    x = aligned_rows(x)
+    y = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+    p = params(kernels.InvariantGemmParams, x=x.data_ptr(), w=w.data_ptr(), y=y.data_ptr(), m=x.shape[0], n=w.shape[1],
+               k=x.shape[1], x_stride=row_stride(x), y_stride=row_stride(y), dtype=1 if x.dtype == torch.bfloat16 else 0,
+               num_sms=num_sms(x.device), split=split, family=1)
+    with torch.cuda.device(x.device):
+        kernels.invariant_gemm(p, stream(x.device))
+    return y
+
+
+def grouped_alone(row: torch.Tensor, w_group: torch.Tensor, split: int = 0) -> torch.Tensor:
+    """The grouped GEMM of one row in a launch of its own (one group, one row)."""
+    return cuda_ops.grouped_gemm(row, w_group[None], torch.ones(1, dtype=torch.int32, device=row.device), split=split)
 
 
 def generator(seed: int) -> torch.Generator:
@@ -53,15 +72,16 @@ def group_slices(counts: list[int]) -> list[tuple[int, int, int]]:
 
 def assert_rows_are_invariant_gemms(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, counts: list[int],
                                     split: int = 0) -> None:
-    """Each group's rows == invariant_gemm of those rows with the group's weight (itself
-    M-invariant: tests/test_invariant_gemm_gpu.py), and a few rows == invariant_gemm of the row alone."""
+    """Each group's rows == the mma.sync invariant_gemm of those rows with the group's weight (itself
+    M-invariant: tests/test_invariant_gemm_gpu.py), and a few rows == it and the grouped GEMM on the row alone."""
     for g, begin, end in group_slices(counts):
         if end == begin:
             continue
-        want = cuda_ops.invariant_gemm(x[begin:end], w[g], split=split)
+        want = invariant_gemm(x[begin:end], w[g], split=split)
         assert torch.equal(y[begin:end], want), f"group {g} ({end - begin} rows)"
         for r in {begin, end - 1}:
-            assert torch.equal(y[r:r + 1], cuda_ops.invariant_gemm(x[r:r + 1], w[g], split=split)), f"row {r} alone"
+            assert torch.equal(y[r:r + 1], invariant_gemm(x[r:r + 1], w[g], split=split)), f"row {r} alone"
+            assert torch.equal(y[r:r + 1], grouped_alone(x[r:r + 1], w[g], split=split)), f"row {r} grouped alone"
 
 
 def close_to_reference(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> None:
@@ -134,14 +154,14 @@ def test_equal_groups_from_a_strided_view() -> None:
         y = cuda_ops.grouped_gemm(x, w)
         assert y.shape == (t, heads, n)
         for h in range(heads):
-            assert torch.equal(y[:, h], cuda_ops.invariant_gemm(x[:, h], w[h])), f"T={t} head {h}"
+            assert torch.equal(y[:, h], invariant_gemm(x[:, h], w[h])), f"T={t} head {h}"
         assert torch.equal(cuda_ops.grouped_gemm(x[-1:], w), y[-1:])
 
 
 def test_empty_and_degenerate_launches() -> None:
     x, w, offs = operands(256, 128, [0, 0, 0, 3, 0])
     y = cuda_ops.grouped_gemm(x, w, offs)
-    assert torch.equal(y, cuda_ops.invariant_gemm(x, w[3]))
+    assert torch.equal(y, invariant_gemm(x, w[3]))
     none = cuda_ops.grouped_gemm(x[:0], w, torch.zeros(5, dtype=torch.int32, device="cuda"))
     assert none.shape == (0, 128)
     partial = cuda_ops.grouped_gemm(x, w, torch.tensor([0, 0, 0, 2, 2], dtype=torch.int32, device="cuda"))

@@ -1,8 +1,10 @@
-"""The batch-invariant GEMMs (hipkernels/gemm/invariant_gemm.hip, fp16/bf16; invariant_gemm_f32.hip,
-fp32) on the GPU: every row's bits are the same for any number of rows and any order of rows (M
-1..300 cross the row tiles and the fp32 kernel's workspace / one-block paths), at every shape of
-SmolLM2 and Llama-8B; values agree with a wider reference; the linear dispatch runs them for every
-M under KernelConfig.batch_invariant. Skips without CUDA and the kernels."""
+"""The batch-invariant GEMMs (hipkernels/gemm/invariant_gemm.hip, fp16/bf16: the wgmma family
+invariant_gemm_wgmma.hip that invariant_gemm runs on sm_90a builds, and the mma.sync family that the
+grouped GEMM runs, reached with family=1; invariant_gemm_f32.hip, fp32) on the GPU: every row's bits
+are the same for any number of rows and any order of rows (M 1..300 and 4096 cross the row tiles,
+the cluster / one-block combines and the fp32 kernel's workspace / one-block paths), at every shape
+of SmolLM2 and Llama-8B; values agree with a wider reference; the linear dispatch runs them for
+every M under KernelConfig.batch_invariant. Skips without CUDA and the kernels."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 try:
     from pyengine.ops import cuda as cuda_ops
     from pyengine.ops.cuda.gemm import invariant_gemm_f32
+    from pyengine.ops.cuda.launch import aligned_rows, kernels, num_sms, params, row_stride, stream
 except ImportError:  # no GPU kernels in this build
     cuda_ops = None
 
@@ -21,6 +24,23 @@ pytestmark = [pytest.mark.gpu,
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152), (4096, 6144), (4096, 4096),
           (4096, 28672), (14336, 4096)]
 ROW_COUNTS = [1, 2, 7, 16, 17, 63, 64, 65, 200, 257, 300]
+FAMILIES = {"default": 0, "mma_sync": 1}  # InvariantGemmParams.family: 0 wgmma where built, 1 mma.sync
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, split: int = 0,
+         family: int = 0) -> torch.Tensor:
+    """cuda_ops.invariant_gemm with the kernel family named (family 0 is what it runs)."""
+    if family == 0:
+        return cuda_ops.invariant_gemm(x, w, bias, split=split)
+    x = aligned_rows(x)
+    y = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+    p = params(kernels.InvariantGemmParams, x=x.data_ptr(), w=w.data_ptr(), bias=0 if bias is None else bias.data_ptr(),
+               y=y.data_ptr(), m=x.shape[0], n=w.shape[1], k=x.shape[1], x_stride=row_stride(x),
+               y_stride=row_stride(y), dtype=1 if x.dtype == torch.bfloat16 else 0, num_sms=num_sms(x.device),
+               split=split, family=family)
+    with torch.cuda.device(x.device):
+        kernels.invariant_gemm(p, stream(x.device))
+    return y
 
 
 def operands(k: int, n: int, m: int, dtype: torch.dtype, seed: int = 0):
@@ -39,27 +59,58 @@ def close_to_reference(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: 
     assert float(err.max()) <= 2 * tol, float(err.max())
 
 
+@pytest.mark.parametrize("family", FAMILIES.values(), ids=FAMILIES.keys())
 @pytest.mark.parametrize("k,n", SHAPES)
-def test_rows_are_batch_invariant(k: int, n: int) -> None:
-    x, w, bias = operands(k, n, max(ROW_COUNTS), torch.bfloat16)
-    full = cuda_ops.invariant_gemm(x, w)
-    close_to_reference(full, x, w, None)
+def test_rows_are_batch_invariant(k: int, n: int, family: int) -> None:
+    """Rows of M = 4096 (the one-block walk over K ranges) == the same rows computed in batches of
+    1..300 (decode and cluster launches) == shuffled == one row alone at an odd position."""
+    x, w, bias = operands(k, n, 4096, torch.bfloat16)
+    full = gemm(x, w, family=family)
+    close_to_reference(full[:300], x[:300], w, None)
+    close_to_reference(full[-64:], x[-64:], w, None)
     for m in ROW_COUNTS:
-        assert torch.equal(cuda_ops.invariant_gemm(x[:m], w), full[:m]), f"M={m}"
+        assert torch.equal(gemm(x[:m], w, family=family), full[:m]), f"M={m}"
+        assert torch.equal(gemm(x[4096 - m:], w, family=family), full[4096 - m:]), f"last {m} rows"
     perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1)).cuda()
-    assert torch.equal(cuda_ops.invariant_gemm(x[perm], w), full[perm])
-    with_bias = cuda_ops.invariant_gemm(x, w, bias)
-    close_to_reference(with_bias, x, w, bias)
-    assert torch.equal(cuda_ops.invariant_gemm(x[:1], w, bias), with_bias[:1])
+    assert torch.equal(gemm(x[perm], w, family=family), full[perm])
+    assert torch.equal(gemm(x[1001:1002], w, family=family), full[1001:1002])
+    with_bias = gemm(x[:300], w, bias, family=family)
+    close_to_reference(with_bias, x[:300], w, bias)
+    assert torch.equal(gemm(x[:1], w, bias, family=family), with_bias[:1])
 
 
+@pytest.mark.parametrize("k,n", [(576, 960), (4096, 6144)])
+def test_every_m_up_to_300(k: int, n: int) -> None:
+    """The default family, M = 1..300 one by one (every tail of the 64- and 128-row tiles)."""
+    x, w, _ = operands(k, n, 300, torch.bfloat16, seed=2)
+    full = cuda_ops.invariant_gemm(x, w)
+    for m in range(1, 301):
+        assert torch.equal(cuda_ops.invariant_gemm(x[:m], w), full[:m]), f"M={m}"
+
+
+@pytest.mark.parametrize("family", FAMILIES.values(), ids=FAMILIES.keys())
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
-def test_every_split_and_fp16(split: int) -> None:
+def test_every_split_and_fp16(split: int, family: int) -> None:
+    """Every split through the decode tile, the cluster combine (70 rows) and the one-block walk
+    (2200 rows x 8 column tiles: more tiles than an H100 has SMs); K 256 at split 8 leaves empty ranges."""
     for dtype in (torch.bfloat16, torch.float16):
-        x, w, bias = operands(4096, 1024, 70, dtype, seed=split)
-        y = cuda_ops.invariant_gemm(x, w, bias, split=split)
-        close_to_reference(y, x, w, bias)
-        assert torch.equal(cuda_ops.invariant_gemm(x[:3], w, bias, split=split), y[:3])
+        for k in (4096, 256):
+            x, w, bias = operands(k, 1024, 2200, dtype, seed=split)
+            y = gemm(x, w, bias, split=split, family=family)
+            close_to_reference(y, x, w, bias)
+            assert torch.equal(gemm(x[:3], w, bias, split=split, family=family), y[:3])
+            assert torch.equal(gemm(x[:70], w, bias, split=split, family=family), y[:70])
+
+
+@pytest.mark.parametrize("family", FAMILIES.values(), ids=FAMILIES.keys())
+@pytest.mark.parametrize("k,n", [(64, 8), (128, 968), (192, 200), (640, 136)])
+def test_tails(k: int, n: int, family: int) -> None:
+    """N not a multiple of the 128-column tile, K of one to a few k tiles, M across the row tiles."""
+    x, w, bias = operands(k, n, 333, torch.float16, seed=k)
+    y = gemm(x, w, bias, family=family)
+    close_to_reference(y, x, w, bias)
+    for m in (1, 5, 64, 65, 129, 200):
+        assert torch.equal(gemm(x[-m:], w, bias, family=family), y[-m:]), f"M={m}"
 
 
 def test_strided_rows_and_errors() -> None:

@@ -43,11 +43,20 @@ torch.cuda.synchronize()
 import torch
 from pyengine.ops import cuda as cuda_ops
 g = torch.Generator(device="cuda").manual_seed(0)
-for m, k, n in [(1, 576, 960), (17, 576, 968), (300, 4096, 1032), (5, 1536, 576)]:
+from pyengine.ops.cuda.launch import kernels, num_sms, params, stream
+def gemm(x, w, bias, split, family):  # family 0: wgmma (TMA) where built; 1: mma.sync
+    y = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device="cuda")
+    p = params(kernels.InvariantGemmParams, x=x.data_ptr(), w=w.data_ptr(), bias=bias.data_ptr(), y=y.data_ptr(),
+               m=x.shape[0], n=w.shape[1], k=x.shape[1], x_stride=x.shape[1], y_stride=w.shape[1], dtype=1,
+               num_sms=num_sms(x.device), split=split, family=family)
+    kernels.invariant_gemm(p, stream(x.device))
+# decode tile, cluster combines, row / column tails, and (700 x 2944: more tiles than SMs) the one-block walk
+for m, k, n in [(1, 576, 960), (17, 576, 968), (300, 4096, 1032), (5, 1536, 576), (700, 256, 2944)]:
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     w = torch.randn(k, n, device="cuda", generator=g).bfloat16()
     for split in (1, 2, 8):
-        cuda_ops.invariant_gemm(x, w, torch.ones(n, device="cuda").bfloat16(), split=split)
+        for family in (0, 1):
+            gemm(x, w, torch.ones(n, device="cuda").bfloat16(), split, family)
 torch.cuda.synchronize()
 """,
     # The fp32 invariant GEMM (row and column tails, any width, every split) and the grouped
@@ -164,7 +173,8 @@ def run_under(tool: str, program: str, variant: str) -> str:
                                     "deepseek", "hybrid"])
 def test_memcheck_clean(kernel):
     """gqa: the tensor-core kernel NVIDIA runs; gqa_fma: the FMA kernel (AMD's), forced; gemm: the
-    batch-invariant GEMM (row and column tails, every split); f32gemm and grouped: its fp32 and
+    batch-invariant GEMM's two families, wgmma fed by TMA and mma.sync (row and column tails, every
+    split, the decode tile, the cluster combine and the one-block walk); f32gemm and grouped: its fp32 and
     grouped forms; gdn: the Gated DeltaNet update and prefill; gdnchunk: the chunk-wise prefill; deepseek: a DeepSeek-V3 model's
     kernels under MTP speculation; hybrid: a Bamba model's kernels and state checkpoint copies
     under prefix caching and ngram speculation."""
@@ -184,8 +194,8 @@ def test_gqa_mma_shared_memory_clean(tool):
 
 @pytest.mark.parametrize("tool", ["racecheck", "synccheck"])
 def test_invariant_gemm_shared_memory_clean(tool):
-    """The invariant GEMM's 3-stage pipeline and its reuse of the stages as the cluster's exchange
-    buffer (the split-K combine)."""
+    """The invariant GEMMs' pipelines (cp.async stages; TMA stages on full / empty mbarriers) and
+    their reuse of the stages as the cluster's exchange buffer (the split-K combine)."""
     out = run_under(tool, PROGRAMS["gemm"], "default")
     clean = "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
     assert clean in out, out[-3000:]

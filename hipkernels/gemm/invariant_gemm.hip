@@ -1,9 +1,11 @@
-// Batch-invariant GEMM (semantics and reduction order in invariant_gemm.h): one matrix, its row
-// tiles in blockIdx.y. The tile kernel and its launch are invariant_gemm_kernel.h's, shared with
+// Batch-invariant GEMM (semantics and reduction order in invariant_gemm.h): one matrix. The wgmma
+// family (invariant_gemm_wgmma.hip) where the build has it, else the mma.sync tile kernel over its
+// row tiles in blockIdx.y. The tile kernel and its launch are invariant_gemm_kernel.h's, shared with
 // the grouped GEMM (grouped_gemm.hip).
 #include "gemm/invariant_gemm.h"
 
 #include "gemm/invariant_gemm_kernel.h"
+#include "gemm/invariant_gemm_wgmma.h"
 
 using namespace pe_invariant_gemm;
 
@@ -21,5 +23,8 @@ int launch_invariant_gemm(const InvariantGemmParams& p, void* stream) {
   const int splits = p.split == 0 ? invariant_gemm_split(p.k, p.n, p.num_sms) : p.split;
   if (splits != 1 && splits != 2 && splits != 4 && splits != kMaxSplit) return -1;
   if (p.m == 0 || p.n == 0) return 0;
+  if (p.family != 0 && p.family != 1) return -1;
+  // The family from the build alone (never from M): wgmma wherever it exists, for every shape.
+  if (p.family == 0 && invariant_gemm_wgmma_available()) return launch_invariant_gemm_wgmma(p, splits, stream);
   return launch_typed(p, DenseRows{}, p.m, splits, stream);
 }

@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kThreads) invariant_gemm_kernel(InvariantGemmP
 
   for (int t = 0; t < kt_count; ++t) {
     if constexpr (kSequential) {
-      if (t == range_end) {  // range `range` is complete: into the total, in range order
+      while (t == range_end) {  // range `range` is complete (an empty one too): into the total, in order
         if (range == 0)
           for_each_acc([&](int i, int j, int e) { total[i][j][e] = acc[i][j][e], acc[i][j][e] = 0.f; });
         else

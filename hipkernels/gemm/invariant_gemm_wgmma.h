@@ -1,0 +1,24 @@
+// The batch-invariant GEMM on Hopper's warpgroup tensor cores (invariant_gemm_wgmma.hip): the same
+// contract as invariant_gemm.h (launched through launch_invariant_gemm, which picks this family
+// wherever the build has it), another kernel family.
+//
+// Reduction order. y[m, n] is summed in an order fixed by (K, N, the device's multiprocessor count)
+// alone: K is cut into the same `split` ranges as invariant_gemm_split gives; inside a range the k
+// tiles of 64, and the four 16-deep wgmma m64n128k16 products of each, are accumulated in increasing
+// order into fp32 registers that start from zero; the ranges' partial sums are then added in
+// increasing order (inside a thread-block cluster for launches of few tiles, by one block walking
+// the ranges in turn for many tiles: the same fp32 operations), bias last, one rounding.
+// Every row lands in one 64-row wgmma whatever M is (TMA zero-fills rows past M), so a row's bits
+// are the same alone, in any batch, at any position; they need not equal the mma.sync kernel's.
+//
+// Which family runs depends on the build only (sm_90a CUDA with the driver's tensor-map encoder),
+// never on M: the wgmma family takes every shape the mma.sync one takes.
+#pragma once
+
+#include "gemm/invariant_gemm.h"
+
+// Whether this build and driver run the wgmma family (false under hipcc).
+bool invariant_gemm_wgmma_available();
+
+// Launch with the K split already chosen (1, 2, 4 or 8); the caller has checked the shape and M > 0.
+int launch_invariant_gemm_wgmma(const InvariantGemmParams& p, int splits, void* stream);
