@@ -115,6 +115,8 @@ def main() -> None:
     phases = instrument(llm)
     prof = cProfile.Profile() if args.cprofile else None
     steps0 = llm.stats()["num_steps"]
+    g = llm.engine.runner.graph_runner
+    graphs0 = len(g.graphs) if g is not None else 0
     start = time.perf_counter()
     if prof:
         prof.enable()
@@ -126,6 +128,7 @@ def main() -> None:
     steps = st["num_steps"] - steps0
     print(json.dumps({"method": args.method, "batch": args.batch, "prompts": len(timed_conv), "fixed": args.fixed,
                       "steps": steps, "seconds": round(seconds, 3), "acceptance_rate": st.get("acceptance_rate"),
+                      "graphs_captured_while_timed": (len(g.graphs) if g is not None else 0) - graphs0,
                       "phases_ms_by_step_kind": {
                           kind: {k: {"calls": c, "ms": round(1e3 * t, 1),
                                      "ms_per_step": round(1e3 * t / by_phase["step (all)"][0], 3)}
