@@ -1,10 +1,9 @@
 """The cost of batch invariance on the GPU (issue 18), invariant vs default in the same run.
 
 GEMMs: every projection shape of SmolLM2 and Llama-8B at M = 1, 16, 64, 4096: the invariant GEMM
-(hipkernels/gemm/invariant_gemm.hip: the wgmma family on sm_90a builds) against the default path
-(the skinny GEMM at M = 1, cuBLAS above) and, for bf16, the mma.sync family (InvariantGemmParams.family
-= 1, the grouped GEMM's kernel, the invariant default before the wgmma one), kernels' own time
-(time_ms_graph). Models: SmolLM2 (the GGUF) and Llama-8B's shape with
+(hipkernels/gemm/invariant_gemm.hip: the default family for the shape) against the default path
+(the skinny GEMM at M = 1, cuBLAS above) and, for bf16, each family forced (InvariantGemmParams.family:
+1 mma.sync, the grouped GEMM's kernel; 2 wgmma fed by TMA), kernels' own time (time_ms_graph). Models: SmolLM2 (the GGUF) and Llama-8B's shape with
 random weights: decode tokens/s at batch 1/16/64 (bench_decode.run_pyengine: CUDA graphs, greedy)
 and the time of one 4096-token prefill, with LLM(batch_invariant=False) and (=True).
 
@@ -46,12 +45,12 @@ def shapes(hf: dict) -> dict[str, tuple[int, int]]:
             "gate_up": (h, 2 * i), "down": (i, h), "lm_head": (h, hf["vocab_size"])}
 
 
-def mma_sync_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The invariant GEMM's mma.sync family (contiguous x and w)."""
+def family_gemm(x: torch.Tensor, w: torch.Tensor, family: int) -> torch.Tensor:
+    """The invariant GEMM's mma.sync (family 1) or wgmma (2) family (contiguous x and w)."""
     y = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
     p = params(kernels.InvariantGemmParams, x=x.data_ptr(), w=w.data_ptr(), y=y.data_ptr(), m=x.shape[0], n=w.shape[1],
                k=x.shape[1], x_stride=row_stride(x), y_stride=row_stride(y), dtype=1 if x.dtype == torch.bfloat16 else 0,
-               num_sms=num_sms(x.device), family=1)
+               num_sms=num_sms(x.device), family=family)
     kernels.invariant_gemm(p, stream(x.device))
     return y
 
@@ -75,9 +74,11 @@ def bench_gemms(hf: dict, dtype: torch.dtype = torch.bfloat16) -> dict:
             line = (f"{name:8s} K={k:6d} N={n:6d} M={m:5d}  default {1e3 * t_def:8.1f} us  invariant "
                     f"{1e3 * t_inv:8.1f} us  x{t_inv / t_def:.2f}")
             if dtype != torch.float32:
-                t_mma = time_ms_graph(lambda: mma_sync_gemm(x, w))
-                row.update(mma_sync_us=1e3 * t_mma, mma_sync_ratio=t_mma / t_def)
-                line += f"  mma.sync {1e3 * t_mma:8.1f} us  x{t_mma / t_def:.2f}"
+                t_mma = time_ms_graph(lambda: family_gemm(x, w, 1))
+                t_wg = time_ms_graph(lambda: family_gemm(x, w, 2))
+                row.update(mma_sync_us=1e3 * t_mma, mma_sync_ratio=t_mma / t_def, wgmma_us=1e3 * t_wg,
+                           wgmma_ratio=t_wg / t_def)
+                line += f"  mma.sync {1e3 * t_mma:8.1f} us  x{t_mma / t_def:.2f}  wgmma {1e3 * t_wg:8.1f} us"
             out[f"{name} {k}x{n} M={m}"] = row
             print(line, flush=True)
         del w

@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.gpu,
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152), (4096, 6144), (4096, 4096),
           (4096, 28672), (14336, 4096)]
 ROW_COUNTS = [1, 2, 7, 16, 17, 63, 64, 65, 200, 257, 300]
-FAMILIES = {"default": 0, "mma_sync": 1}  # InvariantGemmParams.family: 0 wgmma where built, 1 mma.sync
+# InvariantGemmParams.family: 0 the default (wgmma on sm_90a builds for weights of >= 2^23 elements,
+# else mma.sync: chosen from (K, N), never from M), 1 mma.sync, 2 wgmma wherever built
+FAMILIES = {"default": 0, "mma_sync": 1, "wgmma": 2}
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, split: int = 0,
@@ -79,13 +81,14 @@ def test_rows_are_batch_invariant(k: int, n: int, family: int) -> None:
     assert torch.equal(gemm(x[:1], w, bias, family=family), with_bias[:1])
 
 
+@pytest.mark.parametrize("family", [0, 2], ids=["default", "wgmma"])
 @pytest.mark.parametrize("k,n", [(576, 960), (4096, 6144)])
-def test_every_m_up_to_300(k: int, n: int) -> None:
-    """The default family, M = 1..300 one by one (every tail of the 64- and 128-row tiles)."""
+def test_every_m_up_to_300(k: int, n: int, family: int) -> None:
+    """M = 1..300 one by one (every tail of the 16-, 64- and 128-row tiles)."""
     x, w, _ = operands(k, n, 300, torch.bfloat16, seed=2)
-    full = cuda_ops.invariant_gemm(x, w)
+    full = gemm(x, w, family=family)
     for m in range(1, 301):
-        assert torch.equal(cuda_ops.invariant_gemm(x[:m], w), full[:m]), f"M={m}"
+        assert torch.equal(gemm(x[:m], w, family=family), full[:m]), f"M={m}"
 
 
 @pytest.mark.parametrize("family", FAMILIES.values(), ids=FAMILIES.keys())

@@ -23,8 +23,9 @@ int launch_invariant_gemm(const InvariantGemmParams& p, void* stream) {
   const int splits = p.split == 0 ? invariant_gemm_split(p.k, p.n, p.num_sms) : p.split;
   if (splits != 1 && splits != 2 && splits != 4 && splits != kMaxSplit) return -1;
   if (p.m == 0 || p.n == 0) return 0;
-  if (p.family != 0 && p.family != 1) return -1;
-  // The family from the build alone (never from M): wgmma wherever it exists, for every shape.
-  if (p.family == 0 && invariant_gemm_wgmma_available()) return launch_invariant_gemm_wgmma(p, splits, stream);
+  if (p.family < 0 || p.family > 2) return -1;
+  // The family from the build and (K, N) alone, never from M: the two need not round alike.
+  const bool wgmma = p.family == 2 || (p.family == 0 && invariant_gemm_wgmma_default_for(p.k, p.n));
+  if (wgmma && invariant_gemm_wgmma_available()) return launch_invariant_gemm_wgmma(p, splits, stream);
   return launch_typed(p, DenseRows{}, p.m, splits, stream);
 }

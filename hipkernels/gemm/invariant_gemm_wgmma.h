@@ -11,14 +11,19 @@
 // Every row lands in one 64-row wgmma whatever M is (TMA zero-fills rows past M), so a row's bits
 // are the same alone, in any batch, at any position; they need not equal the mma.sync kernel's.
 //
-// Which family runs depends on the build only (sm_90a CUDA with the driver's tensor-map encoder),
-// never on M: the wgmma family takes every shape the mma.sync one takes.
+// Which family runs depends on the build (sm_90a CUDA with the driver's tensor-map encoder) and the
+// shape (K, N), never on M: the wgmma family takes every shape the mma.sync one takes, and is the
+// default for weights of at least 2^23 elements. Below that a launch's fixed cost (~12 us on an H100
+// against mma.sync's ~5.5 us, measured at SmolLM2's widths) would dominate decode steps.
 #pragma once
 
 #include "gemm/invariant_gemm.h"
 
 // Whether this build and driver run the wgmma family (false under hipcc).
 bool invariant_gemm_wgmma_available();
+
+// Whether launch_invariant_gemm's default (family 0) takes the wgmma family for a (K, N) weight.
+inline bool invariant_gemm_wgmma_default_for(int k, int n) { return (int64_t)k * n >= (int64_t{1} << 23); }
 
 // Launch with the K split already chosen (1, 2, 4 or 8); the caller has checked the shape and M > 0.
 int launch_invariant_gemm_wgmma(const InvariantGemmParams& p, int splits, void* stream);
