@@ -106,3 +106,105 @@ def test_random_sampling_with_suffix_drafts_keeps_the_target_distribution(tmp_pa
     spec = {"method": "suffix", "num_speculative_tokens": 3, "adaptive_draft_length": False,
             "suffix_decoding_max_spec_factor": 3.0, "suffix_decoding_min_token_prob": 0.0}
     check_second_token_follows_target(str(tmp_path), spec, prompt)
+
+
+class ReferenceSuffixProposer:
+    """The documented rule in plain Python (csrc/core/suffix_proposer.h), with contexts as tuples
+    instead of hashes: per context its two most frequent next tokens (the same approximate counts)
+    and its total; the longest context any index has seen, found length by length (the request's
+    own index first on a tie), the chain and its caps; finished outputs into two generations."""
+
+    def __init__(self, max_depth: int, max_spec_factor: float, min_token_prob: float, max_cached_tokens: int) -> None:
+        self.depth, self.factor, self.min_prob, self.max_cached = max_depth, max_spec_factor, min_token_prob, max_cached_tokens
+        self.requests: dict[int, tuple[dict, list[int], int]] = {}
+        self.recent: dict = {}
+        self.older: dict = {}
+        self.recent_tokens = self.older_tokens = 0
+
+    def _add(self, index: dict, tokens: list[int], p: int) -> None:
+        nxt = tokens[p]
+        for d in range(1, min(self.depth, p) + 1):
+            e = index.setdefault(tuple(tokens[p - d:p]), [[-1, -1], [0, 0], 0])
+            tok, cnt = e[0], e[1]
+            e[2] += 1
+            if tok[0] == nxt:
+                cnt[0] += 1
+            elif tok[1] == nxt:
+                cnt[1] += 1
+            elif cnt[0] == 0:
+                tok[0], cnt[0] = nxt, 1
+            elif cnt[1] <= 1:
+                tok[1], cnt[1] = nxt, 1
+            if cnt[1] > cnt[0]:
+                tok.reverse()
+                cnt.reverse()
+
+    def propose(self, seq_id: int, tokens: list[int], k: int, prompt_len: int = 0) -> list[int]:
+        index, mine, plen = self.requests.setdefault(seq_id, ({}, [], prompt_len))
+        for p in range(len(mine), len(tokens)):
+            mine.append(tokens[p])
+            self._add(index, mine, p)
+        ctx = list(mine[-self.depth:])
+        out: list[int] = []
+        cap = k
+        while len(out) < cap:
+            best, best_len = None, 0
+            for d in range(1, min(self.depth, len(ctx)) + 1):
+                key = tuple(ctx[-d:])
+                found = next((ix[key] for ix in (index, self.recent, self.older) if key in ix), None)
+                if found is None:
+                    break
+                best, best_len = found, d
+            if best is None:
+                break
+            if not out:
+                cap = min(k, max(1, int(self.factor * best_len)))
+            if best[1][0] < self.min_prob * best[2]:
+                break
+            out.append(best[0][0])
+            ctx.append(best[0][0])
+        return out
+
+    def forget(self, seq_id: int, finished: bool) -> None:
+        if seq_id not in self.requests or not finished:
+            return
+        _, mine, plen = self.requests.pop(seq_id)
+        if self.max_cached <= 0 or len(mine) <= plen:
+            return
+        for p in range(max(1, plen), len(mine)):
+            self._add(self.recent, mine, p)
+        self.recent_tokens += len(mine) - plen
+        if self.recent_tokens > self.max_cached // 2:
+            self.older, self.recent = self.recent, {}
+            self.older_tokens, self.recent_tokens = self.recent_tokens, 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_drafts_equal_the_reference_rule_on_random_traffic(seed: int) -> None:
+    """Random requests over a small vocabulary (contexts recur at every length), growing by a few
+    tokens between calls, some finishing into the shared cache: every call drafts exactly what
+    the rule gives."""
+    import random
+
+    rng = random.Random(seed)
+    settings = dict(max_depth=rng.choice([4, 8, 24]), max_spec_factor=rng.choice([0.5, 1.0, 4.0]),
+                    min_token_prob=rng.choice([0.0, 0.1, 0.4]), max_cached_tokens=rng.choice([64, 4096]))
+    impl, ref = _C.SuffixProposer(**settings), ReferenceSuffixProposer(**settings)
+    live: dict[int, tuple[list[int], int]] = {}
+    next_id, calls = 0, 0
+    for _ in range(400):
+        if len(live) < 4 or rng.random() < 0.05:
+            prompt = [rng.randrange(6) for _ in range(rng.randint(1, 30))]
+            live[next_id] = (prompt, len(prompt))
+            next_id += 1
+        sid = rng.choice(list(live))
+        tokens, plen = live[sid]
+        k = rng.randint(0, 6)
+        assert impl.propose_tokens(sid, tokens, k, prompt_len=plen) == ref.propose(sid, tokens, k, plen)
+        calls += 1
+        tokens.extend(rng.randrange(6) for _ in range(rng.randint(1, 4)))
+        if rng.random() < 0.08:
+            impl.forget(sid, True)
+            ref.forget(sid, True)
+            del live[sid]
+    assert calls == 400 and impl.num_cached_tokens == ref.recent_tokens + ref.older_tokens
