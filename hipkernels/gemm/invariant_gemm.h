@@ -14,8 +14,8 @@
 // split > 1 combines the ranges inside a thread-block cluster (distributed shared memory, sm_90),
 // with no workspace. NVIDIA only; launch returns -1 elsewhere. The description above is the
 // mma.sync family's (invariant_gemm_kernel.h); on sm_90a builds launch_invariant_gemm runs the wgmma
-// family (invariant_gemm_wgmma.h: the same ranges and order, m64n128k16 products) for every M of a
-// shape whose weight has at least 2^23 elements.
+// family (invariant_gemm_wgmma.h: the same ranges and order, m64n128k16 products, the same bits)
+// for more than 256 rows of a shape whose weight has at least 2^23 elements.
 #pragma once
 
 #include <cstdint>
@@ -32,10 +32,10 @@ struct InvariantGemmParams {
   int split = 0;               // K ranges (1, 2, 4 or 8); 0: invariant_gemm_split(), never from M
   bool pdl = false;            // programmatic dependent launch: the first weight tiles stream in
                                // while the previous kernel of the stream finishes
-  int family = 0;              // 0: the wgmma family (invariant_gemm_wgmma.h) where the build has it
-                               // and the weight is large (invariant_gemm_wgmma_default_for), else
-                               // mma.sync; 1: mma.sync (the grouped GEMM's); 2: wgmma wherever built
-                               // (tests, benchmarks). Never chosen from M: the two need not round alike.
+  int family = 0;              // 0: the wgmma family (invariant_gemm_wgmma.h) where the build has it,
+                               // the weight is large and M > 256 (invariant_gemm_wgmma_default_for),
+                               // else mma.sync; 1: mma.sync (the grouped GEMM's); 2: wgmma wherever
+                               // built (tests, benchmarks). Both give a row the same bits.
 };
 
 // The default K split for a (K, N) shape on a device with num_sms multiprocessors.

@@ -9,12 +9,13 @@
 // increasing order (inside a thread-block cluster for launches of few tiles, by one block walking
 // the ranges in turn for many tiles: the same fp32 operations), bias last, one rounding.
 // Every row lands in one 64-row wgmma whatever M is (TMA zero-fills rows past M), so a row's bits
-// are the same alone, in any batch, at any position; they need not equal the mma.sync kernel's.
+// are the same alone, in any batch, at any position; on the H100 they also equal the mma.sync
+// kernel's for the same ranges (measured; see invariant_gemm_wgmma_default_for).
 //
-// Which family runs depends on the build (sm_90a CUDA with the driver's tensor-map encoder) and the
-// shape (K, N), never on M: the wgmma family takes every shape the mma.sync one takes, and is the
-// default for weights of at least 2^23 elements. Below that a launch's fixed cost (~12 us on an H100
-// against mma.sync's ~5.5 us, measured at SmolLM2's widths) would dominate decode steps.
+// Which family runs depends on the build (sm_90a CUDA with the driver's tensor-map encoder), the
+// weight (at least 2^23 elements: below that a launch's fixed cost, ~12 us on an H100 against
+// mma.sync's ~5.5 us at SmolLM2's widths, would dominate) and M (decode-sized launches stream the
+// weights faster on mma.sync, which splits K without the cluster combine's cost).
 #pragma once
 
 #include "gemm/invariant_gemm.h"
@@ -22,8 +23,16 @@
 // Whether this build and driver run the wgmma family (false under hipcc).
 bool invariant_gemm_wgmma_available();
 
-// Whether launch_invariant_gemm's default (family 0) takes the wgmma family for a (K, N) weight.
-inline bool invariant_gemm_wgmma_default_for(int k, int n) { return (int64_t)k * n >= (int64_t{1} << 23); }
+// Whether launch_invariant_gemm's default (family 0) takes the wgmma family: large weights at large M. Below kWgmmaMinRows rows
+// (decode and verify steps) mma.sync streams the weights faster (the wgmma launch splits K over a
+// cluster at more cost). Choosing by M keeps a row's bits because the two families give the same
+// bits for the same K ranges: both sum each 16-wide k step on the same tensor cores and add the
+// steps, ranges and bias in one order. That equality is measured, not documented by NVIDIA:
+// tests/test_invariant_gemm_gpu.py::test_the_families_give_the_same_bits checks it on the device.
+constexpr int kWgmmaMinRows = 257;
+inline bool invariant_gemm_wgmma_default_for(int m, int k, int n) {
+  return m >= kWgmmaMinRows && (int64_t)k * n >= (int64_t{1} << 23);
+}
 
 // Launch with the K split already chosen (1, 2, 4 or 8); the caller has checked the shape and M > 0.
 int launch_invariant_gemm_wgmma(const InvariantGemmParams& p, int splits, void* stream);
