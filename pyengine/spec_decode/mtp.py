@@ -8,11 +8,16 @@ block tables). Per request, `valid` counts the leading positions whose MTP cache
 from the target's hidden state and committed tokens.
 
 propose(), before schedule():
-  catch-up  for every row of the target's previous step (prefill chunks included), the positions
-            p in [max(first, valid), n - 1) whose hidden state that step computed and whose next
-            token x_{p+1} is committed (n = committed tokens): all of a prefill chunk but its
-            prompt's last position, and a verify row's accepted run; one varlen forward for all.
+  catch-up  for the rows of the target's previous step (prefill chunks included), the positions
+            p in [valid, n - 1) whose hidden state the target computed and whose next token
+            x_{p+1} is committed (n = committed tokens): all of a prefill chunk but its prompt's
+            last position, and a verify row's accepted run; one varlen forward for all.
             The last output of a decode row (p = n - 2) gives its draft 1.
+  deferral  a row that drafts nothing this step (the draft-length policy's 0) skips its catch-up
+            and keeps the step's hidden states in a ring (HiddenRing, RING_POSITIONS a row) until
+            the first step it drafts in, or until one more step would overflow the ring: steps
+            without drafts then run no layer forward, and the layer's entries are the same, only
+            computed later (tests/test_lazy_catch_up.py).
   drafts    draft j + 1 feeds draft j at position n - 2 + j with the layer's own previous output
             as the hidden state (the target has not seen x_{n-1} yet), j = 1..k-1.
   valid     becomes n - 1: the draft positions' entries are rewritten by the next catch-up.
@@ -41,9 +46,12 @@ from pyengine.engine.model_runner import ModelRunner
 from pyengine.spec_decode.config import SpeculativeConfig
 from pyengine.spec_decode.draft_sampling import DraftRow, DraftSampler
 from pyengine.spec_decode.head_graphs import HeadFeed, HeadGraphs
+from pyengine.spec_decode.hidden_ring import HiddenRing
 
 
 class MtpProposer:
+    RING_POSITIONS = 64  # positions a row may leave un-caught-up (HiddenRing)
+
     def __init__(self, cfg: SpeculativeConfig, runner: ModelRunner, get_request: Callable[[int], Any], seed: int,
                  max_model_len: int, layer: Any = None) -> None:
         """layer: the drafting layer (default: the target's own MTP layer, runner.model.mtp)."""
@@ -60,6 +68,9 @@ class MtpProposer:
         self.gone: set[int] = set()  # forgotten since the target's last step: its rows there are stale
         self.sampler = DraftSampler(seed, runner.config.vocab_size, runner.device)
         self.num_forwards = 0
+        # hidden states of rows that deferred their catch-up (steps without drafts run no forward)
+        self.ring = HiddenRing(self.RING_POSITIONS, runner.device)
+        self.lazy = True  # False: every row catches up every step (tests compare the two)
         g = runner.graph_runner  # the target replays graphs: the layer's short forwards do too
         self.graphs: HeadGraphs | None = None
         if g is not None and getattr(self.layer, "supports_cuda_graphs", True):
@@ -85,36 +96,48 @@ class MtpProposer:
             return
         ids, first = seq_ids[live], firsts[live].astype(np.int64)
         row_start = qsl[:-1][live].astype(np.int64)
-        tails, offsets = scheduler.token_ids_from(ids, first + 1)  # x_{first+1} onwards
-        n = first + 1 + np.diff(offsets)  # committed tokens
         valid = np.fromiter((self.valid.get(s, 0) for s in ids.tolist()), np.int64, len(ids))
-        start = np.maximum(first, valid)
+        held = self.ring.held_from(ids, first)  # positions before: not computed by the target (prefix hit)
+        start = np.maximum(held, valid)
+        lo = np.minimum(start, first)
+        tails, offsets = scheduler.token_ids_from(ids, lo + 1)  # x_{lo+1} onwards
+        n = lo + 1 + np.diff(offsets)  # committed tokens
         end = np.minimum(first + np.diff(qsl)[live], n - 1)
-        fed = np.flatnonzero(start < end)  # rows with a catch-up, in the target's row order
+        # Drafts wanted per decode row: k, the policy's cap, and room left (tokens and positions).
+        room = np.minimum(view.tokens_left, self.max_position - view.num_tokens) - 1
+        wanted = dict(zip(view.seq_ids.tolist(), np.minimum(np.minimum(max_drafts, self.k), room).tolist()))
+        ks_all = np.fromiter((wanted.get(s, 0) for s in ids.tolist()), np.int64, len(ids))
+        # A row that drafts nothing now defers its catch-up while its pending positions fit the ring
+        # with room for one more step's (module docstring).
+        pending = end - start
+        defer = (ks_all <= 0) & (pending > 0) & (pending <= self.ring.size - (self.k + 1)) if self.lazy else \
+            np.zeros(len(ids), dtype=bool)
+        if defer.any():
+            keep = np.flatnonzero(defer & (end > first))
+            self.ring.keep(ids[keep], start[keep], first[keep], end[keep], row_start[keep], hidden)
+        fed = np.flatnonzero((pending > 0) & ~defer)  # rows with a catch-up now, in the target's row order
         if not len(fed):
             return
         self.valid.update(zip(ids[fed].tolist(), end[fed].tolist()))
         tables = scheduler.block_tables(ids[fed])
         lens = end[fed] - start[fed]
-        # token t of feed row i sits at position p: x_{p+1} is tails[offsets[i] + p - first[i]], and
-        # the target's state of p is hidden row row_start[i] + p - first[i]
+        # token t of feed row i sits at position p: x_{p+1} is tails[offsets[i] + p - lo[i]]; the
+        # target's state of p is hidden row row_start[i] + p - first[i] if this step computed p,
+        # else the ring's
         row = np.repeat(fed, lens)
-        within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-        rel = start[row] - first[row] + within
-        feed = HeadFeed.build(tables, start[fed], lens, self.block_size, tails[offsets[:-1][row] + rel].astype(np.int64))
-        index = torch.from_numpy(row_start[row] + rel).to(hidden.device)
-
-        # Drafts wanted per decode row: k, the policy's cap, and room left (tokens and positions).
-        room = np.minimum(view.tokens_left, self.max_position - view.num_tokens) - 1
-        wanted = dict(zip(view.seq_ids.tolist(), np.minimum(np.minimum(max_drafts, self.k), room).tolist()))
-        ks = np.fromiter((wanted.get(s, 0) for s in ids[fed].tolist()), np.int64, len(fed))
+        pos = start[row] + np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        feed = HeadFeed.build(tables, start[fed], lens, self.block_size,
+                              tails[offsets[:-1][row] + pos - lo[row]].astype(np.int64))
+        prev = self._catch_up_hidden(hidden, ids[row], pos, first[row], row_start[row])
+        self.ring.release(ids[fed])
+        ks = ks_all[fed]
         d = np.flatnonzero((ks > 0) & (end[fed] == n[fed] - 1))  # drafting feed rows
         if len(d):
             needed = -(-(n[fed][d] + ks[d] - 2) // self.block_size)  # positions up to n + k - 3
             have = (tables[d] >= 0).sum(axis=1)
             assert (needed <= have).all(), (f"requests {ids[fed][d][needed > have]}: MTP positions need more blocks; "
                                             "is SchedulerConfig.drafter_lookahead >= k?")
-        out, logits = self._forward(feed, self.target_hidden(hidden.index_select(0, index)), d)
+        out, logits = self._forward(feed, self.target_hidden(prev), d)
         if not len(d):
             return
         rows = [DraftRow(sid, k, self.get_request(sid).params) for sid, k in zip(ids[fed][d].tolist(), ks[d].tolist())]
@@ -151,7 +174,24 @@ class MtpProposer:
         for sid in seq_ids:
             self.valid.pop(int(sid), None)
             self.gone.add(int(sid))
+        self.ring.release(seq_ids)
         self.sampler.forget(seq_ids, finished)
+
+    def _catch_up_hidden(self, hidden: torch.Tensor, seq_ids: np.ndarray, pos: np.ndarray, first: np.ndarray,
+                         row_start: np.ndarray) -> torch.Tensor:
+        """The target's state of each catch-up token (request seq_ids[t] at position pos[t]): this
+        step's hidden row where the step computed it (pos >= first), else the ring's."""
+        here = pos >= first
+        if here.all():
+            return hidden.index_select(0, torch.from_numpy(row_start + pos - first).to(hidden.device))
+        out = hidden.new_empty(len(pos), hidden.shape[1])
+        at = np.flatnonzero(here)
+        if len(at):
+            out.index_copy_(0, torch.from_numpy(at).to(out.device),
+                            hidden.index_select(0, torch.from_numpy(row_start[at] + pos[at] - first[at]).to(hidden.device)))
+        older = np.flatnonzero(~here)
+        out.index_copy_(0, torch.from_numpy(older).to(out.device), self.ring.gather(seq_ids[older], pos[older]))
+        return out
 
     def draft_probs(self, seq_ids: Sequence[int], num_draft_tokens: Sequence[int]) -> torch.Tensor | None:
         return self.sampler.draft_probs(seq_ids, num_draft_tokens)

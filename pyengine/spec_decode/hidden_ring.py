@@ -1,0 +1,80 @@
+"""The target's hidden states of positions a drafting layer (an MTP layer, an EAGLE-3 head) has not
+caught up on yet, per request (MtpProposer).
+
+A catch-up feeds the layer the target's hidden state of every position the target computed, so that
+the layer's KV cache holds them when it drafts. Run every step, that forward costs even the steps
+whose rows draft nothing (a quiet draft-length policy). Instead, a row that drafts nothing keeps its
+step's hidden states here and catches up, all at once, in the first step it drafts in. The layer
+then computes the same entries, only later; nothing is lost as long as a row's pending positions
+fit the ring (the proposer catches up before they would not).
+
+Each request holds one row of `size` positions (position p at p % size) and the span [lo, hi) of
+positions held, contiguous up to the last step's.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class HiddenRing:
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.size, self.device = size, device
+        self.buf: torch.Tensor | None = None  # [rows, size, width], made (and grown) on demand
+        self.row: dict[int, int] = {}  # seq id -> its row of buf
+        self.free: list[int] = []
+        self.span: dict[int, tuple[int, int]] = {}  # seq id -> [lo, hi): the positions held
+
+    def held_from(self, seq_ids: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """Per request, the first position whose hidden state is at hand in this step: its span's
+        lo where the span reaches this step's first position, else first (the step's own states)."""
+        if not self.span:
+            return first.copy()
+        out = first.copy()
+        for i, (sid, f) in enumerate(zip(seq_ids.tolist(), first.tolist())):
+            lo_hi = self.span.get(sid)
+            if lo_hi is not None and lo_hi[1] == f:
+                out[i] = lo_hi[0]
+        return out
+
+    def keep(self, seq_ids: np.ndarray, lo: np.ndarray, first: np.ndarray, end: np.ndarray,
+             rows: np.ndarray, hidden: torch.Tensor) -> None:
+        """Requests defer their catch-up: positions [first, end) of each are this step's hidden rows
+        rows[i] + (p - first[i]); the span becomes [lo, end) (lo: held_from's answer)."""
+        assert ((end - lo) <= self.size).all(), "a deferred catch-up must fit the ring"
+        ring_rows = np.array([self._row_of(int(s)) for s in seq_ids.tolist()], dtype=np.int64)
+        if self.buf is None or self.buf.shape[2] != hidden.shape[1]:
+            self.buf = torch.zeros(max(16, len(self.row)), self.size, hidden.shape[1], dtype=hidden.dtype,
+                                   device=self.device)
+        if int(ring_rows.max()) >= self.buf.shape[0]:
+            grow = torch.zeros(max(self.buf.shape[0], int(ring_rows.max()) + 1 - self.buf.shape[0]), self.size,
+                               self.buf.shape[2], dtype=self.buf.dtype, device=self.device)
+            self.buf = torch.cat([self.buf, grow])
+        counts = end - first
+        which = np.repeat(np.arange(len(seq_ids)), counts)
+        pos = first[which] + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        dst = torch.from_numpy(ring_rows[which] * self.size + pos % self.size).to(self.device)
+        src = torch.from_numpy(rows[which] + pos - first[which]).to(hidden.device)
+        self.buf.view(-1, self.buf.shape[2]).index_copy_(0, dst, hidden.index_select(0, src))
+        self.span.update((int(s), (int(a), int(b))) for s, a, b in zip(seq_ids.tolist(), lo.tolist(), end.tolist()))
+
+    def gather(self, seq_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """The held hidden states of (request, position) pairs, [len(positions), width]."""
+        assert self.buf is not None
+        ring_rows = np.array([self.row[int(s)] for s in seq_ids.tolist()], dtype=np.int64)
+        index = torch.from_numpy(ring_rows * self.size + positions % self.size).to(self.device)
+        return self.buf.view(-1, self.buf.shape[2]).index_select(0, index)
+
+    def release(self, seq_ids) -> None:
+        """These requests hold nothing any more (caught up, finished or preempted)."""
+        for sid in seq_ids:
+            sid = int(sid)
+            self.span.pop(sid, None)
+            ring_row = self.row.pop(sid, None)
+            if ring_row is not None:
+                self.free.append(ring_row)
+
+    def _row_of(self, sid: int) -> int:
+        if sid not in self.row:
+            self.row[sid] = self.free.pop() if self.free else len(self.row)  # rows 0..len-1 in use
+        return self.row[sid]
