@@ -9,7 +9,9 @@
      tokens of the answers: d2t / t2d saved) with EAGLE-3's training-time test: the head is unrolled
      --ttt-steps times on its own outputs, each step attending to the first step's keys before it
      and to its own chain (exactly what the proposer's KV cache holds), a loss on every step
-     (the differentiable head: pyengine/models/eagle3_train.py).
+     (the differentiable head: pyengine/models/eagle3_train.py); --val-fraction of the sequences
+     held out, evaluated every --eval-every steps: the head saved is the best one on them, and
+     training stops after --patience evaluations without a better one.
 
     python scripts/train_eagle3.py --device cuda --deadline-minutes 8.3 --out pyengine/heads/smollm2-135m-instruct-eagle3
     python scripts/train_eagle3.py --device cpu --out /tmp/head   # a smoke run (CPU_DEFAULTS)
@@ -156,24 +158,55 @@ def make_batches(seqs: list[list[int]], prompt_lens: list[int], aux: list[torch.
 
 
 def train(head: TrainHead, batches: list, seconds: float, steps: int, max_steps: int | None, lr: float,
-          seed: int, log_every: int = 50) -> dict[str, Any]:
-    """Adam over random batches for `seconds` (or max_steps steps). On the CPU torch runs one
-    thread: its OpenMP workers otherwise spin against a loaded machine's cores (a 2-core run went
-    from 0.05 s to 3 s a step)."""
+          seed: int, log_every: int = 50, val: list | None = None, eval_every: int = 0,
+          patience: int = 0) -> dict[str, Any]:
+    """Adam over random batches for `seconds` (or max_steps steps). With held-out batches (val) and
+    eval_every > 0: their top-1 by unrolled step every eval_every steps; the head ends with the
+    parameters of the best evaluation (mean over steps), and training stops after `patience`
+    evaluations without a better one (0: never). On the CPU torch runs one thread: its OpenMP
+    workers otherwise spin against a loaded machine's cores (a 2-core run went from 0.05 s to 3 s a step)."""
+    kw = dict(val=val, eval_every=eval_every, patience=patience)
     if next(head.parameters()).is_cuda:
-        return _train(head, batches, seconds, steps, max_steps, lr, seed, log_every)
+        return _train(head, batches, seconds, steps, max_steps, lr, seed, log_every, **kw)
     with one_torch_thread():
-        return _train(head, batches, seconds, steps, max_steps, lr, seed, log_every)
+        return _train(head, batches, seconds, steps, max_steps, lr, seed, log_every, **kw)
+
+
+def _unrolled_loss(head: TrainHead, tok: torch.Tensor, feats: torch.Tensor, tgt: torch.Tensor,
+                   steps: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """The mean cross-entropy over the unrolled steps, and per step (correct, counted) targets."""
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=tok.is_cuda):
+        logits = head.unroll(tok, feats, steps)
+    loss, counts = 0.0, []
+    for j, lg in enumerate(logits):
+        t = tgt.clone()
+        t[:, :j] = -100
+        loss = loss + F.cross_entropy(lg.float().flatten(0, 1), t.flatten(), ignore_index=-100) / steps
+        valid = t >= 0
+        counts.append((int((lg.argmax(-1) == t)[valid].sum()), int(valid.sum())))
+    return loss, counts
+
+
+@torch.no_grad()
+def evaluate_batches(head: TrainHead, batches: list, steps: int) -> list[float]:
+    """Top-1 of the unrolled steps over held-out batches (what the proposer's drafts would match)."""
+    totals = np.zeros((steps, 2))
+    for tok, feats, tgt in batches:
+        totals += np.array(_unrolled_loss(head, tok, feats, tgt, steps)[1], dtype=np.float64)
+    return [float(c / max(n, 1.0)) for c, n in totals]
 
 
 def _train(head: TrainHead, batches: list, seconds: float, steps: int, max_steps: int | None, lr: float,
-           seed: int, log_every: int) -> dict[str, Any]:
+           seed: int, log_every: int, val: list | None, eval_every: int, patience: int) -> dict[str, Any]:
     torch.manual_seed(seed)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     start, n, rng = time.monotonic(), 0, random.Random(seed)
-    cuda = next(head.parameters()).is_cuda
     acc_hist: list[list[float]] = []
+    evals: list[dict[str, Any]] = []
+    best, best_state, stale = -1.0, None, 0
+    train_tokens = sum(int((tgt >= 0).sum()) for _, _, tgt in batches)
+    seen_tokens = 0
     while True:
         frac = (time.monotonic() - start) / seconds if max_steps is None else n / max_steps
         if frac >= 1.0:
@@ -182,35 +215,43 @@ def _train(head: TrainHead, batches: list, seconds: float, steps: int, max_steps
         for group in opt.param_groups:  # then cosine to a tenth
             group["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         tok, feats, tgt = batches[rng.randrange(len(batches))]
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            logits = head.unroll(tok, feats, steps)
-        loss, accs = 0.0, []
-        for j, lg in enumerate(logits):
-            t = tgt.clone()
-            t[:, :j] = -100
-            loss = loss + F.cross_entropy(lg.float().flatten(0, 1), t.flatten(), ignore_index=-100) / steps
-            valid = t >= 0
-            accs.append(float((lg.argmax(-1) == t)[valid].float().mean()) if valid.any() else 0.0)
+        loss, counts = _unrolled_loss(head, tok, feats, tgt, steps)
+        seen_tokens += int((tgt >= 0).sum())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        acc_hist.append(accs)
+        acc_hist.append([c / n_ if n_ else 0.0 for c, n_ in counts])
         n += 1
         if n % log_every == 0:
             recent = np.mean(acc_hist[-log_every:], axis=0)
             print(f"step {n} {time.monotonic() - start:.0f}s loss {float(loss.detach()):.3f} top-1 by step "
                   f"{' '.join(f'{a:.2f}' for a in recent)}", flush=True)
+        if val and eval_every and n % eval_every == 0:
+            top1 = evaluate_batches(head, val, steps)
+            evals.append({"step": n, "epochs": seen_tokens / max(train_tokens, 1), "val_top1_by_step": top1})
+            print(f"step {n}: held-out top-1 by step {' '.join(f'{a:.2f}' for a in top1)}", flush=True)
+            if np.mean(top1) > best:
+                best, stale = float(np.mean(top1)), 0
+                best_state = {k: v.detach().clone() for k, v in head.state_dict().items()}
+            else:
+                stale += 1
+                if patience and stale >= patience:
+                    break
+    if best_state is not None:
+        head.load_state_dict(best_state)
     recent = np.mean(acc_hist[-max(1, min(50, len(acc_hist))):], axis=0) if acc_hist else [0.0]
-    return {"steps": n, "seconds": time.monotonic() - start, "top1_by_step": [float(a) for a in recent]}
+    return {"steps": n, "seconds": time.monotonic() - start, "top1_by_step": [float(a) for a in recent],
+            "epochs": seen_tokens / max(train_tokens, 1), "evals": evals,
+            "best_val_top1_mean": best if best_state is not None else None}
 
 
 # Defaults by device: the shipped head's recipe on CUDA (about 8 minutes of an H100 with
 # --deadline-minutes 8.3), a smoke run under 5 minutes on a 2-core CPU.
 CUDA_DEFAULTS = dict(minutes=6.0, num_prompts=8000, max_new_tokens=256, gen_minutes=2.0, draft_vocab=8192,
-                     ttt_steps=5, lr=5e-4, batch_tokens=16384)
+                     ttt_steps=5, lr=5e-4, batch_tokens=16384, eval_every=250, patience=4)
 CPU_DEFAULTS = dict(minutes=2.0, num_prompts=32, max_new_tokens=48, gen_minutes=2.0, draft_vocab=2048, ttt_steps=2,
-                    lr=2e-3, batch_tokens=512)
+                    lr=2e-3, batch_tokens=512, eval_every=50, patience=0)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -231,6 +272,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--lr", type=float)
     p.add_argument("--batch-tokens", type=int, help="tokens per training batch")
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts drafted with the result (0: none)")
+    p.add_argument("--val-fraction", type=float, default=0.05,
+                   help="share of the generated sequences held out of training: the head keeps its best top-1 on them")
+    p.add_argument("--eval-every", type=int, help="training steps between held-out evaluations (0: none)")
+    p.add_argument("--patience", type=int, help="stop after this many evaluations without a better one (0: never)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     from pyengine import LLM
@@ -264,16 +309,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     embed = model.embed(torch.arange(cfg.vocab_size, device=device)).detach()
     head = TrainHead(c, embed.to(torch.bfloat16 if cuda else torch.float32)).to(device)
     init_from_target(head, model, ids)
-    batches = make_batches(seqs, [len(x) for x in train_prompts], aux, t2d, batch_tokens, device)
+    # a held-out share of the sequences: the head keeps its best top-1 on them, not the parameters
+    # that have learnt the training answers by heart (templated prompts repeat a lot)
+    lens = [len(x) for x in train_prompts]
+    order = list(range(len(seqs)))
+    random.Random(args.seed).shuffle(order)
+    n_val = int(round(args.val_fraction * len(seqs))) if len(seqs) > 1 else 0
+    held, kept = sorted(order[:n_val]), sorted(order[n_val:])
+    pick = lambda idx, xs: [xs[i] for i in idx]  # noqa: E731
+    batches = make_batches(pick(kept, seqs), pick(kept, lens), pick(kept, aux), t2d, batch_tokens, device)
+    val = make_batches(pick(held, seqs), pick(held, lens), pick(held, aux), t2d, batch_tokens, device) if held else []
     del aux
     print(f"features and {len(batches)} batches ready at {time.monotonic() - t0:.0f}s", flush=True)
     seconds = args.minutes * 60
     if args.deadline_minutes is not None:  # ~45 s kept for saving and the evaluation's load
         seconds = max(30.0, min(seconds, args.deadline_minutes * 60 - (time.monotonic() - t0) - 45))
-    stats = train(head, batches, seconds, args.ttt_steps, args.max_steps, args.lr, args.seed)
+    stats = train(head, batches, seconds, args.ttt_steps, args.max_steps, args.lr, args.seed, val=val,
+                  eval_every=args.eval_every, patience=args.patience)
     size = save_head(head, ids, cfg.vocab_size, args.out)
     result: dict[str, Any] = {"train": stats, "bytes": size, "total_seconds": time.monotonic() - t0,
-                              "num_sequences": len(seqs), "num_tokens": sum(map(len, seqs))}
+                              "num_sequences": len(seqs), "num_tokens": sum(map(len, seqs)), "num_held_out": len(held)}
     if args.eval_prompts:
         del llm, batches, model, head, embed
         gc.collect()

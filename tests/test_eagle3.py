@@ -167,6 +167,39 @@ def test_training_unroll_is_what_the_proposer_drafts(target: str, head: str) -> 
             torch.testing.assert_close(ours.compute_logits(prev)[0, ids], train_logits[j][0, p], rtol=1e-4, atol=1e-4)
 
 
+def test_training_keeps_the_best_head_on_held_out_sequences(target: str) -> None:
+    """scripts/train_eagle3.py's held-out evaluation: every eval_every steps the unrolled top-1 on
+    held-out sequences is recorded; the head returned is the best evaluation's (its top-1 on them
+    is that evaluation's, not the last step's); `patience` evaluations without a better one stop
+    the run early."""
+    s = _script()
+    llm = LLM(target, device="cpu")
+    prompts = make_prompts(48, seed=3)
+    answers = s.generate_answers(llm, prompts, 24, ignore_eos=True)
+    seqs = [p + a for p, a in zip(prompts, answers)]
+    layers = (2, 3, 3)
+    aux = s.aux_states(llm.model, llm.engine.runner.build_metadata, seqs, layers, torch.device("cpu"), 512)
+    ids = s.pick_draft_vocab(answers, 96, 64)
+    t2d = torch.full((96,), -1, dtype=torch.long)
+    t2d[ids] = torch.arange(len(ids))
+    lens = [len(p) for p in prompts]
+    train_b = s.make_batches(seqs[8:], lens[8:], aux[8:], t2d, 512, torch.device("cpu"))
+    val_b = s.make_batches(seqs[:8], lens[:8], aux[:8], t2d, 512, torch.device("cpu"))
+    head = TrainHead(head_config(llm.model, layers, len(ids), 96), llm.model.embed(torch.arange(96)).detach())
+    # a learning rate high enough to overshoot: later evaluations are not always the best
+    stats = s.train(head, train_b, 0.0, 2, 120, 3e-2, 0, log_every=10**9, val=val_b, eval_every=10, patience=0)
+    evals = stats["evals"]
+    assert len(evals) == 12 and all(len(e["val_top1_by_step"]) == 2 for e in evals)
+    best = max(float(sum(e["val_top1_by_step"]) / 2) for e in evals)
+    assert stats["best_val_top1_mean"] == pytest.approx(best)
+    assert float(sum(evals[-1]["val_top1_by_step"]) / 2) < best, "this run should have overshot (else nothing is restored)"
+    assert sum(s.evaluate_batches(head, val_b, 2)) / 2 == pytest.approx(best), "the best evaluation's head is kept"
+    assert stats["epochs"] > 0
+    early = s.train(TrainHead(head_config(llm.model, layers, len(ids), 96), llm.model.embed(torch.arange(96)).detach()),
+                    train_b, 0.0, 2, 400, 3e-2, 0, log_every=10**9, val=val_b, eval_every=10, patience=2)
+    assert early["steps"] < 400, "patience should stop a run whose held-out top-1 stopped improving"
+
+
 def test_graph_static_buffer_path(target: str, head: str) -> None:
     """Decode/verify steps through CudaGraphRunner's static buffers (run eagerly on the CPU, as
     replays would run): the aux states come from the model's fixed aux_out buffer, at the step's
