@@ -324,3 +324,19 @@ def test_engine_uses_the_users_step_cost(monkeypatch, tmp_path) -> None:
     dear, free = lengths[(0.001, 1.0)], lengths[(1.0, 0.0)]
     assert len(dear) >= 10 and set(dear) == {0}, dear
     assert len(free) >= 10 and set(free) == {4}, free
+
+
+def test_a_drafting_models_forwards_are_weighed() -> None:
+    """A proposer that runs a drafting model or layer (MTP, EAGLE-3, a draft model) pays a forward for
+    the catch-up and one per further draft depth, shared by the step's rows: drafts that pay when
+    proposing is free are fewer where a forward costs a tenth of a step, and stop where it costs
+    most of one."""
+    cost = (1.0, 0.02)
+
+    def drafts(rows: int, drafter_cost: float) -> float:
+        p = DraftLengthPolicy(4, step_cost=cost, drafter_cost=drafter_cost)
+        return simulate(k=4, rows=rows, accept=0.6, cost=cost, policy=p, steps=300)[-100:].mean()
+
+    for rows in (1, 4):
+        free, cheap, dear = drafts(rows, 0.0), drafts(rows, 0.1), drafts(rows, 0.8)
+        assert free > 2.5 and 1.0 < cheap < free and dear < 0.25, (rows, free, cheap, dear)  # dear: probes only

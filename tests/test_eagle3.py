@@ -294,3 +294,14 @@ def test_cli_flags(target: str, head: str) -> None:
         main(["--model", target, "--device", "cpu", "--prompt", "t5 t6 t7", "--max-tokens", "8", "--no-chat",
               "--spec", "eagle3", "--draft-model", head, "--num-spec-tokens", "3", "--json"])
     assert json.loads(out.getvalue())["stats"]["num_draft_tokens"] > 0
+
+
+def test_the_draft_length_policy_weighs_the_heads_forwards(target: str, head: str) -> None:
+    """The adaptive policy of an EAGLE-3 engine knows what a head forward costs against a target step
+    (the modelled share: below one, both mostly the CPU's per-forward overhead at these widths);
+    ngram runs none."""
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    share = LLM(target, device="cpu", speculative_config=spec).engine.draft_length.drafter_cost
+    assert 0.05 < share < 1.0, share
+    ngram = LLM(target, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert ngram.engine.draft_length.drafter_cost == 0.0

@@ -94,7 +94,10 @@ class LLMEngine:
                                            draft=draft_model)
         adaptive = spec is not None and spec.adaptive_draft_length
         # its step cost: spec.step_cost, else modelled from the model and device (never timed)
-        self.draft_length = DraftLengthPolicy.for_runner(self.k, runner, spec.step_cost) if adaptive else None
+        # and the forwards of its drafting module (MTP / EAGLE-3 layer, draft model; ngram and suffix: none)
+        drafter = getattr(self.proposer, "drafting_module", None)
+        self.draft_length = DraftLengthPolicy.for_runner(self.k, runner, spec.step_cost, drafter=drafter) \
+            if adaptive else None
         self.rejection_sampler = RejectionSampler()
         self.generators = RequestGenerators(cfg.seed)
         self.eos_token_ids = list(dict.fromkeys(tokenizer.eos_token_ids + model_config.eos_token_ids))

@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 
 from pyengine.spec_decode.step_cost import (DEFAULT_STEP_COST, GraphCosts, StepCost, check_step_cost,
-                                            device_rates, runner_graph_costs, runner_step_cost)
+                                            device_rates, drafter_cost_share, runner_graph_costs,
+                                            runner_step_cost)
 
 # (slots, seq ids, can_finish_last, the step from which a new probe may be due, lengths): a plan to repeat
 Plan = tuple[np.ndarray, np.ndarray, "np.ndarray | None", float, np.ndarray]
@@ -67,7 +68,7 @@ class DraftLengthPolicy:
 
     def __init__(self, k: int, probe_every: int = 48, decay: float = 0.95, margin: float = 0.05,
                  prior_weight: float = 1.0, *, step_cost: StepCost | None = None,
-                 graph_costs: GraphCosts | None = None) -> None:
+                 graph_costs: GraphCosts | None = None, drafter_cost: float = 0.0) -> None:
         # margin: speculate only for an expected gain above it; the model omits the proposal and
         # verification overheads, so near break-even plain decoding is the safer choice
         self.k, self.probe_every, self.decay, self.margin = k, probe_every, decay, margin
@@ -75,6 +76,9 @@ class DraftLengthPolicy:
         # (a, b): T(n) = a + b n; None: DEFAULT_STEP_COST (for_runner gives the modelled one)
         self.step_cost = DEFAULT_STEP_COST if step_cost is None else check_step_cost(step_cost)
         self.graph_costs = graph_costs  # rows -> cost by most drafts 0..k (graph-replayed steps), or None
+        # a forward of a drafting model or layer, as a share of a's (0: ngram, suffix); eager steps
+        # pay one for the catch-up and one per chained draft depth (_best_lengths)
+        self.drafter_cost = float(drafter_cost)
         # Batch-wide decayed counts per position; start optimistic (c = 1 with one trial's weight).
         self.pool_trials, self.pool_accepts = np.ones(k), np.ones(k)
         # Per-request statistics live in row `request slot` (the scheduler's dense index) of these
@@ -98,13 +102,14 @@ class DraftLengthPolicy:
         self.launch_overhead = 0.0
 
     @classmethod
-    def for_runner(cls, k: int, runner: Any, step_cost: StepCost | None = None, **kw: Any) -> "DraftLengthPolicy":
+    def for_runner(cls, k: int, runner: Any, step_cost: StepCost | None = None, drafter: Any = None,
+                   **kw: Any) -> "DraftLengthPolicy":
         """The policy for a ModelRunner's steps: step_cost if given (SpeculativeConfig.step_cost),
         else the cost model's for its model and device (runner_step_cost); a runner that replays
         CUDA graphs also gives the graphs' measured costs (runner_graph_costs), unless step_cost was given."""
         graph_costs = runner_graph_costs(runner, k) if step_cost is None else None
         policy = cls(k, step_cost=step_cost if step_cost is not None else runner_step_cost(runner),
-                     graph_costs=graph_costs, **kw)
+                     graph_costs=graph_costs, drafter_cost=drafter_cost_share(drafter, runner), **kw)
         if graph_costs is not None:
             policy.launch_overhead = device_rates(runner.device).overhead
         return policy
@@ -231,10 +236,30 @@ class DraftLengthPolicy:
 
     def _best_lengths(self, rows: np.ndarray, eligible: np.ndarray, a: float, b: float) -> np.ndarray:
         """Greedy marginal allocation of drafts over the eligible rows (see the class docstring).
-        Only b / a matters: scaling both scales `seconds` and `b` alike in the test below."""
-        num_rows, k = len(rows), self.k
+        Only b / a matters: scaling both scales `seconds` and `b` alike in the test below. With a
+        drafting model (drafter_cost), whose forwards every row reaching a depth shares, the
+        allocation is made under each cap D on the depth and the D with the best goodput wins."""
         p = self.acceptance(rows) * eligible[:, None]  # [R, k], non-increasing along k
         h = self.found[rows] / self.asked[rows]
+        if not self.drafter_cost:
+            return self._greedy_lengths(p, h, a, b)
+        num_rows = len(rows)
+        best, best_rate = np.zeros(num_rows, dtype=np.int64), (1.0 + self.margin) * num_rows / (a + b * num_rows)
+        for cap in range(1, self.k + 1):
+            lengths = self._greedy_lengths(np.where(np.arange(self.k) < cap, p, 0.0), h, a, b)
+            depth = int(lengths.max(initial=0))
+            if not depth:
+                continue
+            taken = np.arange(self.k)[None, :] < lengths[:, None]
+            tokens = num_rows + float((h[:, None] * p * taken).sum())
+            # a forward for the catch-up (draft 1) and one per further depth
+            seconds = a + b * (num_rows + float((h * lengths).sum())) + self.drafter_cost * a * depth
+            if tokens / seconds > best_rate:
+                best, best_rate = lengths, tokens / seconds
+        return best
+
+    def _greedy_lengths(self, p: np.ndarray, h: np.ndarray, a: float, b: float) -> np.ndarray:
+        num_rows, k = p.shape
         # Candidates (row, position) by falling P; ties keep position order within a row, so the
         # drafts taken for a row are always a prefix.
         order = np.argsort(-p.ravel(), kind="stable")

@@ -111,6 +111,11 @@ class DraftModelProposer:
 
     # ---- Proposer ----------------------------------------------------------------------------
     @torch.inference_mode()
+    @property
+    def drafting_module(self) -> Any:
+        """What runs a forward per catch-up and per chained draft (the draft-length policy weighs it)."""
+        return self.runner.model
+
     def propose(self, scheduler: _C.Scheduler, view: _C.DecodeView, max_drafts: np.ndarray) -> None:
         self.sampler.pending.clear()
         num_tokens = view.num_tokens

@@ -77,6 +77,11 @@ class MtpProposer:
             self.set_graphs(HeadGraphs(self.layer, self.kv_cache, self.block_size, self.device, g.max_rows, g.max_q,
                                        g.width * self.block_size))
 
+    @property
+    def drafting_module(self) -> Any:
+        """What runs a forward per catch-up and per chained draft (the draft-length policy weighs it)."""
+        return self.layer
+
     def set_graphs(self, graphs: HeadGraphs | None) -> None:
         """Run the layer's short forwards (decode catch-ups, chained drafts) through these graphs
         (None: all eager). On a CPU device the graphs' static-buffer path runs eagerly (tests)."""
