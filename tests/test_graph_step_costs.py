@@ -106,24 +106,31 @@ def test_runner_graph_costs_adds_the_host_overhead_to_steps_with_drafts() -> Non
     assert runner_graph_costs(no_graphs, 3) is None
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-@pytest.mark.parametrize("accept", [0.05, 0.5])
-def test_quiet_spells_plan_what_a_full_plan_would(graphs: bool, accept: float) -> None:
-    """The shortcut for steps after a plan without drafts (same rows, no probe due) gives the very
-    lengths the full plan gives, step for step, probes included."""
+def full_and_repeating_plans(graphs: bool, accept: float, found: float) -> tuple[np.ndarray, np.ndarray, list]:
+    """The lengths of 300 simulated steps of 6 rows planned afresh every step, the same with plans
+    repeated where _still_quiet allows, and what _still_quiet answered at each step (graph steps or
+    eager ones, probes every 10 steps)."""
     def make() -> DraftLengthPolicy:
         if graphs:
             return policy([1.0, 1.5, 1.6, 1.7, 1.8], probe_every=10)
         return DraftLengthPolicy(K, step_cost=(1.0, 0.3), probe_every=10)
 
-    full = make()
+    full, fast, calls = make(), make(), []
     full._still_quiet = lambda *a: None
-    fast = make()
-    calls = []
     orig = fast._still_quiet
     fast._still_quiet = lambda *a: calls.append(orig(*a)) or calls[-1]
-    a = simulate(K, rows=6, accept=accept, cost=(1.0, 0.01) if graphs else (1.0, 0.3), policy=full, steps=300)
-    b = simulate(K, rows=6, accept=accept, cost=(1.0, 0.01) if graphs else (1.0, 0.3), policy=fast, steps=300)
+    cost = (1.0, 0.01) if graphs else (1.0, 0.3)
+    a = simulate(K, rows=6, accept=accept, cost=cost, policy=full, steps=300, found=found)
+    b = simulate(K, rows=6, accept=accept, cost=cost, policy=fast, steps=300, found=found)
+    return a, b, calls
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("accept", [0.05, 0.5])
+def test_quiet_spells_plan_what_a_full_plan_would(graphs: bool, accept: float) -> None:
+    """The shortcut for steps after a plan without drafts (same rows, no probe due) gives the very
+    lengths the full plan gives, step for step, probes included."""
+    a, b, calls = full_and_repeating_plans(graphs, accept, found=1.0)
     assert np.array_equal(a, b)
     assert sum(c is not None for c in calls) > 50, "the shortcut should serve most steps of a batch that does not speculate"
 
@@ -135,20 +142,7 @@ def test_plans_the_proposer_cannot_fill_repeat_without_planning_afresh(graphs: b
     afresh: the lengths a full plan gives, step for step, from far fewer full plans. (On graph
     steps a full plan weighs the rows' falling chance of finding drafts, so it may stop asking a
     step or two earlier; an unfilled draft costs nothing either way.)"""
-    def make() -> DraftLengthPolicy:
-        if graphs:
-            return policy([1.0, 1.5, 1.6, 1.7, 1.8], probe_every=10)
-        return DraftLengthPolicy(K, step_cost=(1.0, 0.3), probe_every=10)
-
-    full = make()
-    full._still_quiet = lambda *a: None
-    fast = make()
-    calls = []
-    orig = fast._still_quiet
-    fast._still_quiet = lambda *a: calls.append(orig(*a)) or calls[-1]
-    cost = (1.0, 0.01) if graphs else (1.0, 0.3)
-    a = simulate(K, rows=6, accept=0.5, cost=cost, policy=full, steps=300, found=0.0)
-    b = simulate(K, rows=6, accept=0.5, cost=cost, policy=fast, steps=300, found=0.0)
+    a, b, calls = full_and_repeating_plans(graphs, 0.5, found=0.0)
     differ = (a != b).any(axis=1)
     assert differ.sum() <= (3 if graphs else 0), np.nonzero(differ)[0]
     asked = b[DraftLengthPolicy.WARMUP_STEPS:] > 0
