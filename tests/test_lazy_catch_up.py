@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pyengine import LLM, SamplingParams
+from pyengine.spec_decode.head_graphs import HeadGraphs
 from tests.spec_harness import plain_greedy
 from tests.tiny_models import make_deepseek_checkpoint, make_prompts
 
@@ -60,10 +61,15 @@ class DraftLog:
         return getattr(self.inner, name)
 
 
-def run(target: str, lazy: bool, period: int, ring: int | None = None, batch: int = 8, k: int = 3, **kw):
+def run(target: str, lazy: bool, period: int, ring: int | None = None, batch: int = 8, k: int = 3,
+        graphs: bool = False, **kw):
     llm = LLM(target, device="cpu", max_num_batched_tokens=48,
               speculative_config={"method": "mtp", "num_speculative_tokens": k, "adaptive_draft_length": False}, **kw)
     eng = llm.engine
+    if graphs:  # the CUDA-graph path's static buffers (run eagerly on the CPU): short catch-ups take it
+        r, cfg = eng.runner, eng.cfg
+        eng.proposer.set_graphs(HeadGraphs(eng.proposer.layer, eng.proposer.kv_cache, r.block_size, r.device,
+                                           cfg.max_num_seqs, k + 1, cfg.max_model_len + k + 1 + r.block_size))
     eng.draft_length = PatternPolicy(k, period)
     eng.proposer.lazy = lazy
     if ring is not None:
@@ -100,6 +106,7 @@ def same_steps(a: list, b: list) -> bool:
     (5, None, {"enable_prefix_caching": True}),
     (13, 9, {}),  # quiet spells longer than the ring holds: forced catch-ups
     (4, None, {"num_kv_blocks": 40, "block_size": 4}),  # preemption: the ring's rows are dropped
+    (3, None, {"graphs": True}),
 ])
 def test_deferred_catch_up_drafts_what_catching_up_every_step_drafts(target: str, period: int, ring, kw) -> None:
     eager_out, eager_steps, eager_forwards, eager_stats = run(target, False, period, ring, **kw)
