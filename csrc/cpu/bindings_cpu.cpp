@@ -134,7 +134,7 @@ void register_cpu_ops(py::module_& m) {
       .def("columns", [](const PackedWeight& self, uintptr_t ids, int64_t count, uintptr_t out) {
         // affine formats are fp32 weights only (cpu_gemm_affine.h)
         return packed_columns(self.panels(), self.format(), self.k(), self.n(), ptr<const int64_t>(ids), count,
-                              ptr<float>(out));
+                              ptr<float>(out), self.paired());
       }, "columns ids (count int64) as rows out [count, k] fp32 (cpu_gguf_pack.h); False for a dense format");
   cpu.def(
       "pack_gguf",

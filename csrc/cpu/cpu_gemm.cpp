@@ -156,7 +156,7 @@ PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, boo
   }
   if (compact && dtype == DType::kFloat32)
     for (const PanelFormat f : {PanelFormat::kAffine4, PanelFormat::kAffine8})
-      if (pack_affine(static_cast<const float*>(w), k, n, f, packed_)) {
+      if (pack_affine(static_cast<const float*>(w), k, n, f, packed_, isa_ == GemmIsa::kAvx2)) {
         format_ = f;
         return;
       }
@@ -179,7 +179,7 @@ PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, boo
 std::optional<PackedWeight> PackedWeight::from_gguf(const GgufRows& rows, int64_t k, int64_t n) {
   if (!check(k, n, DType::kFloat32).empty()) return std::nullopt;
   PackedWeight w(nullptr, 0, 1, DType::kFloat32, false);  // an empty weight (check fails: nothing read)
-  if (!pack_gguf_rows(rows, k, n, w.packed_)) return std::nullopt;
+  if (!pack_gguf_rows(rows, k, n, w.packed_, w.isa_ == GemmIsa::kAvx2)) return std::nullopt;
   w.k_ = w.k_steps_ = k, w.n_ = n, w.panels_ = ceil_div(n, kPanel), w.format_ = gguf_panel_format(rows.ggml_type);
   return w;
 }
@@ -195,7 +195,7 @@ void PackedWeight::matmul(const void* x, int64_t x_row_stride, int64_t m, const 
       avx2_matmul_bf16(packed_.data(), k_, n_, static_cast<const bf16*>(x), x_row_stride, m,
                        static_cast<const bf16*>(bias), static_cast<bf16*>(y));
     else
-      avx2_matmul_f32(packed_.data(), format_, k_, n_, xf, x_row_stride, m, bf, yf);
+      avx2_matmul_f32(packed_.data(), format_, paired(), k_, n_, xf, x_row_stride, m, bf, yf);
     return;
   }
   if (dtype_ == DType::kBFloat16)

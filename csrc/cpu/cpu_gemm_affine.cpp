@@ -166,15 +166,22 @@ constexpr F32MicroKernels make_kernels(std::integer_sequence<int, R...>) {
 
 }  // namespace
 
-bool pack_affine(const float* w, int64_t k, int64_t n, PanelFormat f, PanelStore& out) {
+AffineLayout::AffineLayout(PanelFormat f, int64_t k, int64_t n, bool pair_4bit)
+    : panels(ceil_div(n, kPanelCols)),
+      blocks(k / kAffineRun),
+      words(f == PanelFormat::kDense ? 0 : affine_block_words(f)),
+      paired(pair_4bit && f == PanelFormat::kAffine4) {}
+
+bool pack_affine(const float* w, int64_t k, int64_t n, PanelFormat f, PanelStore& out, bool pair_4bit) {
 #ifdef PE_HAVE_AFFINE
   if (k % kAffineRun != 0 || f == PanelFormat::kDense) return false;
-  const int64_t panels = ceil_div(n, kPanelCols), blocks = k / kAffineRun, words = affine_block_words(f);
+  const AffineLayout lay(f, k, n, pair_4bit);
+  const int64_t panels = lay.panels, blocks = lay.blocks, words = lay.words;
   out.assign(static_cast<size_t>(panels * blocks * words), 0u);  // padding columns: s = m = q = 0
   Run run;
   for (int64_t p = 0; p < panels; ++p)
     for (int64_t b = 0; b < blocks; ++b) {
-      uint32_t* block = out.data() + (p * blocks + b) * words;
+      uint32_t* block = out.data() + lay.block(p, b);
       uint8_t* q = reinterpret_cast<uint8_t*>(block + 32);
       for (int c = 0; c < kPanelCols && p * kPanelCols + c < n; ++c) {
         const float* col = w + b * kAffineRun * n + p * kPanelCols + c;
@@ -191,7 +198,7 @@ bool pack_affine(const float* w, int64_t k, int64_t n, PanelFormat f, PanelStore
     }
   return true;
 #else
-  (void)w, (void)k, (void)n, (void)f, (void)out;
+  (void)w, (void)k, (void)n, (void)f, (void)out, (void)pair_4bit;
   return false;
 #endif
 }

@@ -175,14 +175,15 @@ PE_AVX2_INLINE void fma_rows(const float* xk, int64_t xs, __m256 w0, __m256 w1, 
   }
 }
 
+// `step`: bytes from one block of the panel to its next (AffineLayout::step).
 template <int R, int Bits>
-PE_AVX2 void kernel_affine(const float* x, int64_t xs, const uint8_t* block, int64_t blocks, float* acc) {
+PE_AVX2 void kernel_affine(const float* x, int64_t xs, const uint8_t* block, int64_t blocks, int64_t step, float* acc) {
   static_assert(R == 1 || R == 2);
   constexpr int64_t kBlockBytes = affine_block_words(Bits == 4 ? PanelFormat::kAffine4 : PanelFormat::kAffine8) * 4;
   __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t bk = 0; bk < blocks; ++bk, block += kBlockBytes) {
+  for (int64_t bk = 0; bk < blocks; ++bk, block += step) {
     for (int64_t line = 0; line < kBlockBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * kBlockBytes + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * step + line), _MM_HINT_T0);
     const float* sm = reinterpret_cast<const float*>(block);
     const __m256 s0 = _mm256_loadu_ps(sm), s1 = _mm256_loadu_ps(sm + 8);
     const __m256 m0 = _mm256_loadu_ps(sm + 16), m1 = _mm256_loadu_ps(sm + 24);
@@ -204,6 +205,48 @@ PE_AVX2 void kernel_affine(const float* x, int64_t xs, const uint8_t* block, int
     }
   }
   for (int i = 0; i < 2 * R; ++i) _mm256_storeu_ps(acc + 8 * i, sums[i]);
+}
+
+// One row of x against a pair of 4-bit panels (AffineLayout's paired layout: block b of the
+// first panel at block + b * 2 * kBlockBytes, the second's right after it) -> acc [2][16]. Why:
+// one row's sums are 2 FMA chains per panel (lo, hi), each FMA waiting for the previous k's
+// (4 cycles on Zen 3), so kernel_affine<1> ran at ~4 weights a cycle, bound by that latency and
+// not by the 2 FMA units; two panels' 4 chains keep them busy (cache-resident SmolLM2 layers
+// 9.3 -> 7.7 ms a step on one core). Per output the FMAs and their order are kernel_affine<1>'s
+// (same weights, k in order from +0): the same bits as a panel run alone.
+PE_AVX2 void kernel_affine_pair(const float* x, const uint8_t* block, int64_t blocks, float* acc) {
+  constexpr int64_t kBlockBytes = affine_block_words(PanelFormat::kAffine4) * 4, kStep = 2 * kBlockBytes;
+  constexpr int kAhead = 4;  // pair steps prefetched ahead (3 KiB of the one stream)
+  __m256 lo0 = _mm256_setzero_ps(), hi0 = _mm256_setzero_ps(), lo1 = _mm256_setzero_ps(), hi1 = _mm256_setzero_ps();
+  const __m256i low_nibble = _mm256_set1_epi32(0xF);
+  for (int64_t bk = 0; bk < blocks; ++bk, block += kStep) {
+    for (int64_t line = 0; line < kStep; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(block + kAhead * kStep + line), _MM_HINT_T0);
+    const float* xk = x + bk * kAffineRun;
+    const float* sm0 = reinterpret_cast<const float*>(block);
+    const float* sm1 = reinterpret_cast<const float*>(block + kBlockBytes);
+    const __m256 s00 = _mm256_loadu_ps(sm0), s01 = _mm256_loadu_ps(sm0 + 8);
+    const __m256 m00 = _mm256_loadu_ps(sm0 + 16), m01 = _mm256_loadu_ps(sm0 + 24);
+    const __m256 s10 = _mm256_loadu_ps(sm1), s11 = _mm256_loadu_ps(sm1 + 8);
+    const __m256 m10 = _mm256_loadu_ps(sm1 + 16), m11 = _mm256_loadu_ps(sm1 + 24);
+    const uint8_t* q0 = block + 128;
+    const uint8_t* q1 = block + kBlockBytes + 128;
+    for (int j = 0; j < kAffineRun / 2; ++j) {  // line j: inputs 2j (low nibbles) and 2j + 1 (high)
+      const __m256 xe = _mm256_broadcast_ss(xk + 2 * j), xo = _mm256_broadcast_ss(xk + 2 * j + 1);
+      const __m256i a0 = line_codes<4>(q0 + 16 * j), a1 = line_codes<4>(q0 + 16 * j + 8);
+      const __m256i b0 = line_codes<4>(q1 + 16 * j), b1 = line_codes<4>(q1 + 16 * j + 8);
+      lo0 = _mm256_fmadd_ps(xe, _mm256_fmadd_ps(s00, _mm256_cvtepi32_ps(_mm256_and_si256(a0, low_nibble)), m00), lo0);
+      hi0 = _mm256_fmadd_ps(xe, _mm256_fmadd_ps(s01, _mm256_cvtepi32_ps(_mm256_and_si256(a1, low_nibble)), m01), hi0);
+      lo1 = _mm256_fmadd_ps(xe, _mm256_fmadd_ps(s10, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low_nibble)), m10), lo1);
+      hi1 = _mm256_fmadd_ps(xe, _mm256_fmadd_ps(s11, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low_nibble)), m11), hi1);
+      lo0 = _mm256_fmadd_ps(xo, _mm256_fmadd_ps(s00, _mm256_cvtepi32_ps(_mm256_srli_epi32(a0, 4)), m00), lo0);
+      hi0 = _mm256_fmadd_ps(xo, _mm256_fmadd_ps(s01, _mm256_cvtepi32_ps(_mm256_srli_epi32(a1, 4)), m01), hi0);
+      lo1 = _mm256_fmadd_ps(xo, _mm256_fmadd_ps(s10, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m10), lo1);
+      hi1 = _mm256_fmadd_ps(xo, _mm256_fmadd_ps(s11, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m11), hi1);
+    }
+  }
+  _mm256_storeu_ps(acc, lo0), _mm256_storeu_ps(acc + 8, hi0);
+  _mm256_storeu_ps(acc + 16, lo1), _mm256_storeu_ps(acc + 24, hi1);
 }
 
 // y rows [0, rows) (stride ys, `cols` valid columns) = acc [rows][16] + bias, rounded to T.
@@ -280,17 +323,20 @@ PE_AVX2 void widen_bf16(const bf16* x, int64_t xs, int64_t m, int64_t k, float* 
 
 bool has_avx2_gemm() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
-void avx2_matmul_f32(const uint32_t* packed, PanelFormat format, int64_t k, int64_t n, const float* x,
+void avx2_matmul_f32(const uint32_t* packed, PanelFormat format, bool paired, int64_t k, int64_t n, const float* x,
                      int64_t x_row_stride, int64_t m, const float* bias, float* y) {
   const int64_t panels = ceil_div(n, kPanel);
   const int64_t chunk = chunk_rows(k, kRowsF32);
   const int64_t blocks = k / kAffineRun;
-  const int64_t block_words = format == PanelFormat::kDense ? 0 : affine_block_words(format);
+  const AffineLayout lay(format, k, n, paired);
+  // Threads claim ranges of whole pairs (a pair is one stream, run by one kernel call).
+  const int64_t unit = lay.paired ? 2 : 1, units = ceil_div(panels, unit);
   ThreadPool& pool = shared_pool();
-  const int64_t parts = std::min<int64_t>(panels, kChunksPerThread * pool.num_threads());
+  const int64_t parts = std::min<int64_t>(units, kChunksPerThread * pool.num_threads());
   pool.run_chunks(parts, [&](int64_t c) {
-    const int64_t begin = split_begin(panels, c, parts), end = split_begin(panels, c + 1, parts);
-    if (begin == end) return;
+    const int64_t begin = unit * split_begin(units, c, parts);
+    const int64_t end = std::min(panels, unit * split_begin(units, c + 1, parts));
+    if (begin >= end) return;
     thread_local std::vector<float> wpanel;  // affine, more rows than one group: [K][16] rebuilt
     alignas(64) float acc[kRowsF32 * kPanel];
     alignas(64) float wblock[kAffineRun * kPanel];
@@ -311,10 +357,20 @@ void avx2_matmul_f32(const uint32_t* packed, PanelFormat format, int64_t k, int6
           }
           continue;
         }
-        const uint8_t* block = reinterpret_cast<const uint8_t*>(packed + p * blocks * block_words);
+        const uint8_t* block = reinterpret_cast<const uint8_t*>(packed + lay.block(p, 0));
+        const int64_t step = lay.step(p) * 4;  // bytes from one block of panel p to its next
+        if (rows == 1 && lay.width(p) == 2) {  // both panels of a pair at once (p is the first)
+          alignas(64) float pair_acc[2 * kPanel];
+          kernel_affine_pair(xc, block, blocks, pair_acc);
+          store_rows(pair_acc, 1, b, yc + p * kPanel, n, cols);
+          ++p;
+          const int cols1 = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
+          store_rows(pair_acc + kPanel, 1, panel_bias(bias, p, cols1, bias_buf), yc + p * kPanel, n, cols1);
+          continue;
+        }
         if (rows > kRowsF32) {  // the panel rebuilt once into L2, then every row group as dense
           float* wp = aligned_buffer(wpanel, k * kPanel);
-          for (int64_t bk = 0; bk < blocks; ++bk, block += block_words * 4)
+          for (int64_t bk = 0; bk < blocks; ++bk, block += step)
             format == PanelFormat::kAffine4 ? decode_block<4>(block, wp + bk * kAffineRun * kPanel)
                                             : decode_block<8>(block, wp + bk * kAffineRun * kPanel);
           for (int64_t g = 0; g < rows; g += kRowsF32) {
@@ -325,16 +381,16 @@ void avx2_matmul_f32(const uint32_t* packed, PanelFormat format, int64_t k, int6
           continue;
         }
         if (rows <= 2) {  // weights rebuilt in registers (kernel_affine)
-          using Fused = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*);
+          using Fused = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*);
           static constexpr Fused kFused[2][2] = {{&kernel_affine<1, 4>, &kernel_affine<2, 4>},
                                                  {&kernel_affine<1, 8>, &kernel_affine<2, 8>}};
-          kFused[format == PanelFormat::kAffine4 ? 0 : 1][rows - 1](xc, x_row_stride, block, blocks, acc);
+          kFused[format == PanelFormat::kAffine4 ? 0 : 1][rows - 1](xc, x_row_stride, block, blocks, step, acc);
           store_rows(acc, static_cast<int>(rows), b, yc + p * kPanel, n, cols);
           continue;
         }
         // One row group: each 32-input block rebuilt into L1 and consumed at once, the group's
         // sums carried in acc (stored and reloaded exactly, so the chain is the dense one).
-        for (int64_t bk = 0; bk < blocks; ++bk, block += block_words * 4) {
+        for (int64_t bk = 0; bk < blocks; ++bk, block += step) {
           format == PanelFormat::kAffine4 ? decode_block<4>(block, wblock) : decode_block<8>(block, wblock);
           kF32Block[rows - 1](xc + bk * kAffineRun, x_row_stride, wblock, kAffineRun, acc, bk == 0);
         }
@@ -389,8 +445,8 @@ void avx2_matmul_bf16(const uint32_t* packed, int64_t k, int64_t n, const bf16* 
 #else  // no x86-64 GCC/Clang: has_avx2_gemm() is false and nothing calls the rest
 
 bool has_avx2_gemm() { return false; }
-void avx2_matmul_f32(const uint32_t*, PanelFormat, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
-                     float*) {}
+void avx2_matmul_f32(const uint32_t*, PanelFormat, bool, int64_t, int64_t, const float*, int64_t, int64_t,
+                     const float*, float*) {}
 void avx2_matmul_bf16(const uint32_t*, int64_t, int64_t, const bf16*, int64_t, int64_t, const bf16*, bf16*) {}
 
 #endif  // PE_HAVE_AVX2_GEMM

@@ -30,8 +30,8 @@ namespace pyengine::cpu {
 bool has_avx2_gemm();
 
 // y [M, N] = x [M, K] (row stride x_row_stride) @ W + bias, W packed as `format` (dense: [panels][K][16]
-// fp32; affine: cpu_gemm_affine.h's blocks).
-void avx2_matmul_f32(const uint32_t* packed, PanelFormat format, int64_t k, int64_t n, const float* x,
+// fp32; affine: cpu_gemm_affine.h's blocks, in AffineLayout(format, K, N, paired)).
+void avx2_matmul_f32(const uint32_t* packed, PanelFormat format, bool paired, int64_t k, int64_t n, const float* x,
                      int64_t x_row_stride, int64_t m, const float* bias, float* y);
 
 // bf16: W as [panels][K / 2][16] pairs (w[2k] low half, w[2k + 1] high half).

@@ -41,17 +41,20 @@ BlockLayout layout_of(GgufBlockType t) {
   return {0, 0};
 }
 
-// One panel (16 output columns) of all K / 32 blocks; false on a non-finite d or m.
-bool pack_panel(const GgufRows& src, GgufBlockType type, int64_t blocks, int64_t p, int64_t n, uint32_t* dst) {
+// One panel (16 output columns) of all K / 32 blocks (block b at dst + b * step words); false on a
+// non-finite d or m.
+bool pack_panel(const GgufRows& src, GgufBlockType type, int64_t blocks, int64_t p, int64_t n, uint32_t* dst,
+                int64_t step) {
   const BlockLayout lay = layout_of(type);
   const PanelFormat f = gguf_panel_format(src.ggml_type);
   const int64_t words = affine_block_words(f);
-  std::memset(dst, 0, static_cast<size_t>(blocks * words) * sizeof(uint32_t));  // padding columns: s = m = q = 0
+  for (int64_t b = 0; b < blocks; ++b)  // padding columns: s = m = q = 0
+    std::memset(dst + b * step, 0, static_cast<size_t>(words) * sizeof(uint32_t));
   for (int c = 0; c < kPanelCols && p * kPanelCols + c < n; ++c) {
     const uint8_t* row = src.rows[p * kPanelCols + c];
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* blk = row + b * lay.bytes;
-      uint32_t* block = dst + b * words;
+      uint32_t* block = dst + b * step;
       float* sm = reinterpret_cast<float*>(block);
       uint8_t* q = reinterpret_cast<uint8_t*>(block + 32);
       const float d = half_to_float(blk);
@@ -85,33 +88,33 @@ PanelFormat gguf_panel_format(int32_t ggml_type) {
   return PanelFormat::kDense;
 }
 
-bool pack_gguf_rows(const GgufRows& src, int64_t k, int64_t n, PanelStore& out) {
+bool pack_gguf_rows(const GgufRows& src, int64_t k, int64_t n, PanelStore& out, bool pair_4bit) {
   if (!known(src.ggml_type) || k % kAffineRun != 0 || k <= 0 || n <= 0) return false;
   const auto type = static_cast<GgufBlockType>(src.ggml_type);
-  const int64_t blocks = k / kAffineRun, panels = ceil_div(n, kPanelCols);
-  const int64_t panel_words = blocks * affine_block_words(gguf_panel_format(src.ggml_type));
-  out.resize(static_cast<size_t>(panels * panel_words));  // every word written below
+  const AffineLayout lay(gguf_panel_format(src.ggml_type), k, n, pair_4bit);
+  out.resize(static_cast<size_t>(lay.panels * lay.blocks * lay.words));  // every word written below
   std::atomic<bool> ok{true};
   constexpr int64_t kPanelsPerChunk = 8;  // chunks of a few tens of KiB: both cores busy, little waiting
-  shared_pool().run_chunks(ceil_div(panels, kPanelsPerChunk), [&](int64_t chunk) {
-    const int64_t end = std::min(panels, (chunk + 1) * kPanelsPerChunk);
+  shared_pool().run_chunks(ceil_div(lay.panels, kPanelsPerChunk), [&](int64_t chunk) {
+    const int64_t end = std::min(lay.panels, (chunk + 1) * kPanelsPerChunk);
     for (int64_t p = chunk * kPanelsPerChunk; p < end && ok.load(std::memory_order_relaxed); ++p)
-      if (!pack_panel(src, type, blocks, p, n, out.data() + p * panel_words)) ok.store(false);
+      if (!pack_panel(src, type, lay.blocks, p, n, out.data() + lay.block(p, 0), lay.step(p))) ok.store(false);
   });
   return ok.load();
 }
 
 bool packed_columns(const uint32_t* panels, PanelFormat format, int64_t k, int64_t n, const int64_t* ids,
-                    int64_t count, float* out) {
+                    int64_t count, float* out, bool pair_4bit) {
   if (format == PanelFormat::kDense || k % kAffineRun != 0) return false;
   for (int64_t t = 0; t < count; ++t)  // before anything is written
     if (ids[t] < 0 || ids[t] >= n) return false;
-  const int64_t blocks = k / kAffineRun, words = affine_block_words(format);
+  const AffineLayout lay(format, k, n, pair_4bit);
+  const int64_t blocks = lay.blocks;
   for (int64_t t = 0; t < count; ++t) {
     const int64_t p = ids[t] / kPanelCols, c = ids[t] % kPanelCols;
-    const uint32_t* block = panels + p * blocks * words;
+    const uint32_t* block = panels + lay.block(p, 0);
     float* row = out + t * k;
-    for (int64_t b = 0; b < blocks; ++b, block += words, row += kAffineRun) {
+    for (int64_t b = 0; b < blocks; ++b, block += lay.step(p), row += kAffineRun) {
       float s, m;
       std::memcpy(&s, block + c, sizeof(s));
       std::memcpy(&m, block + kPanelCols + c, sizeof(m));
