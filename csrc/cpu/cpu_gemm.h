@@ -57,8 +57,8 @@ class PackedWeight {
   GemmIsa isa() const { return isa_; }
   int64_t packed_bytes() const { return static_cast<int64_t>(packed_.size() * sizeof(uint32_t)); }
   const uint32_t* panels() const { return packed_.data(); }  // the layout format() and paired() say
-  // 4-bit panels in pairs (AffineLayout): the AVX2 kernels' layout.
-  bool paired() const { return isa_ == GemmIsa::kAvx2 && format_ == PanelFormat::kAffine4; }
+  // Affine panels in pairs (AffineLayout): the AVX2 kernels' layout.
+  bool paired() const { return isa_ == GemmIsa::kAvx2 && format_ != PanelFormat::kDense; }
 
   // y [M, N] (row stride N) = x [M, K] (row stride x_row_stride) @ W + bias (bias [N] or null).
   // All of `dtype`.

@@ -166,16 +166,16 @@ constexpr F32MicroKernels make_kernels(std::integer_sequence<int, R...>) {
 
 }  // namespace
 
-AffineLayout::AffineLayout(PanelFormat f, int64_t k, int64_t n, bool pair_4bit)
+AffineLayout::AffineLayout(PanelFormat f, int64_t k, int64_t n, bool pair)
     : panels(ceil_div(n, kPanelCols)),
       blocks(k / kAffineRun),
       words(f == PanelFormat::kDense ? 0 : affine_block_words(f)),
-      paired(pair_4bit && f == PanelFormat::kAffine4) {}
+      paired(pair && f != PanelFormat::kDense) {}
 
-bool pack_affine(const float* w, int64_t k, int64_t n, PanelFormat f, PanelStore& out, bool pair_4bit) {
+bool pack_affine(const float* w, int64_t k, int64_t n, PanelFormat f, PanelStore& out, bool pair) {
 #ifdef PE_HAVE_AFFINE
   if (k % kAffineRun != 0 || f == PanelFormat::kDense) return false;
-  const AffineLayout lay(f, k, n, pair_4bit);
+  const AffineLayout lay(f, k, n, pair);
   const int64_t panels = lay.panels, blocks = lay.blocks, words = lay.words;
   out.assign(static_cast<size_t>(panels * blocks * words), 0u);  // padding columns: s = m = q = 0
   Run run;
@@ -198,7 +198,7 @@ bool pack_affine(const float* w, int64_t k, int64_t n, PanelFormat f, PanelStore
     }
   return true;
 #else
-  (void)w, (void)k, (void)n, (void)f, (void)out, (void)pair_4bit;
+  (void)w, (void)k, (void)n, (void)f, (void)out, (void)pair;
   return false;
 #endif
 }

@@ -43,7 +43,7 @@ constexpr int kPanelCols = 16;  // columns per panel: one zmm of fp32 accumulato
 constexpr int kGemmRows = 16;   // rows of x per micro-kernel call: 16 accumulators
 
 // Where the blocks lie. Unpaired: panel after panel, each its K / 32 blocks in order. Paired
-// (the AVX2 kernels' 4-bit layout): panels 2i and 2i + 1 interleaved block by block - block b of
+// (the AVX2 kernels' layout): panels 2i and 2i + 1 interleaved block by block - block b of
 // 2i, block b of 2i + 1, block b + 1 of 2i, ... (a last odd panel alone, as unpaired) - so that a
 // row run against both panels at once (cpu_gemm_avx2.cpp: twice the independent FMA chains)
 // reads one sequential stream: two streams 7 KB apart were 20% slower than one (AMD EPYC, the
@@ -52,7 +52,7 @@ struct AffineLayout {
   int64_t panels = 0, blocks = 0, words = 0;  // words: uint32 per block
   bool paired = false;
 
-  AffineLayout(PanelFormat f, int64_t k, int64_t n, bool pair_4bit);
+  AffineLayout(PanelFormat f, int64_t k, int64_t n, bool pair);
   // Panels sharing panel p's stream (2 in a full pair, else 1).
   int64_t width(int64_t p) const { return paired ? std::min<int64_t>(2, panels - p / 2 * 2) : 1; }
   // uint32 offset of block b of panel p.
@@ -65,9 +65,9 @@ struct AffineLayout {
 };
 
 // Packs w [K, N] (row-major fp32) into `out` in format f (kAffine4 or kAffine8), laid out as
-// AffineLayout(f, k, n, pair_4bit) says. Returns false, leaving `out` unspecified, when K is not a
+// AffineLayout(f, k, n, pair) says. Returns false, leaving `out` unspecified, when K is not a
 // multiple of 32 or some run does not fit exactly.
-bool pack_affine(const float* w, int64_t k, int64_t n, PanelFormat f, PanelStore& out, bool pair_4bit = false);
+bool pack_affine(const float* w, int64_t k, int64_t n, PanelFormat f, PanelStore& out, bool pair = false);
 
 // AVX-512 only: one panel times up to kGemmRows rows of x: (x, x_row_stride, panel, K, bias or null, y,
 // y_row_stride, valid columns). kernels[r - 1] takes r rows; run by cpu_gemm.cpp's panel loop.

@@ -207,16 +207,19 @@ PE_AVX2 void kernel_affine(const float* x, int64_t xs, const uint8_t* block, int
   for (int i = 0; i < 2 * R; ++i) _mm256_storeu_ps(acc + 8 * i, sums[i]);
 }
 
-// One row of x against a pair of 4-bit panels (AffineLayout's paired layout: block b of the
+// One row of x against a pair of affine panels (AffineLayout's paired layout: block b of the
 // first panel at block + b * 2 * kBlockBytes, the second's right after it) -> acc [2][16]. Why:
 // one row's sums are 2 FMA chains per panel (lo, hi), each FMA waiting for the previous k's
 // (4 cycles on Zen 3), so kernel_affine<1> ran at ~4 weights a cycle, bound by that latency and
 // not by the 2 FMA units; two panels' 4 chains keep them busy (cache-resident SmolLM2 layers
-// 9.3 -> 7.7 ms a step on one core). Per output the FMAs and their order are kernel_affine<1>'s
-// (same weights, k in order from +0): the same bits as a panel run alone.
+// 9.3 -> 7.7 ms a step on one core; the 8-bit lm_head ~15% faster). Per output the FMAs and their
+// order are kernel_affine<1>'s (same weights, k in order from +0): the same bits as a panel run
+// alone.
+template <int Bits>
 PE_AVX2 void kernel_affine_pair(const float* x, const uint8_t* block, int64_t blocks, float* acc) {
-  constexpr int64_t kBlockBytes = affine_block_words(PanelFormat::kAffine4) * 4, kStep = 2 * kBlockBytes;
-  constexpr int kAhead = 4;  // pair steps prefetched ahead (3 KiB of the one stream)
+  constexpr int64_t kBlockBytes = affine_block_words(Bits == 4 ? PanelFormat::kAffine4 : PanelFormat::kAffine8) * 4;
+  constexpr int64_t kStep = 2 * kBlockBytes;
+  constexpr int kAhead = 4;  // pair steps prefetched ahead (one stream; 2 to 16 timed alike)
   __m256 lo0 = _mm256_setzero_ps(), hi0 = _mm256_setzero_ps(), lo1 = _mm256_setzero_ps(), hi1 = _mm256_setzero_ps();
   const __m256i low_nibble = _mm256_set1_epi32(0xF);
   for (int64_t bk = 0; bk < blocks; ++bk, block += kStep) {
@@ -231,18 +234,28 @@ PE_AVX2 void kernel_affine_pair(const float* x, const uint8_t* block, int64_t bl
     const __m256 m10 = _mm256_loadu_ps(sm1 + 16), m11 = _mm256_loadu_ps(sm1 + 24);
     const uint8_t* q0 = block + 128;
     const uint8_t* q1 = block + kBlockBytes + 128;
-    for (int j = 0; j < kAffineRun / 2; ++j) {  // line j: inputs 2j (low nibbles) and 2j + 1 (high)
-      const __m256 xe = _mm256_broadcast_ss(xk + 2 * j), xo = _mm256_broadcast_ss(xk + 2 * j + 1);
-      const __m256i a0 = line_codes<4>(q0 + 16 * j), a1 = line_codes<4>(q0 + 16 * j + 8);
-      const __m256i b0 = line_codes<4>(q1 + 16 * j), b1 = line_codes<4>(q1 + 16 * j + 8);
-      lo0 = _mm256_fmadd_ps(xe, _mm256_fmadd_ps(s00, _mm256_cvtepi32_ps(_mm256_and_si256(a0, low_nibble)), m00), lo0);
-      hi0 = _mm256_fmadd_ps(xe, _mm256_fmadd_ps(s01, _mm256_cvtepi32_ps(_mm256_and_si256(a1, low_nibble)), m01), hi0);
-      lo1 = _mm256_fmadd_ps(xe, _mm256_fmadd_ps(s10, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low_nibble)), m10), lo1);
-      hi1 = _mm256_fmadd_ps(xe, _mm256_fmadd_ps(s11, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low_nibble)), m11), hi1);
-      lo0 = _mm256_fmadd_ps(xo, _mm256_fmadd_ps(s00, _mm256_cvtepi32_ps(_mm256_srli_epi32(a0, 4)), m00), lo0);
-      hi0 = _mm256_fmadd_ps(xo, _mm256_fmadd_ps(s01, _mm256_cvtepi32_ps(_mm256_srli_epi32(a1, 4)), m01), hi0);
-      lo1 = _mm256_fmadd_ps(xo, _mm256_fmadd_ps(s10, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m10), lo1);
-      hi1 = _mm256_fmadd_ps(xo, _mm256_fmadd_ps(s11, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m11), hi1);
+    if constexpr (Bits == 4) {
+      for (int j = 0; j < kAffineRun / 2; ++j) {  // line j: inputs 2j (low nibbles) and 2j + 1 (high)
+        const __m256 xe = _mm256_broadcast_ss(xk + 2 * j), xo = _mm256_broadcast_ss(xk + 2 * j + 1);
+        const __m256i a0 = line_codes<4>(q0 + 16 * j), a1 = line_codes<4>(q0 + 16 * j + 8);
+        const __m256i b0 = line_codes<4>(q1 + 16 * j), b1 = line_codes<4>(q1 + 16 * j + 8);
+        lo0 = _mm256_fmadd_ps(xe, _mm256_fmadd_ps(s00, _mm256_cvtepi32_ps(_mm256_and_si256(a0, low_nibble)), m00), lo0);
+        hi0 = _mm256_fmadd_ps(xe, _mm256_fmadd_ps(s01, _mm256_cvtepi32_ps(_mm256_and_si256(a1, low_nibble)), m01), hi0);
+        lo1 = _mm256_fmadd_ps(xe, _mm256_fmadd_ps(s10, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low_nibble)), m10), lo1);
+        hi1 = _mm256_fmadd_ps(xe, _mm256_fmadd_ps(s11, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low_nibble)), m11), hi1);
+        lo0 = _mm256_fmadd_ps(xo, _mm256_fmadd_ps(s00, _mm256_cvtepi32_ps(_mm256_srli_epi32(a0, 4)), m00), lo0);
+        hi0 = _mm256_fmadd_ps(xo, _mm256_fmadd_ps(s01, _mm256_cvtepi32_ps(_mm256_srli_epi32(a1, 4)), m01), hi0);
+        lo1 = _mm256_fmadd_ps(xo, _mm256_fmadd_ps(s10, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m10), lo1);
+        hi1 = _mm256_fmadd_ps(xo, _mm256_fmadd_ps(s11, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m11), hi1);
+      }
+    } else {
+      for (int j = 0; j < kAffineRun; ++j) {  // line j: input j, int8
+        const __m256 xj = _mm256_broadcast_ss(xk + j);
+        lo0 = _mm256_fmadd_ps(xj, _mm256_fmadd_ps(s00, _mm256_cvtepi32_ps(line_codes<8>(q0 + 16 * j)), m00), lo0);
+        hi0 = _mm256_fmadd_ps(xj, _mm256_fmadd_ps(s01, _mm256_cvtepi32_ps(line_codes<8>(q0 + 16 * j + 8)), m01), hi0);
+        lo1 = _mm256_fmadd_ps(xj, _mm256_fmadd_ps(s10, _mm256_cvtepi32_ps(line_codes<8>(q1 + 16 * j)), m10), lo1);
+        hi1 = _mm256_fmadd_ps(xj, _mm256_fmadd_ps(s11, _mm256_cvtepi32_ps(line_codes<8>(q1 + 16 * j + 8)), m11), hi1);
+      }
     }
   }
   _mm256_storeu_ps(acc, lo0), _mm256_storeu_ps(acc + 8, hi0);
@@ -361,7 +374,7 @@ void avx2_matmul_f32(const uint32_t* packed, PanelFormat format, bool paired, in
         const int64_t step = lay.step(p) * 4;  // bytes from one block of panel p to its next
         if (rows == 1 && lay.width(p) == 2) {  // both panels of a pair at once (p is the first)
           alignas(64) float pair_acc[2 * kPanel];
-          kernel_affine_pair(xc, block, blocks, pair_acc);
+          (format == PanelFormat::kAffine4 ? &kernel_affine_pair<4> : &kernel_affine_pair<8>)(xc, block, blocks, pair_acc);
           store_rows(pair_acc, 1, b, yc + p * kPanel, n, cols);
           ++p;
           const int cols1 = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));

@@ -88,10 +88,10 @@ PanelFormat gguf_panel_format(int32_t ggml_type) {
   return PanelFormat::kDense;
 }
 
-bool pack_gguf_rows(const GgufRows& src, int64_t k, int64_t n, PanelStore& out, bool pair_4bit) {
+bool pack_gguf_rows(const GgufRows& src, int64_t k, int64_t n, PanelStore& out, bool pair) {
   if (!known(src.ggml_type) || k % kAffineRun != 0 || k <= 0 || n <= 0) return false;
   const auto type = static_cast<GgufBlockType>(src.ggml_type);
-  const AffineLayout lay(gguf_panel_format(src.ggml_type), k, n, pair_4bit);
+  const AffineLayout lay(gguf_panel_format(src.ggml_type), k, n, pair);
   out.resize(static_cast<size_t>(lay.panels * lay.blocks * lay.words));  // every word written below
   std::atomic<bool> ok{true};
   constexpr int64_t kPanelsPerChunk = 8;  // chunks of a few tens of KiB: both cores busy, little waiting
@@ -104,11 +104,11 @@ bool pack_gguf_rows(const GgufRows& src, int64_t k, int64_t n, PanelStore& out, 
 }
 
 bool packed_columns(const uint32_t* panels, PanelFormat format, int64_t k, int64_t n, const int64_t* ids,
-                    int64_t count, float* out, bool pair_4bit) {
+                    int64_t count, float* out, bool pair) {
   if (format == PanelFormat::kDense || k % kAffineRun != 0) return false;
   for (int64_t t = 0; t < count; ++t)  // before anything is written
     if (ids[t] < 0 || ids[t] >= n) return false;
-  const AffineLayout lay(format, k, n, pair_4bit);
+  const AffineLayout lay(format, k, n, pair);
   const int64_t blocks = lay.blocks;
   for (int64_t t = 0; t < count; ++t) {
     const int64_t p = ids[t] / kPanelCols, c = ids[t] % kPanelCols;

@@ -37,17 +37,17 @@ struct GgufRows {
 };
 
 // Packs `src` into `out` in gguf_panel_format(src.ggml_type), threads of the CPU pool splitting the
-// panels, laid out as AffineLayout(format, k, n, pair_4bit). False (out unspecified) for another
+// panels, laid out as AffineLayout(format, k, n, pair). False (out unspecified) for another
 // type, K not a multiple of 32, or a non-finite d / m.
-bool pack_gguf_rows(const GgufRows& src, int64_t k, int64_t n, PanelStore& out, bool pair_4bit = false);
+bool pack_gguf_rows(const GgufRows& src, int64_t k, int64_t n, PanelStore& out, bool pair = false);
 
 // Columns ids[0 .. count) of a [K, N] weight packed in `format` (kAffine4 or kAffine8: the panels of
 // PackedWeight, cpu_gemm_affine.h) as rows out[count][K] fp32: a tied lm_head's packed copy read
 // back as token embeddings, so no second copy of its codes is kept. kAffine8 values are s * q, as
 // GGUF dequantises Q8_0 (d * q, -0 included; both packers store m = +0 there); kAffine4 ones are
-// the GEMM's fma(s, q, m). pair_4bit: as packed. False (out unspecified) for a dense format or an id
+// the GEMM's fma(s, q, m). pair: as packed. False (out unspecified) for a dense format or an id
 // outside [0, N).
 bool packed_columns(const uint32_t* panels, PanelFormat format, int64_t k, int64_t n, const int64_t* ids,
-                    int64_t count, float* out, bool pair_4bit = false);
+                    int64_t count, float* out, bool pair = false);
 
 }  // namespace pyengine::cpu
