@@ -110,12 +110,12 @@ class DraftModelProposer:
         self.num_forwards = 0
 
     # ---- Proposer ----------------------------------------------------------------------------
-    @torch.inference_mode()
     @property
     def drafting_module(self) -> Any:
         """What runs a forward per catch-up and per chained draft (the draft-length policy weighs it)."""
         return self.runner.model
 
+    @torch.inference_mode()
     def propose(self, scheduler: _C.Scheduler, view: _C.DecodeView, max_drafts: np.ndarray) -> None:
         self.sampler.pending.clear()
         num_tokens = view.num_tokens
