@@ -19,10 +19,10 @@ K/V only at the next position of its rows, in blocks those rows hold alone and t
 launch ahead.
 
 Under speculation a step launches ahead only with the draft-length policy, when it plans no drafts
-for the next step, or only probes that rarely find any (_plan_next): the plan for step N + 1 is made while step N's tokens are on
-their way, from the policy state the next step would see (a step without drafts teaches the
-policy only that its rows found none, shown to it first), and the next step proposes with that
-plan. Proposers that read the target's hidden states (MTP, EAGLE-3) never launch ahead: a
+for the next step, or only for rows whose proposers have seldom found any lately (_plan_next): the
+plan for step N + 1 is made while step N's tokens are on their way, from the policy state the next
+step would see (a step without drafts teaches the policy only that its rows found none, shown to it
+first), and the next step proposes with that plan. Proposers that read the target's hidden states (MTP, EAGLE-3) never launch ahead: a
 launched step's hidden states are not the runner's.
 """
 from __future__ import annotations
@@ -337,9 +337,10 @@ class LLMEngine:
     def _plan_next(self, batch) -> bool:
         """Speculation: plan the next step's drafts now, for this step's rows (all decode rows
         without drafts, all continuing); True when it most likely gives no row drafts (none
-        planned, or only probes that rarely find any: DraftLengthPolicy.expects_no_drafts), so the
-        next step may be launched ahead; a probe that does find drafts discards it. This step is shown to the policy first (as the end of the step would);
-        the next _propose uses the plan if its rows are these."""
+        planned, or for rows that seldom find any: DraftLengthPolicy.expects_no_drafts), so the
+        next step may be launched ahead; a row that does find drafts discards it. This step is
+        shown to the policy first (as the end of the step would); the next _propose uses the plan
+        if its rows are these."""
         rows = batch.num_rows
         slots, seq_ids = np.array(batch.request_slots[:rows]), np.array(batch.seq_ids[:rows])
         self.draft_length.observe_rows(slots, batch.num_draft_tokens[:rows], np.ones(rows, dtype=np.int32))

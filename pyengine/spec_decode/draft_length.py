@@ -108,8 +108,9 @@ class DraftLengthPolicy:
         else the cost model's for its model and device (runner_step_cost); a runner that replays
         CUDA graphs also gives the graphs' measured costs (runner_graph_costs), unless step_cost was given."""
         graph_costs = runner_graph_costs(runner, k) if step_cost is None else None
-        policy = cls(k, step_cost=step_cost if step_cost is not None else runner_step_cost(runner),
-                     graph_costs=graph_costs, drafter_cost=drafter_cost_share(drafter, runner), **kw)
+        modelled = runner_step_cost(runner)
+        policy = cls(k, step_cost=step_cost if step_cost is not None else modelled, graph_costs=graph_costs,
+                     drafter_cost=drafter_cost_share(drafter, runner, modelled[0]), **kw)
         if graph_costs is not None:
             policy.launch_overhead = device_rates(runner.device).overhead
         return policy

@@ -156,12 +156,12 @@ def runner_graph_costs(runner: Any, k: int) -> GraphCosts | None:
     return costs
 
 
-def drafter_cost_share(drafter: Any, runner: Any) -> float:
+def drafter_cost_share(drafter: Any, runner: Any, a_target: float) -> float:
     """A forward of the drafting module (an MTP layer, an EAGLE-3 head, a draft model; None: no
     forward, 0) as a share of the target's decode step: the ratio of their modelled fixed costs a
-    (weights streamed plus the host's work) on the runner's device."""
+    (weights streamed plus the host's work) on the runner's device; a_target: the target's
+    (runner_step_cost(runner)[0])."""
     if drafter is None:
         return 0.0
-    a_target = runner_step_cost(runner)[0]
     params, size = weight_footprint(drafter)
     return modelled_step_cost(params, size, runner.device, runner.dtype)[0] / a_target
