@@ -63,6 +63,18 @@ TOPICS = ["photosynthesis", "black holes", "the French Revolution", "machine lea
 STYLES = ["", " Answer briefly.", " Use a numbered list.", " Be detailed.", " Write it in a friendly tone."]
 
 
+# Tasks over a text the target itself wrote (its first-round answers): copying and condensing a
+# context, which templated questions never exercise and summarisation / RAG / extraction prompts do.
+DOC_TASKS = ["Summarize the following text in a few sentences.\n\n{d}",
+             "Extract the key facts from the text below as a bulleted list.\n\n{d}",
+             "Read the passage and answer: what is its main point, and which sentence states it?\n\nPassage: {d}",
+             "Rewrite the following text in simpler words.\n\n{d}",
+             "Translate the following text into French.\n\n{d}",
+             "Give the following text a title and a one-line description.\n\n{d}",
+             "Correct any mistakes in this text and return the corrected text.\n\n{d}",
+             "Write three questions a reader could answer from this text, each with its answer quoted from it.\n\n{d}"]
+
+
 def make_prompts(n: int, seed: int) -> list[str]:
     combos = [t.format(t=topic) + s for t in TEMPLATES for topic in TOPICS for s in STYLES]
     random.Random(seed).shuffle(combos)
@@ -74,6 +86,12 @@ def encode_chat(tokenizer: Any, text: str) -> list[int]:
         return tokenizer.encode(text)
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def make_doc_prompts(docs: list[str], seed: int) -> list[str]:
+    """One document task per text (a task picked at random), in the texts' order."""
+    rng = random.Random(seed + 1)
+    return [rng.choice(DOC_TASKS).format(d=d.strip()) for d in docs]
 
 
 def generate_answers(llm: Any, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False,
@@ -249,9 +267,9 @@ def _train(head: TrainHead, batches: list, seconds: float, steps: int, max_steps
 # Defaults by device: the shipped head's recipe on CUDA (about 8 minutes of an H100 with
 # --deadline-minutes 8.3), a smoke run under 5 minutes on a 2-core CPU.
 CUDA_DEFAULTS = dict(minutes=6.0, num_prompts=8000, max_new_tokens=256, gen_minutes=2.0, draft_vocab=8192,
-                     ttt_steps=5, lr=5e-4, batch_tokens=16384, eval_every=250, patience=4)
+                     ttt_steps=5, lr=5e-4, batch_tokens=16384, eval_every=250, patience=4, doc_fraction=1.0)
 CPU_DEFAULTS = dict(minutes=2.0, num_prompts=32, max_new_tokens=48, gen_minutes=2.0, draft_vocab=2048, ttt_steps=2,
-                    lr=2e-3, batch_tokens=512, eval_every=50, patience=0)
+                    lr=2e-3, batch_tokens=512, eval_every=50, patience=0, doc_fraction=0.0)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -276,6 +294,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="share of the generated sequences held out of training: the head keeps its best top-1 on them")
     p.add_argument("--eval-every", type=int, help="training steps between held-out evaluations (0: none)")
     p.add_argument("--patience", type=int, help="stop after this many evaluations without a better one (0: never)")
+    p.add_argument("--doc-fraction", type=float,
+                   help="share of the answers that also become the text of a document task (summarise, extract ...)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     from pyengine import LLM
@@ -296,6 +316,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_prompts, eval_prompts = prompts[:args.num_prompts], prompts[args.num_prompts:]
     answers = generate_answers(llm, train_prompts, args.max_new_tokens, seconds=args.gen_minutes * 60)
     train_prompts = train_prompts[:len(answers)]
+    groups = list(range(len(answers)))  # a derived sequence is held out with the answer it quotes
+    if args.doc_fraction > 0:
+        n_doc = int(round(args.doc_fraction * len(answers)))
+        docs = [llm.tokenizer.decode(a) for a in answers[:n_doc]]
+        doc_prompts = [encode_chat(llm.tokenizer, t) for t in make_doc_prompts(docs, args.seed)]
+        doc_answers = generate_answers(llm, doc_prompts, args.max_new_tokens, seconds=args.gen_minutes * 60)
+        train_prompts += doc_prompts[:len(doc_answers)]
+        answers += doc_answers
+        groups += list(range(len(doc_answers)))
     seqs = [pr + an for pr, an in zip(train_prompts, answers)]
     print(f"generated {sum(map(len, answers))} tokens for {len(seqs)} prompts in {time.monotonic() - t0:.0f}s", flush=True)
     model, cfg = llm.model, llm.model_config
@@ -312,10 +341,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # a held-out share of the sequences: the head keeps its best top-1 on them, not the parameters
     # that have learnt the training answers by heart (templated prompts repeat a lot)
     lens = [len(x) for x in train_prompts]
-    order = list(range(len(seqs)))
+    order = list(range(max(groups) + 1 if groups else 0))
     random.Random(args.seed).shuffle(order)
-    n_val = int(round(args.val_fraction * len(seqs))) if len(seqs) > 1 else 0
-    held, kept = sorted(order[:n_val]), sorted(order[n_val:])
+    n_val = int(round(args.val_fraction * len(order))) if len(order) > 1 else 0
+    held_groups = set(order[:n_val])
+    held = [i for i in range(len(seqs)) if groups[i] in held_groups]
+    kept = [i for i in range(len(seqs)) if groups[i] not in held_groups]
     pick = lambda idx, xs: [xs[i] for i in idx]  # noqa: E731
     batches = make_batches(pick(kept, seqs), pick(kept, lens), pick(kept, aux), t2d, batch_tokens, device)
     val = make_batches(pick(held, seqs), pick(held, lens), pick(held, aux), t2d, batch_tokens, device) if held else []
