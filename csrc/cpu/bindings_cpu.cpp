@@ -124,6 +124,8 @@ void register_cpu_ops(py::module_& m) {
       .def_property_readonly("format", [](const PackedWeight& self) { return static_cast<int32_t>(self.format()); },
                              "0 dense, 4 or 8: the bits per weight of cpu_gemm_affine.h's formats")
       .def_property_readonly("packed_bytes", &PackedWeight::packed_bytes)
+      .def_property_readonly("int8_dot", &PackedWeight::int8_dot,
+                             "packed from GGUF codes for cpu_gemm_qdot.h's int8 activations and integer dots")
       .def_property_readonly("isa", [](const PackedWeight& self) { return static_cast<int32_t>(self.isa()); },
                              "the kernels it runs: 2 AVX2 + FMA, 3 AVX-512")
       .def("matmul", [](const PackedWeight& self, uintptr_t x, int64_t x_row_stride, int64_t m, uintptr_t bias,
@@ -133,8 +135,7 @@ void register_cpu_ops(py::module_& m) {
       })
       .def("columns", [](const PackedWeight& self, uintptr_t ids, int64_t count, uintptr_t out) {
         // affine formats are fp32 weights only (cpu_gemm_affine.h)
-        return packed_columns(self.panels(), self.format(), self.k(), self.n(), ptr<const int64_t>(ids), count,
-                              ptr<float>(out), self.paired());
+        return self.columns(ptr<const int64_t>(ids), count, ptr<float>(out));
       }, "columns ids (count int64) as rows out [count, k] fp32 (cpu_gguf_pack.h); False for a dense format");
   cpu.def(
       "pack_gguf",

@@ -179,9 +179,21 @@ PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, boo
 std::optional<PackedWeight> PackedWeight::from_gguf(const GgufRows& rows, int64_t k, int64_t n) {
   if (!check(k, n, DType::kFloat32).empty()) return std::nullopt;
   PackedWeight w(nullptr, 0, 1, DType::kFloat32, false);  // an empty weight (check fails: nothing read)
-  if (!pack_gguf_rows(rows, k, n, w.packed_, w.isa_ == GemmIsa::kAvx2)) return std::nullopt;
+  if (pack_gguf_qdot(rows, k, n, w.packed_)) {
+    w.int8_dot_ = true, w.isa_ = GemmIsa::kAvx2;  // AVX2 kernels on every CPU: the same bits everywhere
+  } else if (!pack_gguf_rows(rows, k, n, w.packed_, w.isa_ == GemmIsa::kAvx2)) {
+    return std::nullopt;
+  }
   w.k_ = w.k_steps_ = k, w.n_ = n, w.panels_ = ceil_div(n, kPanel), w.format_ = gguf_panel_format(rows.ggml_type);
   return w;
+}
+
+bool PackedWeight::columns(const int64_t* ids, int64_t count, float* out) const {
+  if (dtype_ != DType::kFloat32 || format_ == PanelFormat::kDense) return false;
+  if (int8_dot_)
+    return qdot_columns(reinterpret_cast<const uint8_t*>(packed_.data()), format_ == PanelFormat::kAffine4 ? 4 : 8, k_,
+                        n_, ids, count, out);
+  return packed_columns(packed_.data(), format_, k_, n_, ids, count, out, paired());
 }
 
 void PackedWeight::matmul(const void* x, int64_t x_row_stride, int64_t m, const void* bias, void* y) const {
@@ -190,6 +202,11 @@ void PackedWeight::matmul(const void* x, int64_t x_row_stride, int64_t m, const 
   const auto* xf = static_cast<const float*>(x);
   const auto* bf = static_cast<const float*>(bias);
   auto* yf = static_cast<float*>(y);
+  if (int8_dot_) {
+    qdot_matmul(reinterpret_cast<const uint8_t*>(packed_.data()), format_ == PanelFormat::kAffine4 ? 4 : 8, k_, n_, xf,
+                x_row_stride, m, bf, yf);
+    return;
+  }
   if (isa_ == GemmIsa::kAvx2) {
     if (dtype_ == DType::kBFloat16)
       avx2_matmul_bf16(packed_.data(), k_, n_, static_cast<const bf16*>(x), x_row_stride, m,

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "cpu_gemm_affine.h"
+#include "cpu_gemm_qdot.h"
 #include "cpu_gguf_pack.h"
 #include "cpu_ops.h"
 #include "cpu_vec.h"
@@ -46,9 +47,11 @@ class PackedWeight {
   // w: [K, N] row-major ("in, out") of `dtype`; check() must have passed. compact: fp32 weights
   // that fit cpu_gemm_affine.h's formats are stored that way (same results, fewer bytes).
   PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, bool compact = true);
-  // An fp32 weight [K, N] packed straight from GGUF blocks (cpu_gguf_pack.h): the weights the fp32
-  // constructor packs from their dequantised values, without making them. nullopt where
-  // pack_gguf_rows refuses them, or check(k, n, fp32) fails.
+  // An fp32 weight [K, N] packed straight from GGUF blocks. Where the CPU has AVX2 + F16C, as
+  // the integer-dot panels of cpu_gemm_qdot.h (llama.cpp's arithmetic: int8 activations, not the
+  // fp32 products of the dequantised weights); else, or where those refuse a block, as the
+  // weights the fp32 constructor packs from their dequantised values (cpu_gguf_pack.h), without
+  // making them. nullopt where both refuse, or check(k, n, fp32) fails.
   static std::optional<PackedWeight> from_gguf(const GgufRows& rows, int64_t k, int64_t n);
 
   int64_t k() const { return k_; }
@@ -58,17 +61,23 @@ class PackedWeight {
   int64_t packed_bytes() const { return static_cast<int64_t>(packed_.size() * sizeof(uint32_t)); }
   const uint32_t* panels() const { return packed_.data(); }  // the layout format() and paired() say
   // Affine panels in pairs (AffineLayout): the AVX2 kernels' layout.
-  bool paired() const { return isa_ == GemmIsa::kAvx2 && format_ != PanelFormat::kDense; }
+  bool paired() const { return isa_ == GemmIsa::kAvx2 && format_ != PanelFormat::kDense && !int8_dot_; }
+  // The integer-dot panels of cpu_gemm_qdot.h (format() says 4 or 8 bits), from GGUF codes.
+  bool int8_dot() const { return int8_dot_; }
 
   // y [M, N] (row stride N) = x [M, K] (row stride x_row_stride) @ W + bias (bias [N] or null).
   // All of `dtype`.
   void matmul(const void* x, int64_t x_row_stride, int64_t m, const void* bias, void* y) const;
+  // Columns ids[0 .. count) as rows out[count][K] fp32 (cpu_gguf_pack.h packed_columns, or
+  // cpu_gemm_qdot.h qdot_columns). False for a dense format or an id outside [0, N).
+  bool columns(const int64_t* ids, int64_t count, float* out) const;
 
  private:
   int64_t k_, n_, k_steps_, panels_;
   DType dtype_;
   GemmIsa isa_;
   PanelFormat format_ = PanelFormat::kDense;
+  bool int8_dot_ = false;
   PanelStore packed_;  // dense: [panels][k_steps][16] fp32 or bf16 pairs; else cpu_gemm_affine.h
 };
 

@@ -40,7 +40,12 @@ class PackedLinear:
         tensor, anywhere: fused and reordered matrices need no copy), valid during the call. Its
         weights are the dequantised values bit for bit (csrc/cpu/cpu_gguf_pack.h says why): the
         PackedLinear the constructor makes of them, without making them. None for another type or
-        a non-finite scale (the caller then dequantises)."""
+        a non-finite scale (the caller then dequantises).
+
+        Where the CPU has AVX2 + F16C it computes in llama.cpp's arithmetic instead (`int8_dot`:
+        activations quantised per 32-input block to int8, integer dot products; csrc/cpu/cpu_gemm_qdot.h,
+        spec pyengine.ops.reference.quant_dot): other bits than the dequantised weights' fp32 products,
+        the same for a row whatever the batch."""
         if rows.dtype != np.uint64 or rows.ndim != 1 or not rows.flags.c_contiguous:
             raise ValueError(f"PackedLinear.from_gguf takes a contiguous uint64 array of row addresses, got {rows.dtype}")
         kernels.set_num_threads(pool_threads_for(torch.get_num_threads()))  # the pool packs too
@@ -54,6 +59,13 @@ class PackedLinear:
     @property
     def bits_per_weight(self) -> int:
         return self.packed.format or torch.finfo(self.dtype).bits
+
+    @property
+    def int8_dot(self) -> bool:
+        """Packed from GGUF codes for llama.cpp's arithmetic (int8 activations, integer dots:
+        csrc/cpu/cpu_gemm_qdot.h, spec pyengine.ops.reference.quant_dot), not the fp32 products of
+        the dequantised weights."""
+        return bool(getattr(self.packed, "int8_dot", False))
 
     @property
     def isa(self) -> str:

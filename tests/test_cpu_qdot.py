@@ -1,0 +1,161 @@
+"""The int8-dot GEMM of GGUF-coded weights (csrc/cpu/cpu_gemm_qdot.h) against its pure-PyTorch spec
+(pyengine/ops/reference/quant_dot.py): the same bits for every M, row group, thread count and pool
+policy, the quantiser's edge cases included; and its error against the exact products of the
+dequantised weights within what int8 activations allow."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pyengine.loader.gguf_dequant import Q4_0, Q4_1, Q8_0, decode, dequantize
+from pyengine.ops.reference.quant_dot import gguf_weight_codes, quant_linear, quantise_activations
+from tests.test_gguf_codes import LAYOUTS, addresses, random_blocks
+
+cpu_ops = pytest.importorskip("pyengine.ops.cpu")
+PackedLinear = cpu_ops.PackedLinear
+kernels = cpu_ops.kernels
+TYPES = [Q4_0, Q4_1, Q8_0]
+
+
+def _weight(ggml_type: int, rows: int, cols: int, seed: int = 0):
+    """A PackedLinear from random GGUF blocks (rows taken in a shuffled order, as q/k and fused
+    linears are) and the reference's (scale, offset, codes) of the same matrix."""
+    raw = random_blocks(ggml_type, rows, cols, seed)
+    order = np.random.default_rng(seed + 1).permutation(rows)
+    packed = PackedLinear.from_gguf(ggml_type, addresses(raw, order), cols)
+    if packed is None or not packed.int8_dot:
+        pytest.skip("no int8-dot GEMM on this CPU (AVX2 + F16C)")
+    codes = gguf_weight_codes(decode(raw.reshape(-1), ggml_type, rows, cols).map_rows(lambda a: a[order]))
+    dense = torch.from_numpy(dequantize(raw.reshape(-1), ggml_type, (rows, cols))[order].T.copy())  # [in, out]
+    return packed, codes, dense
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit where not NaN, NaN at the same places (a NaN's sign depends on the operand order)."""
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+@pytest.fixture
+def restore_pool():
+    threads = torch.get_num_threads()
+    yield
+    kernels.set_pool_adaptive(True)
+    kernels.set_pool_absent_fraction(0.5)
+    torch.set_num_threads(threads)
+    kernels.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("rows,cols", [(40, 96), (200, 1536)])  # a partial last panel; SmolLM2's down K
+def test_every_m_equals_the_reference(ggml_type: int, rows: int, cols: int) -> None:
+    packed, (scale, offset, codes), _ = _weight(ggml_type, rows, cols)
+    gen = torch.Generator().manual_seed(ggml_type)
+    wide = torch.randn(300, cols + 24, generator=gen) * 3.0
+    x = wide[:, 7:7 + cols]  # strided rows
+    bias = torch.randn(rows, generator=gen)
+    want = quant_linear(x, scale, offset, codes)
+    want_bias = quant_linear(x, scale, offset, codes, bias)
+    for m in (1, 2, 3, 4, 5, 7, 17, 64, 300):
+        assert _same(packed(x[:m]), want[:m]), f"M {m}"
+        assert _same(packed(x[:m], bias), want_bias[:m]), f"M {m}, bias"
+    assert _same(packed(x[150:151]), want[150:151])  # a row alone == in a batch
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0])
+def test_bits_do_not_depend_on_threads_or_the_stall_policy(ggml_type: int, restore_pool) -> None:
+    packed, (scale, offset, codes), _ = _weight(ggml_type, 200, 576, seed=4)
+    x = torch.randn(130, 576, generator=torch.Generator().manual_seed(2))  # 130 x 576: quantised by the pool
+    want = quant_linear(x, scale, offset, codes)
+    torch.set_num_threads(1)
+    for threads in (1, 2, 3):
+        for adaptive, fraction in ((False, 0.5), (True, 0.0), (True, 1.0)):
+            kernels.set_num_threads(threads)
+            kernels.set_pool_adaptive(adaptive)
+            kernels.set_pool_absent_fraction(fraction)
+            for m in (1, 2, 33, 130):
+                assert _same(packed(x[:m]), want[:m]), f"{threads} threads, {adaptive} {fraction}, M {m}"
+
+
+def test_quantiser_edge_cases() -> None:
+    """Ties round to even; a block under 2^-100 is zero, one at 2^-100 is not; inf or NaN in a
+    block makes its row NaN; the kernel agrees on all of it."""
+    x = torch.zeros(6, 64)
+    x[1, :32] = 2.0 ** -101  # tiny block: zeros
+    x[1, 32:] = 2.0 ** -100
+    x[2, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # amax 127: x * 1 -> ties at .5
+    x[3, 40] = float("inf")
+    x[4, 3] = float("nan")
+    x[5] = torch.linspace(-3e38, 3e38, 64)
+    q, d, sx = quantise_activations(x)
+    assert q[2, :4].tolist() == [127, 2, -4, 0] and d[2, 0] == torch.tensor(127.0) / torch.tensor(127.0)
+    assert d[1].tolist() == [0.0, (torch.tensor(2.0 ** -100) / torch.tensor(127.0)).item()] and q[1, :32].eq(0).all()
+    assert q[1, 32:].eq(127).all() and sx[1, 1] == d[1, 1] * 127 * 32
+    assert torch.isnan(d[3, 1]) and not torch.isnan(d[3, 0]) and torch.isnan(d[4, 0]) and q[3, 32:].eq(0).all()
+    assert d[0].eq(0).all() and q[0].eq(0).all()
+    for ggml_type in TYPES:
+        packed, (scale, offset, codes), _ = _weight(ggml_type, 40, 64, seed=5)
+        want = quant_linear(x, scale, offset, codes)
+        got = packed(x)
+        assert torch.isnan(want[3]).all() and torch.isnan(want[4]).all() and not torch.isnan(want[:3]).any()
+        assert _same(got, want)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_error_is_within_the_quantisation_bound(ggml_type: int) -> None:
+    """|y - x @ W| <= sum over blocks of (d_b / 2) * sum_k |w_kc|, plus fp32 rounding: what
+    rounding each x_k to the nearest multiple of d_b can cost, and no more."""
+    packed, _, dense = _weight(ggml_type, 64, 576, seed=6)
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(6)) * torch.logspace(-3, 2, 576)
+    _, d, _ = quantise_activations(x)
+    exact = x.double() @ dense.double()
+    bound = torch.einsum("mb,bn->mn", d.double() / 2, dense.double().abs().view(18, 32, -1).sum(1))
+    rounding = 1e-5 * (x.double().abs() @ dense.double().abs())
+    err = (packed(x).double() - exact).abs()
+    assert (err <= bound * 1.001 + rounding).all()
+    assert (err > 0).any()  # not the exact products (which the bound would also allow)
+
+
+def test_a_q4_0_offset_beyond_fp16_keeps_the_exact_products() -> None:
+    """Q4_0's offset -8 d must be an fp16 value for the int8-dot panels; where it is not
+    (|d| > 8188) the weight is packed as before: the dequantised weights' fp32 products."""
+    raw = random_blocks(Q4_0, 16, 64, seed=7)
+    raw.view(np.dtype(LAYOUTS[Q4_0]))["d"][2, 1] = 10000.0
+    packed = PackedLinear.from_gguf(Q4_0, addresses(raw, np.arange(16)), 64)
+    if packed is None:
+        pytest.skip("no packed GEMM here")
+    assert not packed.int8_dot and packed.bits_per_weight == 4
+    dense = torch.from_numpy(dequantize(raw.reshape(-1), Q4_0, (16, 64)).T.copy())
+    x = torch.randn(5, 64)
+    assert torch.equal(packed(x), PackedLinear(dense)(x))
+
+
+def test_layer_stack_equals_the_layer_loop(smollm2_path: str) -> None:
+    """The default model from its codes: the C++ layer stack and the op-by-op loop give the same
+    hidden states over a mixed step, decode and verify-shaped steps (the int8-dot GEMM in both)."""
+    from pyengine.loader import load_model
+    from pyengine.ops.kernel_config import use_kernel_config
+    from tests.utils_paged import PagedCache, make_meta
+
+    model, config, _ = load_model(smollm2_path, "cpu", torch.float32)
+    if not getattr(model.layers[0].qkv_proj, "int8_dot", False) or model.cpu_stack is None:
+        pytest.skip("no int8-dot GEMM or layer stack on this CPU")
+    outs: dict[str, list[torch.Tensor]] = {}
+    for mode in ("stack", "loop"):
+        cache = PagedCache(config, 24, 16, torch.float32, seed=1)
+        tables: list[list[int]] = [[], [], []]
+        for t, n in zip(tables, (40, 9, 130)):
+            cache.grow(t, n + 8)
+        gen = torch.Generator().manual_seed(0)
+        steps = [[(tables[0], 0, 40), (tables[1], 0, 9), (tables[2], 0, 3)],
+                 [(tables[0], 40, 1), (tables[1], 9, 4), (tables[2], 3, 127)],
+                 [(tables[0], 41, 1), (tables[1], 13, 1), (tables[2], 130, 2)]]
+        outs[mode] = []
+        with use_kernel_config(cpu_layer_stack=mode == "stack"), torch.inference_mode():
+            for rows in steps:
+                tokens = torch.randint(0, config.vocab_size, (sum(q for _, _, q in rows),), generator=gen)
+                meta, positions = make_meta(rows, cache.block_size)
+                outs[mode].append(model(tokens, positions, meta, cache.kv_caches))
+    for a, b in zip(outs["stack"], outs["loop"]):
+        assert torch.equal(a, b)
