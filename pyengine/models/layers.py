@@ -6,6 +6,7 @@ copy HF's [out, in] tensors through transposed views.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -70,6 +71,13 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     if x.is_cuda:
         return ops.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+@functools.lru_cache(maxsize=None)
+def unit_weight(width: int, device: torch.device) -> torch.Tensor:
+    """fp32 ones [width]: the weight of a plain RMSNorm through rms_norm_rows (x * 1 is exact),
+    made once per width and device rather than at every call."""
+    return torch.ones(width, dtype=torch.float32, device=device)
 
 
 def onednn_prepack(w: torch.Tensor) -> torch.Tensor:
@@ -380,7 +388,7 @@ class Mamba2Mixer(nn.Module):
         g = y.reshape(t, self.inner).float() * rowwise(F.silu, gate.float())
         if g.is_cuda:  # one normalised row per group; weight 1 (exact): torch's reductions are not row-invariant there
             group = self.inner // self.n_groups
-            g = rms_norm_rows(g.view(t * self.n_groups, group), torch.ones(group, device=g.device), self.eps)
+            g = rms_norm_rows(g.view(t * self.n_groups, group), unit_weight(group, g.device), self.eps)
         else:
             g = g.view(t, self.n_groups, -1)
             g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -135,6 +135,7 @@ class MoE(nn.Module):
         inter = cfg.shared_intermediate_size or cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = SwiGLU(hidden, inter, dtype) if inter else None
         self.shared_expert_gate: Any = param(hidden, 1, dtype=dtype) if cfg.shared_expert_gate else None
+        self._padded_gate: tuple[tuple[int, int], torch.Tensor] | None = None  # (weight's ptr, version), padded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, k = x.shape[0], self.cfg.top_k
@@ -188,7 +189,10 @@ class MoE(nn.Module):
         padded to 8 (the invariant GEMM's N granularity) and the first column kept."""
         w = self.shared_expert_gate
         if x.is_cuda and isinstance(w, torch.Tensor) and get_kernel_config().batch_invariant and w.shape[1] % 8:
-            return linear(x, F.pad(w, (0, -w.shape[1] % 8)))[:, :w.shape[1]]
+            key = (w.data_ptr(), w._version)  # padded once, again only if the weight changed
+            if self._padded_gate is None or self._padded_gate[0] != key:
+                self._padded_gate = (key, F.pad(w, (0, -w.shape[1] % 8)))
+            return linear(x, self._padded_gate[1])[:, :w.shape[1]]
         return linear(x, w)
 
     def _per_expert(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.state_cache import DeltaRuleShapes, StateCache, StateMetadata
 from pyengine.models.bamba import rope_permutation
 from pyengine.models.layers import (KVCache, RotaryEmbedding, WeightTargets, cpu_linear_packer, linear, onednn_prepack,
-                                    pack_weights, param, rms_norm_rows, rowwise)
+                                    pack_weights, param, rms_norm_rows, rowwise, unit_weight)
 from pyengine.models.moe import MoE, MoEConfig, SwiGLU, moe_graphable
 from pyengine.models.weight_utils import decoder_weight_targets, load_named_weights
 
@@ -134,7 +134,7 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     vector width, never depends on the batch); on the CPU torch's, whose rows are independent."""
     if x.is_cuda:
         d = x.shape[-1]
-        w = torch.ones(d, dtype=torch.float32, device=x.device) if weight is None else weight  # x * 1: exact
+        w = unit_weight(d, x.device) if weight is None else weight
         return rms_norm_rows(x.reshape(-1, d).contiguous(), w, eps).view(x.shape)
     y = F.rms_norm(x, (x.shape[-1],), None, eps)
     return y if weight is None else y * weight
