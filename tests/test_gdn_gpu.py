@@ -128,6 +128,72 @@ def test_neighbours_do_not_matter() -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("slots", [5, 16])
+def test_persistent_grid_equals_rows_alone(slots: int) -> None:
+    """More items (row, value head, tile) than the device holds at once: the persistent grid, where a
+    block prefetches its next item's base and keeps q / k across the items of one key head, against
+    each row launched alone (one block per item, the base loaded directly), bit for bit: outputs and
+    every slot of the row (base and records); and against the reference. Rows of 1..slots tokens
+    (16: more than one shared-memory round of tokens and of records), every acceptance length, a PAD
+    row in the middle."""
+    h, hv, dk, dv = 16, 32, 128, 128
+    rows = 24  # 3072 items: past 4 blocks on each of 132 multiprocessors
+    lengths = [1 + (5 * n) % slots for n in range(rows)]
+    idx = [[slots * n + j for j in range(slots)] for n in range(rows)]
+    idx[7] = [-1] * slots
+    acc = [1 + (7 * n) % slots for n in range(rows)]
+    pool = torch.randn(slots * rows, hv, dv, dk, device="cuda") * 0.3
+    prev = inputs(slots * rows, h, hv, dk, dv, torch.bfloat16, seed=7)
+    run_update(cuda_ops.gated_delta_rule_update, prev, pool, [slots] * rows, idx, [1] * rows)  # records to replay
+    x = inputs(sum(lengths), h, hv, dk, dv, torch.bfloat16, seed=8)
+    together, ref_state = pool.clone(), pool.clone()
+    out = run_update(cuda_ops.gated_delta_rule_update, x, together, lengths, idx, acc)
+    ref = run_update(reference.gated_delta_rule_update, x, ref_state, lengths, idx, acc)
+    torch.testing.assert_close(out.float(), ref.float(), atol=8e-2, rtol=2e-2)
+    torch.testing.assert_close(together, ref_state, atol=1e-4, rtol=1e-4)
+    start = 0
+    for n in range(rows):
+        alone = pool.clone()
+        one = {name: t[start:start + lengths[n]] for name, t in x.items()}
+        got = run_update(cuda_ops.gated_delta_rule_update, one, alone, [lengths[n]], [idx[n]], [acc[n]])
+        assert torch.equal(got, out[start:start + lengths[n]]), f"row {n}"
+        row_slots = [slots * n + j for j in range(slots)]
+        assert torch.equal(alone[row_slots], together[row_slots]), f"row {n}"
+        start += lengths[n]
+
+
+@needs_kernels
+def test_persistent_prefill_equals_rows_alone() -> None:
+    """Prefill rows (final state only, some longer than a shared-memory round of tokens, some from
+    base + records, some from zeros) on the persistent grid against each row alone, bit for bit."""
+    h, hv, dk, dv = 16, 32, 128, 128
+    rows = 24
+    lengths = [1 + (11 * n) % 21 for n in range(rows)]
+    idx = [[2 * n, 2 * n + 1] for n in range(rows)]
+    acc, init = [1 + n % 2 for n in range(rows)], [n % 3 != 0 for n in range(rows)]
+    pool = torch.randn(2 * rows, hv, dv, dk, device="cuda") * 0.3
+    prev = inputs(2 * rows, h, hv, dk, dv, torch.bfloat16, seed=9)
+    run_update(cuda_ops.gated_delta_rule_update, prev, pool, [2] * rows, idx, [1] * rows)  # a record per row
+    x = inputs(sum(lengths), h, hv, dk, dv, torch.bfloat16, seed=10)
+
+    def prefill(xs: dict, state: torch.Tensor, rows_: list[int]) -> torch.Tensor:
+        return cuda_ops.gated_delta_rule_chunked(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"],
+                                                 qsl([lengths[n] for n in rows_]), state, i32([idx[n] for n in rows_]),
+                                                 i32([acc[n] for n in rows_]),
+                                                 torch.tensor([init[n] for n in rows_], device="cuda"))
+
+    together = pool.clone()
+    out = prefill(x, together, list(range(rows)))
+    start = 0
+    for n in range(rows):
+        alone = pool.clone()
+        got = prefill({name: t[start:start + lengths[n]] for name, t in x.items()}, alone, [n])
+        assert torch.equal(got, out[start:start + lengths[n]]), f"row {n}"
+        assert torch.equal(alone[2 * n], together[2 * n]), f"row {n}"
+        start += lengths[n]
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prefill_matches_chunked_reference(dtype: torch.dtype) -> None:
     h, hv, dk, dv = 2, 4, 64, 32

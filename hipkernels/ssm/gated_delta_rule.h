@@ -12,6 +12,8 @@
 //   a PAD record slot is skipped); then for each token t of the row:
 //     q = l2norm(q_t) * scale, k = l2norm(k_t)   (l2norm: x * rsqrt(sum x^2 + 1e-6), when l2norm)
 //     S = S * exp(g_t);  delta = beta_t (v_t - S^T k);  S = S + k delta^T;  o_t = S^T q
+//     computed from the state before the token (one pass, see the reference): with decay = exp(g_t),
+//     delta = beta_t (v_t - decay S^T k), o_t = decay S^T q + delta (k . q), S = S decay + k delta^T
 //     t == 0: state[idx[n, 0], hv] = S;  t >= 1: record (k, exp(g_t), delta) to idx[n, t] (skipped if PAD)
 //   One state read and one written per step whatever the row's length; the replay runs the same
 //   device functions as the token's own update (decay_state, add_update: explicit fmaf), so the

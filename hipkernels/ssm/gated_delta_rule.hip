@@ -3,15 +3,23 @@
 // race argument in gated_delta_rule.h (reference: pyengine/ops/reference/gdn.py). All arithmetic
 // in fp32.
 //
-// One block per (row, value head, tile of kGdnRecordRows value rows): 8 warps of 4 value rows of
+// Work items are (row, value head, tile of kGdnRecordRows value rows): 8 warps of 4 value rows of
 // S^T [V, K]; a group of 8 lanes owns one value row, each lane KC 16-byte chunks of it (lane sub of
 // the group: entries (sub + 8 j) * 4 .. + 3, so a group reads a row's 128-byte segments whole; K
-// contiguous in the pool), held in registers across the row's tokens. The block issues the base
-// loads, stages the row's tokens in shared memory (q and k l2-normalised once per block, decay,
-// beta, the tile's v), replays the accepted records, then per token: decay, the S^T k reduction,
-// the delta update, the S^T q reduction (8-lane butterflies: 3 shuffles reduce the warp's 4 rows at
-// once), and the base (token 0) or the token's record (tokens >= 1) stored. 64 registers and 35 KB
-// of shared memory: 4 blocks (32 warps) per SM, so some blocks stream state while others compute.
+// contiguous in the pool), held in registers across the row's tokens. Per item the block stages in
+// shared memory the row's tokens (q and k l2-normalised once per block, k . q, decay, beta, the
+// tile's v) and the records it replays, replays them, then per token reads out from the state
+// before the token's update:
+//   S^T k and S^T q in one pass (independent partial sums per chunk, then one 8-lane butterfly for
+//   both), delta = beta (v - decay S^T k), o = decay S^T q + delta (k . q), S = S decay + k delta^T
+// so the token's critical path holds one reduction, not two. The base (token 0) or the token's
+// record (tokens >= 1) is stored.
+// Two launches of the same item code. When the items outnumber what the device holds at once
+// (K <= 128), a persistent grid: each block walks items it, it + grid, ... and copies the next
+// item's base into shared memory (cp.async, double-buffered) while it computes this one, so the
+// state stream never waits for the per-token arithmetic (one block per item, every block loading
+// then computing, left HBM idle during the compute). Otherwise one block per item, the base loaded
+// straight into registers. 64 registers, < 48 KB of shared memory: 4 blocks (32 warps) per SM.
 // A row's arithmetic never depends on the other rows or on how many tokens share its step: token t
 // of a verify row gets the bits the same token gets decoded alone, and a replayed record the bits
 // its token computed (the same device functions, explicit __fmul_rn / fmaf, no contraction left to
@@ -19,157 +27,100 @@
 #include "common/hip_compat.h"
 #include "ssm/gated_delta_rule.h"
 
+#include <atomic>
+
+#include "common/async_copy.h"
+#include "ssm/gated_delta_rule_device.h"
+
 namespace {
 
-constexpr int kLanes = 32;
-constexpr int kGroup = 8;                // lanes per value row
-constexpr int kRows = kLanes / kGroup;   // value rows per warp
-constexpr int kWarps = kGdnRecordRows / kRows;
-constexpr int kMaxChunks = kGdnMaxKeyDim / (kGroup * 4);  // 16-byte chunks per lane at K = 256
-static_assert(kWarps * kRows == kGdnRecordRows, "a block computes exactly one record tile");
+using namespace pe_gdn;
 
-PE_DEVICE float group_sum(float x) {  // over the 8 lanes of a row (masks < 8: one row's group)
-#pragma unroll
-  for (int m = kGroup / 2; m > 0; m /= 2) x += pe_shfl_xor(x, m);
-  return x;
-}
+constexpr int kMinBlocks = 4;  // blocks per SM the K <= 128 kernel is built for (64 registers)
 
-// Four consecutive elements, one 8- or 16-byte load (the wrapper aligns q / k rows to 4 elements).
-PE_DEVICE void load4(const float* p, float* f) {
-  const float4 v = *reinterpret_cast<const float4*>(p);
-  f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
-}
-template <typename T>
-PE_DEVICE void load4(const T* p, float* f) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(p);
-  const T* h = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) f[i] = Io<T>::ld(h + i);
-}
-
-// The two halves of a token's state update, shared by the token loop and the record replay so that
-// both compile to the same instructions: S = S * decay, then S = S + k delta^T.
+// The next item's base, copied by each thread into its own 16-byte chunks ([buffer][chunk][thread]).
+template <int KC, bool kPrefetch>
+struct BaseBuffers {
+  float4 f[2][KC][kThreads];
+};
 template <int KC>
-PE_DEVICE void decay_state(float (&s)[KC][4], float decay) {
-#pragma unroll
-  for (int j = 0; j < KC; ++j)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s[j][i] = __fmul_rn(s[j][i], decay);
-}
+struct BaseBuffers<KC, false> {};
 
-template <int KC>
-PE_DEVICE void add_update(float (&s)[KC][4], const float (&kk)[KC][4], float delta) {
-#pragma unroll
-  for (int j = 0; j < KC; ++j)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s[j][i] = fmaf(kk[j][i], delta, s[j][i]);
-}
-
-PE_DEVICE int chunk_k0(int sub, int j) { return (sub + j * kGroup) * 4; }
-
-// Replays one record (rec: this tile's record inside a slot) onto the lane's value row.
-template <int KC>
-PE_DEVICE void replay_record(float (&s)[KC][4], const float* rec, int K, int sub, int tile_row, bool row_ok) {
-  float kk[KC][4];
-#pragma unroll
-  for (int j = 0; j < KC; ++j) {
-    if (chunk_k0(sub, j) < K) {
-      load4(rec + chunk_k0(sub, j), kk[j]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) kk[j][i] = 0.f;
-    }
-  }
-  const float decay = rec[K + kGdnRecordRows];
-  const float delta = row_ok ? rec[K + tile_row] : 0.f;
-  decay_state(s, decay);
-  add_update(s, kk, delta);
-}
-
-constexpr int kTokens = 16;  // tokens staged in shared memory at a time (a decode row: all of them)
-
-// Tokens c0 .. c0 + nt - 1 of the row staged for the block: q and k l2-normalised (q times scale),
-// decay = exp(g), beta, and v of the tile's value rows. Warp w prepares tokens w, w + 8, ...: a lane
-// holds 4 entries per 128 of K and the norms are warp reductions. Every lane of every row then reads
-// the same staged values, so the per-token normalisation runs once per block, not once per row.
-struct Staged {
-  float q[kTokens][kGdnMaxKeyDim], k[kTokens][kGdnMaxKeyDim];
-  float v[kTokens][kGdnRecordRows], decay[kTokens], beta[kTokens];
+// A work item (row n, value head hv, tile of value rows), with its key head hk and hv's place g in
+// the key head's group of value heads, so that stepping to the next item divides nothing.
+struct Item {
+  int n, hv, tile, hk, g;
 };
 
-PE_DEVICE float warp_sum(float x) {
-#pragma unroll
-  for (int m = kLanes / 2; m > 0; m /= 2) x += pe_shfl_xor(x, m);
-  return x;
+PE_DEVICE Item item_at(int64_t it, int tiles, int HV, int group) {
+  const int64_t head_row = it / tiles;
+  const int hv = (int)(head_row % HV);
+  return {(int)(head_row / HV), hv, (int)(it % tiles), hv / group, hv % group};
 }
 
-template <typename T>
-PE_DEVICE void stage_tokens(Staged& st, const GatedDeltaRuleParams& p, const T* q, const T* k, const T* v, int64_t t0,
-                            int nt, int hv, int tile, int lane, int warp) {
-  constexpr int kc = kGdnMaxKeyDim / (kLanes * 4);
-  const int K = p.key_dim;
-  for (int tt = warp; tt < nt; tt += kWarps) {
-    const int64_t tok = t0 + tt;
-    float qv[kc][4], kv[kc][4], qs = 0.f, ks = 0.f;
-#pragma unroll
-    for (int j = 0; j < kc; ++j) {
-      const int k0 = (lane + j * kLanes) * 4;
-      if (k0 < K) {
-        load4(q + tok * p.q_stride_token + k0, qv[j]);
-        load4(k + tok * p.k_stride_token + k0, kv[j]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) qv[j][i] = kv[j][i] = 0.f;
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) qs = fmaf(qv[j][i], qv[j][i], qs), ks = fmaf(kv[j][i], kv[j][i], ks);
-    }
-    const float qn = p.l2norm ? rsqrtf(warp_sum(qs) + 1e-6f) * p.scale : p.scale;
-    const float kn = p.l2norm ? rsqrtf(warp_sum(ks) + 1e-6f) : 1.f;
-#pragma unroll
-    for (int j = 0; j < kc; ++j) {
-      const int k0 = (lane + j * kLanes) * 4;
-      if (k0 < K) {
-        *reinterpret_cast<float4*>(&st.q[tt][k0]) = make_float4(__fmul_rn(qv[j][0], qn), __fmul_rn(qv[j][1], qn),
-                                                                __fmul_rn(qv[j][2], qn), __fmul_rn(qv[j][3], qn));
-        *reinterpret_cast<float4*>(&st.k[tt][k0]) = make_float4(__fmul_rn(kv[j][0], kn), __fmul_rn(kv[j][1], kn),
-                                                                __fmul_rn(kv[j][2], kn), __fmul_rn(kv[j][3], kn));
-      }
-    }
-    const int vr = tile * kGdnRecordRows + lane;
-    st.v[tt][lane] = vr < p.value_dim ? Io<T>::ld(v + tok * p.v_stride_token + vr) : 0.f;
-    if (lane == 0) st.decay[tt] = expf(p.g[tok * p.num_v_heads + hv]), st.beta[tt] = p.beta[tok * p.num_v_heads + hv];
-  }
+PE_DEVICE void next_item(Item& x, int tiles, int HV, int group) {
+  if (++x.tile < tiles) return;
+  x.tile = 0;
+  if (++x.g == group) x.g = 0, ++x.hk;
+  if (++x.hv == HV) x.hv = 0, x.hk = 0, x.g = 0, ++x.n;
 }
 
+// The slot row n's base is read from, or -1 when it starts from zeros (or is a PAD row).
+PE_DEVICE int base_slot(const GatedDeltaRuleParams& p, int n) {
+  const int slot = p.state_idx[(int64_t)n * p.slots_per_row];
+  const bool init = !p.final_state_only || p.has_initial_state == nullptr || p.has_initial_state[n];
+  return init ? slot : -1;
+}
+
+// This thread's chunks of the item's base into buf (cp.async; chunks past K or V are left alone
+// and never read).
 template <int KC>
-PE_DEVICE void load_staged(float (&x)[KC][4], const float* row, int K, int sub) {
-#pragma unroll
-  for (int j = 0; j < KC; ++j) {
-    if (chunk_k0(sub, j) < K) {
-      const float4 f = *reinterpret_cast<const float4*>(row + chunk_k0(sub, j));
-      x[j][0] = f.x, x[j][1] = f.y, x[j][2] = f.z, x[j][3] = f.w;
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) x[j][i] = 0.f;
-    }
-  }
-}
-
-template <int KC>
-PE_DEVICE void store_state(float* dst, const float (&s)[KC][4], int K, int sub) {
+PE_DEVICE void prefetch_base(float4 (&buf)[KC][kThreads], const GatedDeltaRuleParams& p, const Item& x, int slot) {
+  const int lane = threadIdx.x % kLanes, sub = lane % kGroup, tile_row = threadIdx.x / kLanes * kRows + lane / kGroup;
+  const int vr = x.tile * kGdnRecordRows + tile_row, K = p.key_dim;
+  if (slot < 0 || vr >= p.value_dim) return;
+  const float* row = p.state + (int64_t)slot * p.num_v_heads * p.value_dim * K + ((int64_t)x.hv * p.value_dim + vr) * K;
 #pragma unroll
   for (int j = 0; j < KC; ++j)
-    if (chunk_k0(sub, j) < K)
-      *reinterpret_cast<float4*>(dst + chunk_k0(sub, j)) = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
+    if (chunk_k0(sub, j) < K) pe_copy::copy16_async(&buf[j][threadIdx.x], row + chunk_k0(sub, j), true);
 }
 
+// Outputs of tokens c0 .. c0 + nt - 1 and, for decode / verify rows, the records of tokens >= 1 (k and
+// decay from the staged token, the tile's deltas), from shared memory: token c0 + tt by warp tt % 8,
+// a lane per value row and 16-byte pieces of the record. Each piece comes from the same fp32 values
+// the token's update used.
 template <typename T, int KC>
-__global__ void __launch_bounds__(kLanes * kWarps, KC <= 4 ? 4 : 1) gated_delta_rule_kernel(GatedDeltaRuleParams p) {
-  __shared__ Staged st;
+PE_DEVICE void write_tokens(const GatedDeltaRuleParams& p, const Staged<KC>& st, const Item& x, const int32_t* idx,
+                            int s0, int c0, int nt, int64_t rec_off) {
+  constexpr int kc = Staged<KC>::kMaxK / (kLanes * 4);
+  const int lane = threadIdx.x % kLanes, warp = threadIdx.x / kLanes;
+  const int K = p.key_dim, V = p.value_dim, vr = x.tile * kGdnRecordRows + lane;
+  for (int tt = warp; tt < nt; tt += kWarps) {
+    const int t = c0 + tt;
+    if (vr < V) Io<T>::st(static_cast<T*>(p.out) + ((int64_t)(s0 + t) * p.num_v_heads + x.hv) * V + vr, st.o[tt][lane]);
+    const int dst = p.final_state_only || t == 0 || t >= p.slots_per_row ? -1 : idx[t];
+    if (dst < 0) continue;
+    float* rec = p.state + (int64_t)dst * p.num_v_heads * V * K + rec_off;
+#pragma unroll
+    for (int j = 0; j < kc; ++j) {
+      const int k0 = (lane + j * kLanes) * 4;
+      if (k0 < K) *reinterpret_cast<float4*>(rec + k0) = *reinterpret_cast<const float4*>(&st.k[tt][k0]);
+    }
+    if (lane < kGdnRecordRows / 4)
+      *reinterpret_cast<float4*>(rec + K + 4 * lane) = *reinterpret_cast<const float4*>(&st.delta[tt][4 * lane]);
+    if (lane == 0) rec[K + kGdnRecordRows] = st.decay[tt];
+  }
+}
+
+// One work item, start to end. buf: the item's base copied by prefetch_base (its copy group the
+// second newest of this thread), or null to load it here.
+// staged_qk: the (row, key head) whose q and k the shared memory holds (-1: none), updated.
+template <typename T, int KC>
+PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, const float4 (*buf)[kThreads], const Item& x,
+                        int& staged_qk) {
   const int lane = threadIdx.x % kLanes, warp = threadIdx.x / kLanes;
   const int sub = lane % kGroup, tile_row = warp * kRows + lane / kGroup;  // the lane's row in the tile
-  const int tile = blockIdx.x, hv = blockIdx.y, n = blockIdx.z;
+  const int tile = x.tile, hv = x.hv, n = x.n;
   const int K = p.key_dim, V = p.value_dim, HV = p.num_v_heads;
   const int vr = tile * kGdnRecordRows + tile_row;  // the lane's value row
   const bool row_ok = vr < V;  // lanes past V compute zeros (and still meet the barriers)
@@ -177,91 +128,160 @@ __global__ void __launch_bounds__(kLanes * kWarps, KC <= 4 ? 4 : 1) gated_delta_
   const int s0 = materialise ? 0 : p.query_start_loc[n];
   const int num = materialise ? 0 : p.query_start_loc[n + 1] - s0;
   const int32_t* idx = p.state_idx + (int64_t)n * p.slots_per_row;
-  T* out = static_cast<T*>(p.out);
-  if (idx[0] < 0) {  // the whole block leaves
+  if (idx[0] < 0) {  // the whole block skips the item
     if (sub == 0 && row_ok)
-      for (int t = 0; t < num; ++t) Io<T>::st(out + ((int64_t)(s0 + t) * HV + hv) * V + vr, 0.f);
+      for (int t = 0; t < num; ++t) Io<T>::st(static_cast<T*>(p.out) + ((int64_t)(s0 + t) * HV + hv) * V + vr, 0.f);
     return;
   }
   const bool init = !p.final_state_only || p.has_initial_state == nullptr || p.has_initial_state[n];
-  const int a = min(max(p.num_accepted[n], 1), p.slots_per_row);
+  const int replays = init ? min(max(p.num_accepted[n], 1), p.slots_per_row) - 1 : 0;  // records idx[1..a-1]
   const int64_t slot_elems = (int64_t)HV * V * K;
-  const int64_t row_off = ((int64_t)hv * V + vr) * K;  // the lane's value row inside a slot
   const int64_t rec_off = (int64_t)hv * V * K + (int64_t)tile * (K + kGdnRecordRows + kGdnRecordPad);
-  // The base: every load issued before any is used.
+  float* base = p.state + idx[0] * slot_elems + ((int64_t)hv * V + vr) * K;  // the lane's value row of the base
   float s[KC][4];
+  if (buf == nullptr) {  // the base: every load issued before any is used
 #pragma unroll
-  for (int j = 0; j < KC; ++j) {
-    if (init && row_ok && chunk_k0(sub, j) < K) {
-      load4(p.state + idx[0] * slot_elems + row_off + chunk_k0(sub, j), s[j]);
-    } else {
+    for (int j = 0; j < KC; ++j) {
+      if (init && row_ok && chunk_k0(sub, j) < K) {
+        load4(base + chunk_k0(sub, j), s[j]);
+      } else {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[j][i] = 0.f;
+        for (int i = 0; i < 4; ++i) s[j][i] = 0.f;
+      }
     }
   }
-  const int hk = hv / (HV / p.num_k_heads);
-  const T* q = static_cast<const T*>(p.q) + (int64_t)hk * K;
-  const T* k = static_cast<const T*>(p.k) + (int64_t)hk * K;
+  const T* q = static_cast<const T*>(p.q) + (int64_t)x.hk * K;
+  const T* k = static_cast<const T*>(p.k) + (int64_t)x.hk * K;
   const T* v = static_cast<const T*>(p.v) + (int64_t)hv * V;
-  if (num > 0) stage_tokens(st, p, q, k, v, s0, min(num, kTokens), hv, tile, lane, warp);
-  if (init)
-    for (int j = 1; j < a; ++j)
-      if (idx[j] >= 0) replay_record(s, p.state + idx[j] * slot_elems + rec_off, K, sub, tile_row, row_ok);
-  // every record of the previous step read by every warp before this step writes any; tokens staged
+  if (num > 0) {
+    const int qk = n * p.num_k_heads + x.hk;
+    stage_tokens(st, p, q, k, v, s0, min(num, kTokens), hv, tile, lane, warp, qk != staged_qk || num > kTokens);
+    staged_qk = num > kTokens ? -1 : qk;  // a longer row restages its later tokens over these
+  }
+  if (replays > 0) stage_records(st, p, idx, slot_elems, rec_off, 0, min(replays, kRecords), lane, warp);
+  if (buf != nullptr) {  // the base this thread copied (the newest group is the next item's)
+    pe_copy::copy_wait<1>();
+#pragma unroll
+    for (int j = 0; j < KC; ++j) {
+      const float4 f = init && row_ok && chunk_k0(sub, j) < K ? buf[j][threadIdx.x] : make_float4(0.f, 0.f, 0.f, 0.f);
+      s[j][0] = f.x, s[j][1] = f.y, s[j][2] = f.z, s[j][3] = f.w;
+    }
+  }
+  // tokens and records staged; every record of the previous step is read by the block before this
+  // step writes any (the barriers below come before the first store)
   __syncthreads();
+  for (int r0 = 0; r0 < replays; r0 += kRecords) {
+    if (r0 > 0) {  // more records than shared memory holds: the next ones
+      __syncthreads();
+      stage_records(st, p, idx, slot_elems, rec_off, r0, min(replays - r0, kRecords), lane, warp);
+      __syncthreads();
+    }
+    for (int r = 0; r < min(replays - r0, kRecords); ++r)
+      if (idx[1 + r0 + r] >= 0) replay_record(s, st, r, sub, tile_row, row_ok);
+  }
   if (materialise) {
-    if (p.replay_dst[n] >= 0 && row_ok) store_state(p.state + p.replay_dst[n] * slot_elems + row_off, s, K, sub);
+    if (p.replay_dst[n] >= 0 && row_ok)
+      store_state(p.state + p.replay_dst[n] * slot_elems + ((int64_t)hv * V + vr) * K, s, K, sub);
     return;
   }
+  const int base_t = p.final_state_only ? num - 1 : 0;  // the token whose full state is stored
   for (int c0 = 0; c0 < num; c0 += kTokens) {
-    if (c0 > 0) {  // a prefill row's next tokens: restage once every warp is done with these
+    const int nt = min(num - c0, kTokens);
+    if (c0 > 0) {  // the row's next tokens: restage once every warp is done with these
       __syncthreads();
-      stage_tokens(st, p, q, k, v, s0 + c0, min(num - c0, kTokens), hv, tile, lane, warp);
+      stage_tokens(st, p, q, k, v, s0 + c0, nt, hv, tile, lane, warp, true);
       __syncthreads();
     }
-    for (int tt = 0; tt < min(num - c0, kTokens); ++tt) {
-      const int t = c0 + tt;
-      float qq[KC][4], kk[KC][4];
-      load_staged(kk, st.k[tt], K, sub);
-      load_staged(qq, st.q[tt], K, sub);
+    for (int tt = 0; tt < nt; ++tt) {
+      float kk[KC][4], qq[KC][4];
+      load_staged(kk, st.k[tt], sub);
+      load_staged(qq, st.q[tt], sub);
       const float decay = st.decay[tt];
+      // both reductions from the state before the token: S^T k for delta, S^T q for the output
+      float mk = dot_part(s, kk), mq = dot_part(s, qq);
+      group_sum2(mk, mq);
+      const float delta = __fmul_rn(st.beta[tt], __fsub_rn(st.v[tt][tile_row], __fmul_rn(decay, mk)));
       decay_state(s, decay);
-      float mem = 0.f;
-#pragma unroll
-      for (int j = 0; j < KC; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) mem = fmaf(s[j][i], kk[j][i], mem);
-      const float delta = __fmul_rn(st.beta[tt], __fsub_rn(st.v[tt][tile_row], group_sum(mem)));
       add_update(s, kk, delta);
-      float o = 0.f;
-#pragma unroll
-      for (int j = 0; j < KC; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o = fmaf(s[j][i], qq[j][i], o);
-      // token 0 (and a prefill row's last token): the full state to idx[0]; tokens >= 1: their record
-      const bool base = p.final_state_only ? t == num - 1 : t == 0;
-      const int dst = p.final_state_only || t >= p.slots_per_row ? -1 : idx[t];
-      if (base) {
-        if (row_ok) store_state(p.state + idx[0] * slot_elems + row_off, s, K, sub);
-      } else if (dst >= 0) {
-        float* rec = p.state + dst * slot_elems + rec_off;
-        if (tile_row == 0) store_state(rec, kk, K, sub);  // lanes 0..7 of warp 0: the tile's k copy
-        if (tile_row == 0 && sub == 0) rec[K + kGdnRecordRows] = decay;
-        if (sub == 0 && row_ok) rec[K + tile_row] = delta;
-      }
-      o = group_sum(o);
-      if (sub == 0 && row_ok) Io<T>::st(out + ((int64_t)(s0 + t) * HV + hv) * V + vr, o);
+      if (sub == 0) st.o[tt][tile_row] = fmaf(delta, st.kq[tt], __fmul_rn(decay, mq)), st.delta[tt][tile_row] = delta;
+      if (c0 + tt == base_t && row_ok) store_state(base, s, K, sub);
+    }
+    __syncthreads();  // outputs and deltas staged
+    write_tokens<T>(p, st, x, idx, s0, c0, nt, rec_off);
+  }
+}
+
+// Items begin .. end - 1 of an even split. With kPrefetch the next item's base is in flight (into the
+// other buffer) while this one computes; the slot it reads is looked up one item earlier still, so
+// that issuing the copy never waits on a load.
+template <typename T, int KC, bool kPrefetch>
+__global__ void __launch_bounds__(kThreads, KC <= 4 ? kMinBlocks : 1) gated_delta_rule_kernel(GatedDeltaRuleParams p) {
+  __shared__ __align__(16) Staged<KC> st;
+  __shared__ __align__(16) BaseBuffers<KC, kPrefetch> bb;
+  const int tiles = (p.value_dim + kGdnRecordRows - 1) / kGdnRecordRows, HV = p.num_v_heads;
+  const int group = HV / p.num_k_heads;
+  int staged_qk = -1;
+  if constexpr (!kPrefetch) {  // one item per block
+    run_item<T, KC>(p, st, nullptr, item_at(blockIdx.x, tiles, HV, group), staged_qk);
+  } else {
+    const int64_t items = (int64_t)tiles * HV * p.num_rows;
+    const int64_t begin = items * blockIdx.x / gridDim.x, end = items * (blockIdx.x + 1) / gridDim.x;
+    Item x = item_at(begin, tiles, HV, group), next = x;
+    next_item(next, tiles, HV, group);
+    if (begin < end) prefetch_base(bb.f[0], p, x, base_slot(p, x.n));
+    pe_copy::copy_commit();
+    int next_slot = begin + 1 < end ? base_slot(p, next.n) : -1;
+    for (int64_t it = begin; it < end; ++it) {
+      Item after = next;
+      next_item(after, tiles, HV, group);
+      const int b = (int)((it - begin) & 1);
+      if (it + 1 < end) prefetch_base(bb.f[b ^ 1], p, next, next_slot);
+      pe_copy::copy_commit();  // a group per item, empty or not: copy_wait<1> then means "this item's"
+      next_slot = it + 2 < end ? base_slot(p, after.n) : -1;
+      run_item<T, KC>(p, st, bb.f[b], x, staged_qk);
+      __syncthreads();  // every warp done with this item's staged values (and base buffer) before reuse
+      x = next, next = after;
     }
   }
 }
 
+// Blocks of `kernel` the device holds at once (multiprocessors x resident blocks), per device; 0 if
+// unknown.
+template <typename Kernel>
+int device_blocks(Kernel kernel) {
+  constexpr int kDevices = 64;
+  static std::atomic<int> cache[kDevices];
+  int dev = 0, sms = 0, per_sm = 0;
+#if defined(PE_HIP)
+  if (hipGetDevice(&dev) != hipSuccess || dev < 0 || dev >= kDevices) return 0;
+  if (const int v = cache[dev].load(std::memory_order_relaxed)) return v;
+  if (hipDeviceGetAttribute(&sms, hipDeviceAttributeMultiprocessorCount, dev) != hipSuccess ||
+      hipOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0) != hipSuccess)
+    return 0;
+#else
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) return 0;
+  if (const int v = cache[dev].load(std::memory_order_relaxed)) return v;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0) != cudaSuccess)
+    return 0;
+#endif
+  cache[dev].store(sms * per_sm, std::memory_order_relaxed);
+  return sms * per_sm;
+}
+
 template <typename T>
 int launch(const GatedDeltaRuleParams& p, peStream_t stream) {
-  const dim3 grid((p.value_dim + kGdnRecordRows - 1) / kGdnRecordRows, p.num_v_heads, p.num_rows);
-  if (p.key_dim <= 4 * kGroup * 4)  // K <= 128: half the registers
-    gated_delta_rule_kernel<T, 4><<<grid, kLanes * kWarps, 0, stream>>>(p);
-  else
-    gated_delta_rule_kernel<T, kMaxChunks><<<grid, kLanes * kWarps, 0, stream>>>(p);
+  const int64_t items = (int64_t)(p.value_dim + kGdnRecordRows - 1) / kGdnRecordRows * p.num_v_heads * p.num_rows;
+  if (items > INT32_MAX) return -1;
+  if (p.key_dim <= 4 * kGroup * 4) {  // K <= 128: half the registers
+    const int resident = device_blocks(gated_delta_rule_kernel<T, 4, true>);
+    if (resident > 0 && items > resident)
+      gated_delta_rule_kernel<T, 4, true><<<resident, kThreads, 0, stream>>>(p);
+    else
+      gated_delta_rule_kernel<T, 4, false><<<(int)items, kThreads, 0, stream>>>(p);
+  } else {
+    gated_delta_rule_kernel<T, kMaxChunks, false><<<(int)items, kThreads, 0, stream>>>(p);
+  }
   return static_cast<int>(peGetLastError());
 }
 

@@ -5,7 +5,9 @@ torch_recurrent_gated_delta_rule / torch_chunk_gated_delta_rule).
 Recurrence, per value head hv (q/k head h = hv // (HV / H)), state S [K, V] fp32
     q = l2norm(q) * scale, k = l2norm(k)       (l2norm: x * rsqrt(sum(x * x) + 1e-6), when enabled)
     S = S * exp(g_t);  delta = beta_t * (v_t - S^T k_t);  S = S + outer(k_t, delta);  o_t = S^T q_t
-i.e. S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T. g (log-decay, <= 0) and beta
+i.e. S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T. Both reads come from the state
+before the token (what the CUDA kernel computes, in one pass over the state):
+    delta = beta_t (v_t - e^{g_t} S_{t-1}^T k_t),   o_t = e^{g_t} S_{t-1}^T q_t + delta (k_t . q_t) g (log-decay, <= 0) and beta
 arrive precomputed in fp32: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b).
 
 Slots under speculative decoding: a base state and per-token records
@@ -144,11 +146,13 @@ def _step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     No shape depends on the step."""
     qt, kt = _qk(q, k, v.shape[0], scale, use_qk_l2norm)  # [HV, K]
     decay = torch.exp(g.float())
-    S = _decay(S, decay[:, None, None])
-    kv_mem = (S * kt[:, :, None]).sum(-2)  # [HV, V]
+    # S^T k and S^T q of the state before the token; the readout of the updated state is then
+    # decay S^T q + delta (k . q)
+    kv_mem = decay[:, None] * (S * kt[:, :, None]).sum(-2)  # [HV, V]
+    qs = (S * qt[:, :, None]).sum(-2)
     delta = beta.float()[:, None] * (v.float() - kv_mem)
-    S = _add_update(S, kt[:, :, None], delta[:, None, :], state_dtype)
-    return S, (S * qt[:, :, None]).sum(-2), (kt, decay, delta)
+    S = _add_update(_decay(S, decay[:, None, None]), kt[:, :, None], delta[:, None, :], state_dtype)
+    return S, decay[:, None] * qs + delta * (kt * qt).sum(-1)[:, None], (kt, decay, delta)
 
 
 def recurrent_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
