@@ -19,7 +19,8 @@ except ImportError:  # no GPU kernels in this build
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or cuda_ops is None, reason="needs CUDA and the GPU kernels")]
 
-# (K, N): W_UK-like (split 1), W_UV-like, expert down / gate_up shapes (splits 2..8 on an H100)
+# (K, N): W_UK-like, W_UV-like, expert down / gate_up shapes (default splits 1, 1, 1, 4, 2 on an H100;
+# test_every_split_and_fp16 forces each)
 SHAPES = [(128, 512), (512, 64), (256, 384), (2048, 128), (1024, 1024)]
 
 

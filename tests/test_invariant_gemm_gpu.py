@@ -1,8 +1,9 @@
 """The batch-invariant GEMMs (hipkernels/gemm/invariant_gemm.hip, fp16/bf16: the wgmma family
-invariant_gemm_wgmma.hip that invariant_gemm runs on sm_90a builds, and the mma.sync family that the
-grouped GEMM runs, reached with family=1; invariant_gemm_f32.hip, fp32) on the GPU: every row's bits
-are the same for any number of rows and any order of rows (M 1..300 and 4096 cross the row tiles,
-the cluster / one-block combines and the fp32 kernel's workspace / one-block paths), at every shape
+invariant_gemm_wgmma.hip that invariant_gemm runs on sm_90a builds for large weights above 16 or 64
+rows, and the mma.sync family that runs the rest and the grouped GEMM, reached with family=1;
+invariant_gemm_f32.hip, fp32) on the GPU: every row's bits are the same for any number of rows and
+any order of rows (M 1..300 and 4096 cross the families, the output tiles, the cluster / one-block
+combines and the fp32 kernel's workspace / one-block paths; every tile forced), at every shape
 of SmolLM2 and Llama-8B; values agree with a wider reference; the linear dispatch runs them for
 every M under KernelConfig.batch_invariant. Skips without CUDA and the kernels."""
 from __future__ import annotations
@@ -25,21 +26,23 @@ SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152), (4096,
           (4096, 28672), (14336, 4096)]
 ROW_COUNTS = [1, 2, 7, 16, 17, 63, 64, 65, 200, 257, 300]
 # InvariantGemmParams.family: 0 the default (wgmma on sm_90a builds for weights of >= 2^23 elements
-# and M > 256, else mma.sync: the two give the same bits), 1 mma.sync, 2 wgmma wherever built
+# above 16 or 64 rows, invariant_gemm_wgmma_default_for; else mma.sync: the two give the same bits),
+# 1 mma.sync, 2 wgmma wherever built
 FAMILIES = {"default": 0, "mma_sync": 1, "wgmma": 2}
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, split: int = 0,
-         family: int = 0) -> torch.Tensor:
-    """cuda_ops.invariant_gemm with the kernel family named (family 0 is what it runs)."""
-    if family == 0:
+         family: int = 0, tile: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """cuda_ops.invariant_gemm with the kernel family named (family 0 is what it runs) and, for
+    the mma.sync family, its output tile (rows, columns; 0 the default)."""
+    if family == 0 and tile == (0, 0):
         return cuda_ops.invariant_gemm(x, w, bias, split=split)
     x = aligned_rows(x)
     y = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
     p = params(kernels.InvariantGemmParams, x=x.data_ptr(), w=w.data_ptr(), bias=0 if bias is None else bias.data_ptr(),
                y=y.data_ptr(), m=x.shape[0], n=w.shape[1], k=x.shape[1], x_stride=row_stride(x),
                y_stride=row_stride(y), dtype=1 if x.dtype == torch.bfloat16 else 0, num_sms=num_sms(x.device),
-               split=split, family=family)
+               split=split, family=family, tile_m=tile[0], tile_n=tile[1])
     with torch.cuda.device(x.device):
         kernels.invariant_gemm(p, stream(x.device))
     return y
@@ -84,7 +87,8 @@ def test_rows_are_batch_invariant(k: int, n: int, family: int) -> None:
 @pytest.mark.parametrize("family", [0, 2], ids=["default", "wgmma"])
 @pytest.mark.parametrize("k,n", [(576, 960), (4096, 6144)])
 def test_every_m_up_to_300(k: int, n: int, family: int) -> None:
-    """M = 1..300 one by one (every tail of the 16-, 64- and 128-row tiles)."""
+    """M = 1..300 one by one (every tail of the row tiles; the default crosses from mma.sync to
+    wgmma at 65 rows on Llama-8B's qkv)."""
     x, w, _ = operands(k, n, 300, torch.bfloat16, seed=2)
     full = gemm(x, w, family=family)
     for m in range(1, 301):
@@ -94,10 +98,11 @@ def test_every_m_up_to_300(k: int, n: int, family: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_the_families_give_the_same_bits(k: int, n: int, dtype: torch.dtype) -> None:
-    """The default picks mma.sync for up to 256 rows and wgmma above (large weights): a row keeps
-    its bits across that line only because both families give the same bits for the same K ranges
-    (the same tensor-core sums per 16-wide k step, the same order after). Measured here, not
-    documented: every shape, split and row-tile path, rows from a decode step to a prefill chunk."""
+    """The default picks mma.sync up to 16 rows and, for large weights, wgmma above 16 or 64 rows: a
+    row keeps its bits across those lines only because both families give the same bits for the
+    same K ranges (the same tensor-core sums per 16-wide k step, the same order after). Measured
+    here, not documented: every shape, split and row-tile path, rows from a decode step to a
+    prefill chunk."""
     x, w, bias = operands(k, n, 2200, dtype, seed=k + n)
     for split in (0, 1, 2, 4, 8):
         for m in (1, 64, 300, 2200):
@@ -129,6 +134,25 @@ def test_tails(k: int, n: int, family: int) -> None:
     close_to_reference(y, x, w, bias)
     for m in (1, 5, 64, 65, 129, 200):
         assert torch.equal(gemm(x[-m:], w, bias, family=family), y[-m:]), f"M={m}"
+
+
+# The mma.sync family's output tiles (rows, columns): a launch choice from M and the shape, never
+# part of a row's sums
+TILES = [(16, 32), (16, 64), (16, 128), (64, 32), (64, 64), (64, 128), (128, 128)]
+
+
+@pytest.mark.parametrize("split", [0, 1, 2, 4, 8])
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (4096, 1024), (192, 200), (640, 136)])
+def test_every_tile_gives_the_same_bits(k: int, n: int, split: int) -> None:
+    """Every output tile, forced, gives each row the bits of the default launch (M 1 to 300, column
+    tails of the 32-, 64- and 128-wide tiles, empty K ranges at split 8), and values close to fp32."""
+    x, w, bias = operands(k, n, 300, torch.bfloat16, seed=k + split)
+    full = gemm(x, w, bias, split=split)
+    close_to_reference(full, x, w, bias)
+    for tile in TILES:
+        for m in (1, 17, 64, 300):
+            y = gemm(x[:m], w, bias, split=split, family=1, tile=tile)
+            assert torch.equal(y, full[:m]), f"tile {tile}, M={m}: {(y != full[:m]).sum().item()} elements differ"
 
 
 def test_strided_rows_and_errors() -> None:

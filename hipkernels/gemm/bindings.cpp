@@ -26,7 +26,7 @@ void register_gemm_kernels(py::module_& k) {
   ParamsClass<I>(k, "InvariantGemmParams")
       .PE_FIELD(I, x).PE_FIELD(I, w).PE_FIELD(I, bias).PE_FIELD(I, y).PE_FIELD(I, m).PE_FIELD(I, n).PE_FIELD(I, k)
       .PE_FIELD(I, x_stride).PE_FIELD(I, y_stride).PE_FIELD(I, dtype).PE_FIELD(I, num_sms).PE_FIELD(I, split)
-      .PE_FIELD(I, pdl).PE_FIELD(I, family);
+      .PE_FIELD(I, pdl).PE_FIELD(I, tile_m).PE_FIELD(I, tile_n).PE_FIELD(I, family);
   def_launch(k, "invariant_gemm", &launch_invariant_gemm);
   k.def("invariant_gemm_split", &invariant_gemm_split, py::arg("k"), py::arg("n"), py::arg("num_sms"),
         "The K split of the batch-invariant GEMM for a shape (a function of K, N and the device, never of M).");

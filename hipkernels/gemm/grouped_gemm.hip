@@ -17,6 +17,7 @@ PE_DEVICE int clamp_rows(int v, int m) { return v < 0 ? 0 : v > m ? m : v; }
 // Equal groups: group g's m rows at g * (x / y)_group_stride; row tiles group after group.
 struct EqualGroupRows {
   static constexpr bool kReadsStepData = false;
+  static constexpr bool kAllTiles = false;  // 128-column tiles only
   int num_groups;
   int64_t x_group_stride, y_group_stride, w_group_stride;
 
@@ -34,9 +35,10 @@ struct EqualGroupRows {
 
 // Groups by cumulative counts on the device (rows sorted by group). Row tiles are numbered group
 // after group, ceil(rows_g / BM) for group g; a block finds its group by a prefix sum of those
-// counts over the groups, kThreads groups at a time. Tiles past the last group's return.
+// counts over the groups, kMaxThreads groups at a time. Tiles past the last group's return.
 struct OffsetGroupRows {
   static constexpr bool kReadsStepData = true;  // offs is written by the step (the router's counts)
+  static constexpr bool kAllTiles = false;   // locate's scan takes a full block of kMaxThreads
   const int32_t* offs;
   int num_groups;
   int64_t w_group_stride;
@@ -48,13 +50,13 @@ struct OffsetGroupRows {
 
   template <int BM>
   PE_DEVICE BlockRows locate(const InvariantGemmParams& p, int tile) const {
-    __shared__ int scan[kThreads];
+    __shared__ int scan[kMaxThreads];
     __shared__ int hit[4];  // group, its first row, its rows, the tile's index inside it
     const int tid = threadIdx.x;
     if (tid == 0) hit[0] = -1;
     __syncthreads();
     int before = 0;  // row tiles of the groups of earlier chunks
-    for (int g0 = 0; g0 < num_groups; g0 += kThreads) {
+    for (int g0 = 0; g0 < num_groups; g0 += kMaxThreads) {
       const int g = g0 + tid;
       int begin = 0, rows = 0;
       if (g < num_groups) {  // clamped to x's rows: malformed offsets read nothing outside x
@@ -64,7 +66,7 @@ struct OffsetGroupRows {
       const int tiles = rows > 0 ? (rows + BM - 1) / BM : 0;
       scan[tid] = tiles;
       __syncthreads();
-      for (int o = 1; o < kThreads; o *= 2) {  // inclusive prefix sum over the chunk
+      for (int o = 1; o < kMaxThreads; o *= 2) {  // inclusive prefix sum over the chunk
         const int v = tid >= o ? scan[tid - o] : 0;
         __syncthreads();
         scan[tid] += v;
@@ -74,7 +76,7 @@ struct OffsetGroupRows {
       if (tiles > 0 && tile >= first && tile < first + tiles) {
         hit[0] = g, hit[1] = begin, hit[2] = rows, hit[3] = tile - first;
       }
-      before += scan[kThreads - 1];
+      before += scan[kMaxThreads - 1];
       __syncthreads();  // hit visible to all; scan free for the next chunk
       if (hit[0] >= 0 || before > tile) break;
     }

@@ -7,15 +7,17 @@
 // four 16-wide steps of each, are accumulated in increasing order by one mma.sync chain starting
 // from zero (the tensor core sums each output of one step in a fixed way, whatever the other rows
 // of the fragment hold); the ranges' partial sums are then added in increasing order, bias last.
-// The row tile (16, 64 or 128 rows, chosen from M) changes only which rows share a block, never a
-// row's arithmetic: a row's result is bit-identical alone, in any batch, in a verify step or in a
-// prefill chunk. This is the property cuBLAS does not give (its kernel and split-K change with M).
+// The output tile (16, 64 or 128 rows by 32, 64 or 128 columns, chosen from M and the shape)
+// changes only which rows share a block, never a row's arithmetic: a row's result is bit-identical
+// alone, in any batch, in a verify step or in a prefill chunk. This is the property cuBLAS does not
+// give (its kernel and split-K change with M).
 //
 // split > 1 combines the ranges inside a thread-block cluster (distributed shared memory, sm_90),
 // with no workspace. NVIDIA only; launch returns -1 elsewhere. The description above is the
 // mma.sync family's (invariant_gemm_kernel.h); on sm_90a builds launch_invariant_gemm runs the wgmma
 // family (invariant_gemm_wgmma.h: the same ranges and order, m64n128k16 products, the same bits)
-// for more than 256 rows of a shape whose weight has at least 2^23 elements.
+// for shapes whose weight has at least 2^23 elements above 16 or 64 rows
+// (invariant_gemm_wgmma_default_for).
 #pragma once
 
 #include <cstdint>
@@ -32,6 +34,9 @@ struct InvariantGemmParams {
   int split = 0;               // K ranges (1, 2, 4 or 8); 0: invariant_gemm_split(), never from M
   bool pdl = false;            // programmatic dependent launch: the first weight tiles stream in
                                // while the previous kernel of the stream finishes
+  int tile_m = 0, tile_n = 0;  // the mma.sync family's output tile: 16 / 64 / 128 rows, 32 / 64 / 128
+                               // columns (under 128 with 16 or 64 rows only); 0 the default for the
+                               // shape and M. Benchmarks sweep them; no tile changes a bit.
   int family = 0;              // 0: the wgmma family (invariant_gemm_wgmma.h) where the build has it,
                                // the weight is large and M > 256 (invariant_gemm_wgmma_default_for),
                                // else mma.sync; 1: mma.sync (the grouped GEMM's); 2: wgmma wherever

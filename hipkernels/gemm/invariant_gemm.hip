@@ -11,10 +11,13 @@ using namespace pe_invariant_gemm;
 
 int invariant_gemm_split(int k, int n, int num_sms) {
   // About one block per multiprocessor for a one-tile-high launch (decode), while every range
-  // keeps at least two k tiles to pipeline. A function of K, N and the device only.
+  // keeps at least kMinRangeTiles k tiles: at decode sizes a split's cluster combine costs as much
+  // as 5-10 k tiles of a block's chain (H100, docs/kernels/invariant_gemm.md), so a short K
+  // (SmolLM2's 576) is not split. A function of K, N and the device only.
   const int tiles = (n + kBN - 1) / kBN, k_tiles = k / kBK;
   int splits = 1;
-  while (splits < kMaxSplit && 10 * tiles * splits < 9 * num_sms && k_tiles >= 4 * splits) splits *= 2;
+  while (splits < kMaxSplit && 10 * tiles * splits < 9 * num_sms && k_tiles >= 2 * kMinRangeTiles * splits)
+    splits *= 2;
   return splits;
 }
 
@@ -25,7 +28,7 @@ int launch_invariant_gemm(const InvariantGemmParams& p, void* stream) {
   if (p.m == 0 || p.n == 0) return 0;
   if (p.family < 0 || p.family > 2) return -1;
   // The family from the build, (K, N) and M: the two give a row the same bits (invariant_gemm_wgmma.h).
-  const bool wgmma = p.family == 2 || (p.family == 0 && invariant_gemm_wgmma_default_for(p.m, p.k, p.n));
+  const bool wgmma = p.family == 2 || (p.family == 0 && invariant_gemm_wgmma_default_for(p.m, p.k, p.n, splits));
   if (wgmma && invariant_gemm_wgmma_available()) return launch_invariant_gemm_wgmma(p, splits, stream);
   return launch_typed(p, DenseRows{}, p.m, splits, stream);
 }

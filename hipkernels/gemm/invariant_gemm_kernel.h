@@ -2,12 +2,15 @@
 // shared by invariant_gemm.hip (one matrix) and grouped_gemm.hip (one weight per group of rows).
 // Device code: include from .hip files only.
 //
-// A block of 8 warps owns a BM x 128 output tile and one of `split` K ranges; k tiles of 64 stream
-// through a cp.async pipeline (3 to 5 stages) (x rows zero-filled past the block's rows, weight
-// columns past N). Shared tiles are swizzled (16-byte chunk c of row r stored at c ^ (r % 8)) so
-// that ldmatrix reads are conflict-free: x tiles are [BM][64] (ldmatrix), weight tiles [64][128]
-// (ldmatrix.trans gives the k-major B fragments straight from the [in, out] layout). Warps split the
-// tile 1 x 8 (BM 16: decode, each warp 16 columns) or 2 x 4 (BM 64 and 128).
+// A block of up to 8 warps owns a BM x BN output tile (BN 32, 64 or 128) and one of `split` K
+// ranges; k tiles of 64 stream through a cp.async pipeline of ~96 KB (3 to 16 stages) (x rows
+// zero-filled past the block's rows, weight columns past N). Shared tiles are swizzled (16-byte chunk c of row r
+// stored at c ^ (r % 8), or c ^ (r / 2 % 4) for 4-chunk rows) so that ldmatrix reads are
+// conflict-free: x tiles are [BM][64] (ldmatrix), weight tiles [64][BN] (ldmatrix.trans gives the
+// k-major B fragments straight from the [in, out] layout). Each warp computes 16-column-wide (or
+// wider) strips: warps 1 x (BN / 16) for BM 16 (decode), 2 x 4 or 4 x 2 for BM 64 and 128. Neither
+// BM nor BN enters an output's arithmetic (the k tiles of its range, in order, in one mma chain),
+// so the tile is a launch choice from M and the shape (invariant_gemm_tile).
 //
 // Large M (BM 128) has blocks enough without a split, so there one block walks all K ranges in
 // turn (kSequential): its accumulators restart from zero at each range boundary and are added to
@@ -30,25 +33,38 @@
 
 namespace pe_invariant_gemm {
 
-constexpr int kThreads = 256;
-constexpr int kBN = 128;
+constexpr int kMaxThreads = 256;
+constexpr int kBN = 128;  // the widest column tile; invariant_gemm_split counts tiles of this width
 constexpr int kBK = 64;
 constexpr int kMaxSplit = 8;  // portable cluster size
 
-template <int BM>
+constexpr int cmin(int a, int b) { return a < b ? a : b; }
+
+struct TileShape {
+  int bm, bn;  // rows (16, 64, 128) and columns (32, 64, 128) of a block's output tile
+};
+
+template <int BM, int BN>
 struct Tile {
-  static constexpr int kWarpsM = BM == 16 ? 1 : 2;
-  static constexpr int kWarpsN = 8 / kWarpsM;
-  static constexpr int kWarpM = BM / kWarpsM;  // rows per warp: 16, 32 or 64
-  static constexpr int kWarpN = kBN / kWarpsN;  // columns per warp: 16 or 32
+  static_assert(BN == 32 || BN == 64 || BN == 128, "column tiles of 32, 64 or 128");
+  static constexpr int kWarps = cmin(8, BM / 16 * (BN / 16));   // warp tiles of at least 16 x 16
+  static constexpr int kWarpsN = cmin(BN / 16, BM >= 64 ? 4 : 8);
+  static constexpr int kWarpsM = kWarps / kWarpsN;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kWarpM = BM / kWarpsM;   // rows per warp: 16, 32 or 64
+  static constexpr int kWarpN = BN / kWarpsN;   // columns per warp: 16 or 32
   static constexpr int kMT = kWarpM / 16;       // m16 fragments per warp
-  static constexpr int kNT = kWarpN / 8;        // n8 fragments per warp
+  static constexpr int kNT = kWarpN / 8;        // n8 fragments per warp (even: ldmatrix.x4 pairs)
   static constexpr int kAccs = kMT * kNT * 4;   // fp32 accumulators per thread
-  static constexpr int kStages = BM == 16 ? 5 : BM == 64 ? 4 : 3;  // ~90-100 KB of tiles in flight
-  static constexpr int kStageElems = BM * kBK + kBK * kBN;
+  static constexpr int kStageElems = BM * kBK + kBK * BN;
+  // ~96 KB of tiles in flight, so that two blocks fit an SM (under PDL the next launch's blocks
+  // start streaming beside this one's): 5 stages at 16 x 128, 9 at 16 x 64, 16 at 16 x 32
+  static constexpr int kStages = cmin(16, 98304 / (kStageElems * 2));
   static constexpr size_t kPipeBytes = (size_t)kStages * kStageElems * 2;
   static constexpr size_t kReduceBytes = (size_t)kAccs * kThreads * 4;
   static constexpr size_t kSmemBytes = kPipeBytes > kReduceBytes ? kPipeBytes : kReduceBytes;
+  static_assert(kWarpsM * kWarpsN == kWarps && kNT % 2 == 0 && kStages >= 3, "tile shape");
+  static_assert(kBK * BN / 8 % kThreads == 0, "whole weight-tile loads per thread");
 };
 
 // The matrix one block works on: rows [m0, m0 + BM) of x [m, K] @ w [K, N] -> y [m, N] (rows
@@ -63,6 +79,7 @@ struct BlockRows {
 // One matrix: p.x, p.w, p.y, rows tile * BM on.
 struct DenseRows {
   static constexpr bool kReadsStepData = false;  // locate reads nothing a kernel of the step writes
+  static constexpr bool kAllTiles = true;        // 32- and 64-column tiles too (blocks under 256 threads)
 
   unsigned tiles(const InvariantGemmParams& p, int bm) const { return (unsigned)((p.m + bm - 1) / bm); }
 
@@ -73,17 +90,24 @@ struct DenseRows {
   }
 };
 
-PE_DEVICE int swizzle(int row, int chunk) { return chunk ^ (row & 7); }
+// Chunk c of row r of a shared tile whose rows hold `kChunks` 16-byte chunks: the 8 rows that one
+// ldmatrix reads land in 8 different bank groups.
+template <int kChunks>
+PE_DEVICE int swizzle(int row, int chunk) {
+  return kChunks >= 8 ? chunk ^ (row & 7) : chunk ^ (row >> 1 & 3);
+}
 
-template <typename T, int BM, bool kSequential, typename Rows>
-__global__ void __launch_bounds__(kThreads) invariant_gemm_kernel(InvariantGemmParams p, Rows rows, int splits) {
-  using L = Tile<BM>;
-  constexpr int kStages = L::kStages;
+template <typename T, int BM, int BN, bool kSequential, typename Rows>
+__global__ void __launch_bounds__((Tile<BM, BN>::kThreads))
+    invariant_gemm_kernel(InvariantGemmParams p, Rows rows, int splits) {
+  using L = Tile<BM, BN>;
+  constexpr int kStages = L::kStages, kThreads = L::kThreads;
+  static_assert(Rows::kAllTiles || kThreads == kMaxThreads, "the row lookup may need full blocks");
   extern __shared__ __align__(16) uint16_t smem[];
   // cluster (splits, 1, 1): block rank == split; kSequential: one block for all ranges
   const int blocks_per_tile = kSequential ? 1 : splits;
   const int split = kSequential ? 0 : blockIdx.x % splits;
-  const int n0 = blockIdx.x / blocks_per_tile * kBN;
+  const int n0 = blockIdx.x / blocks_per_tile * BN;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int wm0 = warp / L::kWarpsN * L::kWarpM, wn0 = warp % L::kWarpsN * L::kWarpN;
   const int k_tiles = p.k / kBK;
@@ -101,16 +125,16 @@ __global__ void __launch_bounds__(kThreads) invariant_gemm_kernel(InvariantGemmP
   const int m0 = b.m0;
   const auto stage_a = [&](int s) { return smem + s * L::kStageElems; };
   const auto stage_b = [&](int s) { return smem + s * L::kStageElems + BM * kBK; };
-  // One k tile into stage s: weight rows [64][128] (16 chunks a row), x rows [BM][64] (8 a row).
+  // One k tile into stage s: weight rows [64][BN] (BN / 8 chunks a row), x rows [BM][64] (8 a row).
   const auto load_w = [&](int s, int kt) {
     uint16_t* sb = stage_b(s);
 #pragma unroll
-    for (int it = 0; it < kBK * kBN / 8 / kThreads; ++it) {
+    for (int it = 0; it < kBK * BN / 8 / kThreads; ++it) {
       const int i = tid + it * kThreads;
-      const int r = i / (kBN / 8), c = i % (kBN / 8), col = n0 + c * 8;
+      const int r = i / (BN / 8), c = i % (BN / 8), col = n0 + c * 8;
       const bool valid = col < p.n;
       const uint16_t* src = valid ? b.w + (int64_t)(kt * kBK + r) * p.n + col : b.w;
-      pe_copy::copy16_async(sb + r * kBN + swizzle(r, c) * 8, src, valid);
+      pe_copy::copy16_async(sb + r * BN + swizzle<BN / 8>(r, c) * 8, src, valid);
     }
   };
   const auto load_x = [&](int s, int kt) {
@@ -122,7 +146,7 @@ __global__ void __launch_bounds__(kThreads) invariant_gemm_kernel(InvariantGemmP
       const int r = i / (kBK / 8), c = i % (kBK / 8), row = m0 + r;
       const bool valid = row < b.m;
       const uint16_t* src = valid ? b.x + (int64_t)row * p.x_stride + kt * kBK + c * 8 : b.x;
-      pe_copy::copy16_async(sa + r * kBK + swizzle(r, c) * 8, src, valid);
+      pe_copy::copy16_async(sa + r * kBK + swizzle<8>(r, c) * 8, src, valid);
     }
   };
 
@@ -175,14 +199,14 @@ __global__ void __launch_bounds__(kThreads) invariant_gemm_kernel(InvariantGemmP
 #pragma unroll
       for (int i = 0; i < L::kMT; ++i) {
         const int r = wm0 + i * 16 + lane % 16;
-        pe_mma::ldsm_x4<false>(a[i], sa + r * kBK + swizzle(r, kk * 2 + lane / 16) * 8);
+        pe_mma::ldsm_x4<false>(a[i], sa + r * kBK + swizzle<8>(r, kk * 2 + lane / 16) * 8);
       }
       uint32_t bf[L::kNT][2];
 #pragma unroll
       for (int j = 0; j < L::kNT; j += 2) {
         const int r = kk * 16 + lane % 8 + (lane / 8) % 2 * 8;
         uint32_t frag[4];
-        pe_mma::ldsm_x4<true>(frag, sb + r * kBN + swizzle(r, (wn0 + j * 8) / 8 + lane / 16) * 8);
+        pe_mma::ldsm_x4<true>(frag, sb + r * BN + swizzle<BN / 8>(r, (wn0 + j * 8) / 8 + lane / 16) * 8);
         bf[j][0] = frag[0], bf[j][1] = frag[1], bf[j + 1][0] = frag[2], bf[j + 1][1] = frag[3];
       }
 #pragma unroll
@@ -257,14 +281,11 @@ inline bool takes_shape(const InvariantGemmParams& p) {
          p.x_stride % 8 == 0 && p.y_stride % 2 == 0 && aligned16(p.x) && aligned16(p.w);
 }
 
-// launch_rows: weights of at most kNarrowN columns run 16-row tiles up to kNarrowRowTileMax rows
-constexpr int kNarrowN = 2048, kNarrowRowTileMax = 64;
-
-template <typename T, int BM, bool kSequential, typename Rows>
+template <typename T, int BM, int BN, bool kSequential, typename Rows>
 int launch_tiles(const InvariantGemmParams& p, const Rows& rows, int splits, peStream_t s) {
 #if defined(PE_CUDA)
-  using L = Tile<BM>;
-  const auto kernel = invariant_gemm_kernel<T, BM, kSequential, Rows>;
+  using L = Tile<BM, BN>;
+  const auto kernel = invariant_gemm_kernel<T, BM, BN, kSequential, Rows>;
   static const cudaError_t attr_rc =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::kSmemBytes);
   if (attr_rc != cudaSuccess) return (int)attr_rc;
@@ -273,8 +294,8 @@ int launch_tiles(const InvariantGemmParams& p, const Rows& rows, int splits, peS
   if (tiles == 0) return 0;
   cudaLaunchConfig_t cfg = {};
   const int blocks_per_tile = kSequential ? 1 : splits;
-  cfg.gridDim = dim3((unsigned)((p.n + kBN - 1) / kBN * blocks_per_tile), tiles);
-  cfg.blockDim = dim3(kThreads);
+  cfg.gridDim = dim3((unsigned)((p.n + BN - 1) / BN * blocks_per_tile), tiles);
+  cfg.blockDim = dim3(L::kThreads);
   cfg.dynamicSmemBytes = L::kSmemBytes;
   cfg.stream = s;
   cudaLaunchAttribute attrs[2];
@@ -301,17 +322,49 @@ int launch_tiles(const InvariantGemmParams& p, const Rows& rows, int splits, peS
 #endif
 }
 
-// The row tile from the rows a matrix is expected to have (a tile height is never part of a row's
-// arithmetic, only of the launch's efficiency): 16 for decode, and up to 64 rows for narrow weights
-// (N <= 2048: too few column tiles to fill the device, so more, shorter blocks win; on an H100 at
-// M = 64, SmolLM2's qkv / o / down took 9.6-11.4 us against 15-17 us with 64-row tiles, while wide
-// weights were slower, e.g. Llama-8B's qkv 79 vs 60 us), 64, else 128 walking K in turn.
+constexpr int kMinRangeTiles = 6;  // invariant_gemm_split: k tiles a K range keeps at least
+
+// The output tile from the rows a matrix is expected to have and the shape (neither tile side is
+// ever part of a row's arithmetic, only of the launch's efficiency). Decode-sized launches are
+// latency-bound and a block streams its weights at a bounded rate, so blocks should be many, but
+// each block re-reads its rows of x and each row tile the weights. Where 128-column tiles give
+// fewer blocks than half the SMs (SmolLM2's projections), up to 256 rows: the first of 16 x 64,
+// 64 x 32 and 64 x 64 that makes at most two blocks per SM. Else 16 x 128 up to 16 rows, 64 x 128
+// up to 256 (fewer re-reads of the weights from L2), then 128 x 128 walking K in turn.
+// H100 measurements: docs/kernels/invariant_gemm.md.
+inline TileShape invariant_gemm_tile(int rows, int n, int splits, int num_sms) {
+  const auto blocks = [&](TileShape t) {
+    return (int64_t)((rows + t.bm - 1) / t.bm) * ((n + t.bn - 1) / t.bn) * splits;
+  };
+  if (2 * ((n + kBN - 1) / kBN) * splits < num_sms && rows <= 256) {
+    for (const TileShape t : {TileShape{16, 64}, TileShape{64, 32}, TileShape{64, 64}})
+      if (blocks(t) <= 2 * num_sms) return t;
+    return {64, kBN};
+  }
+  if (rows <= 16) return {16, kBN};
+  if (rows <= 256) return {64, kBN};
+  return {128, kBN};
+}
+
 template <typename T, typename Rows>
 int launch_rows(const InvariantGemmParams& p, const Rows& rows, int rows_per_matrix, int splits, peStream_t s) {
-  if (rows_per_matrix <= 16 || (rows_per_matrix <= kNarrowRowTileMax && p.n <= kNarrowN))
-    return launch_tiles<T, 16, false>(p, rows, splits, s);
-  if (rows_per_matrix <= 256) return launch_tiles<T, 64, false>(p, rows, splits, s);
-  return splits > 1 ? launch_tiles<T, 128, true>(p, rows, splits, s) : launch_tiles<T, 128, false>(p, rows, splits, s);
+  TileShape t = invariant_gemm_tile(rows_per_matrix, p.n, splits, p.num_sms);
+  if (p.tile_m != 0) t.bm = p.tile_m;  // benchmarks and tests: any tile gives the same bits
+  if (p.tile_n != 0) t.bn = p.tile_n;
+  if constexpr (!Rows::kAllTiles) t.bn = kBN;  // grouped rows: 128-column tiles
+  if constexpr (Rows::kAllTiles) {
+    if (t.bm == 16 && t.bn == 64) return launch_tiles<T, 16, 64, false>(p, rows, splits, s);
+    if (t.bm == 16 && t.bn == 32) return launch_tiles<T, 16, 32, false>(p, rows, splits, s);
+    if (t.bm == 64 && t.bn == 64) return launch_tiles<T, 64, 64, false>(p, rows, splits, s);
+    if (t.bm == 64 && t.bn == 32) return launch_tiles<T, 64, 32, false>(p, rows, splits, s);
+  }
+  if (t.bn != kBN) return -1;
+  if (t.bm == 16) return launch_tiles<T, 16, kBN, false>(p, rows, splits, s);
+  if (t.bm == 64) return launch_tiles<T, 64, kBN, false>(p, rows, splits, s);
+  if (t.bm == 128)
+    return splits > 1 ? launch_tiles<T, 128, kBN, true>(p, rows, splits, s)
+                      : launch_tiles<T, 128, kBN, false>(p, rows, splits, s);
+  return -1;
 }
 
 // Dispatch on the dtype (the caller has checked takes_shape and the split).

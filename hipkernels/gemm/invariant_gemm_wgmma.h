@@ -13,9 +13,9 @@
 // kernel's for the same ranges (measured; see invariant_gemm_wgmma_default_for).
 //
 // Which family runs depends on the build (sm_90a CUDA with the driver's tensor-map encoder), the
-// weight (at least 2^23 elements: below that a launch's fixed cost, ~12 us on an H100 against
-// mma.sync's ~5.5 us at SmolLM2's widths, would dominate) and M (decode-sized launches stream the
-// weights faster on mma.sync, which splits K without the cluster combine's cost).
+// weight (at least 2^23 elements: below that a launch's fixed cost, 5-13 us on an H100 against
+// mma.sync's 3-5 us at SmolLM2's widths, would dominate), M and the K ranges' length
+// (invariant_gemm_wgmma_default_for).
 #pragma once
 
 #include "gemm/invariant_gemm.h"
@@ -23,15 +23,20 @@
 // Whether this build and driver run the wgmma family (false under hipcc).
 bool invariant_gemm_wgmma_available();
 
-// Whether launch_invariant_gemm's default (family 0) takes the wgmma family: large weights at large M. Below kWgmmaMinRows rows
-// (decode and verify steps) mma.sync streams the weights faster (the wgmma launch splits K over a
-// cluster at more cost). Choosing by M keeps a row's bits because the two families give the same
-// bits for the same K ranges: both sum each 16-wide k step on the same tensor cores and add the
-// steps, ranges and bias in one order. That equality is measured, not documented by NVIDIA:
-// tests/test_invariant_gemm_gpu.py::test_the_families_give_the_same_bits checks it on the device.
-constexpr int kWgmmaMinRows = 257;
-inline bool invariant_gemm_wgmma_default_for(int m, int k, int n) {
-  return m >= kWgmmaMinRows && (int64_t)k * n >= (int64_t{1} << 23);
+// Whether launch_invariant_gemm's default (family 0) takes the wgmma family: weights of at least
+// 2^23 elements from kWgmmaMinRows rows on, and from kWgmmaChainRows rows where a K range is long
+// (split 1, or at least kWgmmaChainTiles k tiles): there the wgmma family streams the weights
+// faster than the mma.sync kernel's 64-row tiles, while for short ranges its cluster combine
+// costs more; up to 16 rows mma.sync's 16-row tiles are faster (H100:
+// docs/kernels/invariant_gemm.md). Choosing by M keeps a row's bits because the two families give
+// the same bits for the same K ranges: both sum each 16-wide k step on the same tensor cores and
+// add the steps, ranges and bias in one order. That equality is measured, not documented by
+// NVIDIA: tests/test_invariant_gemm_gpu.py::test_the_families_give_the_same_bits checks it on the
+// device.
+constexpr int kWgmmaMinRows = 65, kWgmmaChainRows = 17, kWgmmaChainTiles = 32;
+inline bool invariant_gemm_wgmma_default_for(int m, int k, int n, int splits) {
+  if ((int64_t)k * n < (int64_t{1} << 23) || m < kWgmmaChainRows) return false;
+  return m >= kWgmmaMinRows || splits == 1 || k / 64 / splits >= kWgmmaChainTiles;
 }
 
 // Launch with the K split already chosen (1, 2, 4 or 8); the caller has checked the shape and M > 0.
