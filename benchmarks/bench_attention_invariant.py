@@ -1,0 +1,61 @@
+"""What batch invariance costs decode attention: under KernelConfig.batch_invariant no row splits its
+keys (pyengine/ops/cuda/attention.py), so a batch of few long rows leaves most SMs idle. Times the
+GQA (Llama-3-8B: 32 query heads, 8 KV heads, D 128, block 16) and MLA (DeepSeek-V3: 128 heads,
+576 / 512, block 64) kernels with and without the mode, same run, CUDA-graph timing, bf16.
+
+    python benchmarks/bench_attention_invariant.py --out benchmarks/results/attention_invariant_h100.json
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from pyengine.ops import cuda as cuda_ops
+from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
+from bench_attention import make_meta  # noqa: E402  (benchmarks/ is on sys.path)
+from gpu_timing import time_ms_graph, write_result, run_header  # noqa: E402
+
+SHAPES = {"gqa": (32, 8, 128, 128, 16), "mla": (128, 1, 576, 512, 64)}  # q heads, kv heads, D qk, D v, block
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/attention_invariant_h100.json")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--contexts", default="512,4096,16384,32768")
+    ap.add_argument("--max-tokens", type=int, default=1 << 21, help="skip points with batch*ctx above this")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for kind, (hq, hkv, dqk, dv, bs) in SHAPES.items():
+        nblocks = args.max_tokens // bs + 1
+        shape = (nblocks, bs, dqk) if kind == "mla" else (nblocks, bs, hkv, dqk)
+        k = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        v = k if kind == "mla" else torch.randn_like(k)
+        for batch in map(int, args.batches.split(",")):
+            for ctx in map(int, args.contexts.split(",")):
+                if batch * ctx > args.max_tokens:
+                    continue
+                meta = make_meta(batch, ctx, 1, bs, nblocks, gen)
+                q = torch.randn(batch, hq, dqk, device="cuda", dtype=torch.bfloat16)
+                if kind == "mla":
+                    call = lambda: cuda_ops.paged_attention_mla(q, k, meta, 192 ** -0.5)  # noqa: E731
+                else:
+                    call = lambda: cuda_ops.paged_attention(q, k, v, meta, dqk ** -0.5)  # noqa: E731
+                ms = {}
+                for invariant in (False, True):
+                    with use_kernel_config(KernelConfig(batch_invariant=invariant)):
+                        ms[invariant] = time_ms_graph(call)
+                row = {"kernel": kind, "batch": batch, "context": ctx, "default_ms": ms[False],
+                       "invariant_ms": ms[True], "ratio": ms[True] / ms[False]}
+                rows.append(row)
+                print(f"{kind} b={batch:3d} ctx={ctx:6d} default {ms[False]:.4f} ms invariant {ms[True]:.4f} ms "
+                      f"x{row['ratio']:.2f}", flush=True)
+        del k, v
+        torch.cuda.empty_cache()
+    write_result(args.out, {**run_header(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
