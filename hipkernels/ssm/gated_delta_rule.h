@@ -30,12 +30,14 @@
 // c * gdn_record_width(K): k_t [K] | delta_t of rows c * R + i [R] | decay_t | 3 pad. Needs
 // ceil(V / R) * (K + R + 4) <= V * K (at K = V = 128: 656 of 16384 floats).
 //
-// Why no race: one block per (row, value head, tile) computes the tile's value rows, and reads and
-// writes only that tile's rows of the base and that tile's own record (its private copy of k and
-// decay). Another block never touches them, so the records this step writes into idx[n, 1..] never
-// overwrite ones another block has still to replay. Inside the block every warp replays every
-// record before a __syncthreads, and only then does any warp write (warp 0 the tile's k and decay,
-// each warp its rows' deltas, each lane its own base entries).
+// Why no race: one block computes a (row, value head, tile) item's value rows, and reads and writes
+// only that tile's rows of the base and that tile's own record (its private copy of k and decay).
+// No other item touches them, so the records this step writes into idx[n, 1..] never overwrite ones
+// another block has still to replay. Inside the block every record is read (staged in shared
+// memory) before a __syncthreads, and only then does anything get written (each lane its own base
+// entries; the tile's record pieces after the tokens, from shared memory). A block that walks
+// several items (the persistent grid) does each the same way; the base it prefetches is its next
+// item's, which only that item writes.
 //
 // Layouts: state [num_slots, HV, V, K] fp32 contiguous; q, k [ntok, H, K] and v [ntok, HV, V] with
 // token strides (K / V contiguous); g, beta [ntok, HV] fp32 contiguous; out [ntok, HV, V]

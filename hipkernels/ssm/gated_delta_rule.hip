@@ -15,11 +15,12 @@
 // so the token's critical path holds one reduction, not two. The base (token 0) or the token's
 // record (tokens >= 1) is stored.
 // Two launches of the same item code. When the items outnumber what the device holds at once
-// (K <= 128), a persistent grid: each block walks items it, it + grid, ... and copies the next
-// item's base into shared memory (cp.async, double-buffered) while it computes this one, so the
-// state stream never waits for the per-token arithmetic (one block per item, every block loading
-// then computing, left HBM idle during the compute). Otherwise one block per item, the base loaded
-// straight into registers. 64 registers, < 48 KB of shared memory: 4 blocks (32 warps) per SM.
+// (K <= 128), a persistent grid: each block walks a contiguous range of items, copies the next
+// item's base into shared memory (cp.async, double-buffered) while it computes this one, and keeps
+// q / k across the items of one key head (the per-item work, not the arithmetic per state entry, is
+// what a verify step's instructions were mostly spent on: docs/kernels/gdn.md). Otherwise one block
+// per item, the base loaded straight into registers (batch 1 latency). 64 registers, < 48 KB of
+// shared memory: 4 blocks (32 warps) per SM.
 // A row's arithmetic never depends on the other rows or on how many tokens share its step: token t
 // of a verify row gets the bits the same token gets decoded alone, and a replayed record the bits
 // its token computed (the same device functions, explicit __fmul_rn / fmaf, no contraction left to
@@ -52,10 +53,9 @@ struct Item {
   int n, hv, tile, hk, g;
 };
 
-PE_DEVICE Item item_at(int64_t it, int tiles, int HV, int group) {
-  const int64_t head_row = it / tiles;
-  const int hv = (int)(head_row % HV);
-  return {(int)(head_row / HV), hv, (int)(it % tiles), hv / group, hv % group};
+PE_DEVICE Item item_at(int it, int tiles, int HV, int group) {  // items < 2^31 (launch checks)
+  const int head_row = it / tiles, hv = head_row % HV;
+  return {head_row / HV, hv, it % tiles, hv / group, hv % group};
 }
 
 PE_DEVICE void next_item(Item& x, int tiles, int HV, int group) {
@@ -80,9 +80,14 @@ PE_DEVICE void prefetch_base(float4 (&buf)[KC][kThreads], const GatedDeltaRulePa
   const int vr = x.tile * kGdnRecordRows + tile_row, K = p.key_dim;
   if (slot < 0 || vr >= p.value_dim) return;
   const float* row = p.state + (int64_t)slot * p.num_v_heads * p.value_dim * K + ((int64_t)x.hv * p.value_dim + vr) * K;
+  if (chunk_k0(sub, KC - 1) < K) {  // every chunk (K = 128): one address, constant offsets
 #pragma unroll
-  for (int j = 0; j < KC; ++j)
-    if (chunk_k0(sub, j) < K) pe_copy::copy16_async(&buf[j][threadIdx.x], row + chunk_k0(sub, j), true);
+    for (int j = 0; j < KC; ++j) pe_copy::copy16_async(&buf[j][threadIdx.x], row + chunk_k0(sub, j), true);
+  } else {
+#pragma unroll
+    for (int j = 0; j < KC; ++j)
+      if (chunk_k0(sub, j) < K) pe_copy::copy16_async(&buf[j][threadIdx.x], row + chunk_k0(sub, j), true);
+  }
 }
 
 // Outputs of tokens c0 .. c0 + nt - 1 and, for decode / verify rows, the records of tokens >= 1 (k and
@@ -224,17 +229,17 @@ __global__ void __launch_bounds__(kThreads, KC <= 4 ? kMinBlocks : 1) gated_delt
   if constexpr (!kPrefetch) {  // one item per block
     run_item<T, KC>(p, st, nullptr, item_at(blockIdx.x, tiles, HV, group), staged_qk);
   } else {
-    const int64_t items = (int64_t)tiles * HV * p.num_rows;
-    const int64_t begin = items * blockIdx.x / gridDim.x, end = items * (blockIdx.x + 1) / gridDim.x;
+    const int items = tiles * HV * p.num_rows, share = items / gridDim.x, extra = items % gridDim.x;
+    const int begin = blockIdx.x * share + min((int)blockIdx.x, extra), end = begin + share + ((int)blockIdx.x < extra);
     Item x = item_at(begin, tiles, HV, group), next = x;
     next_item(next, tiles, HV, group);
     if (begin < end) prefetch_base(bb.f[0], p, x, base_slot(p, x.n));
     pe_copy::copy_commit();
     int next_slot = begin + 1 < end ? base_slot(p, next.n) : -1;
-    for (int64_t it = begin; it < end; ++it) {
+    for (int it = begin; it < end; ++it) {
       Item after = next;
       next_item(after, tiles, HV, group);
-      const int b = (int)((it - begin) & 1);
+      const int b = (it - begin) & 1;
       if (it + 1 < end) prefetch_base(bb.f[b ^ 1], p, next, next_slot);
       pe_copy::copy_commit();  // a group per item, empty or not: copy_wait<1> then means "this item's"
       next_slot = it + 2 < end ? base_slot(p, after.n) : -1;
