@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_timing import copy_bandwidth_gbps, time_ms, write_result, run_header  # noqa: E402
+from gpu_timing import copy_bandwidth_gbps, graph_ms, write_result, run_header  # noqa: E402
 
 # name: (in, out) of the fused 8B projections (qkv = 32 + 2 * 8 heads of 128).
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
@@ -64,18 +64,6 @@ def blas_setting(name: str) -> Iterator[None]:
     finally:
         torch.backends.cuda.preferred_blas_library(prev_lib)
         matmul.allow_bf16_reduced_precision_reduction = prev_red
-
-
-def graph_ms(calls: list[Callable[[], object]]) -> float:
-    """Median ms of one call, from a CUDA graph that runs every call once, back to back."""
-    for c in calls[:3]:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    return time_ms(graph.replay, reps=10, warmup=2) / len(calls)
 
 
 def kernels_of(fn: Callable[[], object]) -> list[str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from typing import Callable
 
@@ -26,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_batch_invariant import shapes  # noqa: E402
 from bench_decode import LLAMA8B_HF, SMOLLM2_HF  # noqa: E402
-from gpu_timing import run_header, write_result  # noqa: E402
+from gpu_timing import graph_ms, run_header, write_result  # noqa: E402
 
 from pyengine.ops import cuda as cuda_ops  # noqa: E402
 from pyengine.ops.cuda.launch import kernels, num_sms, params, row_stride, stream  # noqa: E402
@@ -37,24 +36,7 @@ COLD_BYTES = 160 << 20
 
 def graph_us(calls: list[Callable[[], object]], reps: int = 10) -> float:
     """Microseconds per call of one CUDA graph holding `calls` in order (median of reps replays)."""
-    for c in calls[:3]:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return 1e3 * statistics.median(times) / len(calls)
+    return 1e3 * graph_ms(calls, reps)
 
 
 def invariant_call(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, split: int = 0,

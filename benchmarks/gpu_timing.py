@@ -45,6 +45,19 @@ def time_ms_graph(fn: Callable[[], object], inner: int = 20, reps: int = 10) -> 
     return time_ms(graph.replay, reps=reps, warmup=2) / inner
 
 
+def graph_ms(calls: list[Callable[[], object]], reps: int = 10) -> float:
+    """Median ms of one call, from a CUDA graph that runs every call once, back to back (calls
+    that must each stream their own weights from memory: one graph over many copies)."""
+    for c in calls[:3]:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return time_ms(graph.replay, reps=reps, warmup=3) / len(calls)
+
+
 def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read and written (random data)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
