@@ -26,15 +26,13 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/huge_page_allocator.h"
+#include "cpu_panel_store.h"
 
 namespace pyengine::cpu {
 
 enum class PanelFormat : int32_t { kDense = 0, kAffine4 = 4, kAffine8 = 8 };
 
 constexpr int kAffineRun = 32;  // inputs per (s, m) pair: the block of GGUF's Q4_0/Q4_1/Q8_0
-
-using PanelStore = std::vector<uint32_t, HugePageAllocator<uint32_t>>;
 
 // uint32 words of one 32-input block of one panel: 32 (s, m) words + the q lines.
 constexpr int64_t affine_block_words(PanelFormat f) { return 32 + (f == PanelFormat::kAffine4 ? 64 : 128); }

@@ -1,0 +1,86 @@
+// cpu_panel_store.h: slabs of 2 MiB pages for packed weights.
+#include "cpu_panel_store.h"
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+namespace pyengine::cpu {
+namespace {
+
+constexpr size_t kHugePage = size_t{2} << 20;
+constexpr size_t kAlign = 64;  // a cache line: the kernels' loads never straddle two
+
+struct Slab {
+  size_t used = 0;   // bytes handed out from its start
+  int64_t live = 0;  // matrices not yet freed
+};
+
+struct Slabs {
+  std::mutex mutex;
+  std::map<uintptr_t, Slab> by_base;
+  uintptr_t current = 0;  // the slab new matrices come from (0: none yet)
+};
+
+Slabs& slabs() {
+  static Slabs s;
+  return s;
+}
+
+void* huge_pages(size_t bytes) {
+  const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* p = std::aligned_alloc(kHugePage, rounded);
+  if (p == nullptr) throw std::bad_alloc();
+#ifdef __linux__
+  madvise(p, rounded, MADV_HUGEPAGE);  // advisory: without THP this is plain memory
+#endif
+  return p;
+}
+
+}  // namespace
+
+void* panel_alloc(size_t bytes) {
+  if (bytes >= kSlabBytes / 2) return huge_pages(bytes);
+  const size_t size = bytes == 0 ? kAlign : (bytes + kAlign - 1) / kAlign * kAlign;
+  Slabs& s = slabs();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.current == 0 || s.by_base[s.current].used + size > kSlabBytes) {
+    if (s.current != 0 && s.by_base[s.current].live == 0) {  // a retired slab nothing lives in
+      std::free(reinterpret_cast<void*>(s.current));
+      s.by_base.erase(s.current);
+    }
+    s.current = 0;
+    const auto base = reinterpret_cast<uintptr_t>(huge_pages(kSlabBytes));
+    s.by_base[base] = Slab{};
+    s.current = base;
+  }
+  Slab& slab = s.by_base[s.current];
+  void* p = reinterpret_cast<void*>(s.current + slab.used);
+  slab.used += size, ++slab.live;
+  return p;
+}
+
+void panel_free(void* p, size_t bytes) noexcept {
+  if (p == nullptr) return;
+  if (bytes >= kSlabBytes / 2) {
+    std::free(p);
+    return;
+  }
+  Slabs& s = slabs();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  auto it = s.by_base.upper_bound(reinterpret_cast<uintptr_t>(p));
+  --it;  // the slab p was carved from
+  if (--it->second.live > 0) return;
+  if (it->first == s.current) {
+    it->second.used = 0;  // empty: carve again from its start
+    return;
+  }
+  std::free(reinterpret_cast<void*>(it->first));
+  s.by_base.erase(it);
+}
+
+}  // namespace pyengine::cpu
