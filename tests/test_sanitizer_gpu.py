@@ -108,6 +108,10 @@ from test_kernels_gpu import gqa_case
 with use_kernel_config(gqa_fma=sys.argv[1] == "fma"):
     gqa_case({ROWS}, 16, 8, 4, torch.bfloat16)
     gqa_case({ROWS}, 1, 2, 8, torch.float16, head_dim=64)
+# batch-invariant splits: workspace ranges of decode / verify rows, prefill rows walking several ranges
+with use_kernel_config(gqa_fma=sys.argv[1] == "fma", batch_invariant=True):
+    gqa_case({ROWS} + [(1400, 40)], 16, 8, 4, torch.bfloat16)
+    gqa_case({ROWS} + [(1100, 20)], 1, 2, 8, torch.float16, head_dim=256)
 torch.cuda.synchronize()
 """,
     # The Gated DeltaNet kernel: verify rows of every length, a PAD row, a row starting from a PAD slot,

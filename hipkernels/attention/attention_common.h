@@ -30,6 +30,19 @@ PE_DEVICE void row_splits(int ctx, int q_len, int split_block, int* nsplit, int*
   *nsplit = (ctx + size - 1) / size;
 }
 
+// The GQA kernels' split rule: row_splits, or under p.fixed_splits (batch-invariant mode) ranges of
+// split_block keys at fixed boundaries 0, U, 2U, ...: a row of at most kSplitMaxQueryLen queries
+// gives each range a split (workspace partial), a longer row or one of a single range has one split
+// whose block walks the ranges itself (split_size = U either way).
+PE_DEVICE void gqa_row_splits(const PagedAttentionParams& p, int ctx, int q_len, int* nsplit, int* split_size) {
+  if (!p.fixed_splits) {
+    row_splits(ctx, q_len, p.split_block, nsplit, split_size);
+    return;
+  }
+  *split_size = p.split_block;
+  *nsplit = q_len > kPagedAttnSplitMaxQueryLen || ctx <= p.split_block ? 1 : (ctx + p.split_block - 1) / p.split_block;
+}
+
 // Two floats -> one 32-bit pair of T (lower index in the lower half), one rounding each: the
 // 16-bit operand pairs of the tensor-core products (P of P V).
 template <typename T>
@@ -51,18 +64,18 @@ PE_DEVICE void store8(T* dst, const float* f) {
   *reinterpret_cast<uint4*>(dst) = v;
 }
 
-// The end of a GQA block for one (token t = query_start_loc[row] + i_tok, head h) pair and its
-// output values v * 8 .. + 7: merges the NPARTS partial results of the block's key groups in order
-// (part w: running max (base 2) at ml[w * ml_stride], sum at ml[w * ml_stride + 1], 8 values at
-// acc + w * acc_stride), normalises, and writes out + lse (direct: a row of one split) or the
-// split's partial to the workspace. Shared by the FMA and tensor-core GQA kernels.
-template <typename T, int NPARTS>
-PE_DEVICE void merge_and_store_pair(const PagedAttentionParams& p, const float* ml, int ml_stride, const float* acc,
-                                    int acc_stride, int row, int t, int i_tok, int h, int v, int split, bool direct) {
+// Merges the NPARTS partial results of a GQA block's key groups for one (token, head) pair and its
+// output values v * 8 .. + 7, in order (part w: running max (base 2) at ml[w * ml_stride], sum at
+// ml[w * ml_stride + 1], 8 values at acc + w * acc_stride): M, L and the normalised values o.
+template <int NPARTS>
+PE_DEVICE void merge_parts(const float* ml, int ml_stride, const float* acc, int acc_stride, float* M_out, float* L_out,
+                           float* o) {
   float M = neg_inf();
 #pragma unroll
   for (int w = 0; w < NPARTS; ++w) M = fmaxf(M, ml[w * ml_stride]);
-  float L = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float L = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = 0.f;
   if (M != neg_inf()) {
 #pragma unroll
     for (int w = 0; w < NPARTS; ++w) {
@@ -75,6 +88,48 @@ PE_DEVICE void merge_and_store_pair(const PagedAttentionParams& p, const float* 
   const float inv = L > 0.f ? 1.f / L : 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) o[j] *= inv;
+  *M_out = M;
+  *L_out = L;
+}
+
+// A split's (or key range's) partial log-sum-exp (base 2) as the workspace holds it; -inf: no key.
+PE_DEVICE float partial_lse(float M, float L) { return L > 0.f ? M + log2f(L) : neg_inf(); }
+
+// The batch-invariant merge of key-range partials, applied in range order from the empty state
+// (m = -inf, l = 0, o = 0) by the combine kernel (workspace partials) and by a block that walks its
+// ranges (prefill rows): one sequence of fp32 operations, so a query's bits do not depend on where
+// its ranges were computed. A range without keys for the query (lse -inf) is an exact no-op.
+PE_DEVICE void merge_range(float& m, float& l, float* o, float lse, const float* po) {
+  if (lse == neg_inf()) return;
+  const float mn = fmaxf(m, lse);
+  const float a = exp2f(m - mn);  // 0 from the empty state
+  const float b = exp2f(lse - mn);
+  l = fmaf(l, a, b);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = fmaf(o[j], a, b * po[j]);
+  m = mn;
+}
+
+// out (8 values of pair (t, h)) and lse (natural log; +inf without keys) of a merged state.
+template <typename T>
+PE_DEVICE void store_merged(const PagedAttentionParams& p, int t, int h, int v, float m, float l, float* o) {
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] *= inv;
+  T* dst = static_cast<T*>(p.out) + (int64_t)t * p.out_stride_token + (int64_t)h * p.out_stride_head + v * 8;
+  store8<T>(dst, o);
+  if (v == 0 && p.lse != nullptr) p.lse[(int64_t)t * p.num_q_heads + h] = l > 0.f ? (m + log2f(l)) * kLn2 : pos_inf();
+}
+
+// The end of a GQA block for one (token t = query_start_loc[row] + i_tok, head h) pair and its
+// output values v * 8 .. + 7: merges the key groups (merge_parts), and writes out + lse (direct: a
+// row of one split) or the split's partial to the workspace. Shared by the FMA and tensor-core GQA
+// kernels.
+template <typename T, int NPARTS>
+PE_DEVICE void merge_and_store_pair(const PagedAttentionParams& p, const float* ml, int ml_stride, const float* acc,
+                                    int acc_stride, int row, int t, int i_tok, int h, int v, int split, bool direct) {
+  float M, L, o[8];
+  merge_parts<NPARTS>(ml, ml_stride, acc, acc_stride, &M, &L, o);
   const int Hq = p.num_q_heads;
   if (direct) {
     T* dst = static_cast<T*>(p.out) + (int64_t)t * p.out_stride_token + (int64_t)h * p.out_stride_head + v * 8;
@@ -85,8 +140,21 @@ PE_DEVICE void merge_and_store_pair(const PagedAttentionParams& p, const float* 
     float4* dst = reinterpret_cast<float4*>(p.ws_out + w * p.head_dim_v + v * 8);
     dst[0] = make_float4(o[0], o[1], o[2], o[3]);
     dst[1] = make_float4(o[4], o[5], o[6], o[7]);
-    if (v == 0) p.ws_lse[w] = L > 0.f ? M + log2f(L) : neg_inf();
+    if (v == 0) p.ws_lse[w] = partial_lse(M, L);
   }
+}
+
+// A walking block's end of key range r of nranges for one pair's values v * 8 .. + 7: merges the
+// range's partial (merge_parts, partial_lse: the values a split would write to the workspace) into
+// the running state (m, l, o), which the caller keeps between ranges, and stores the result after
+// the last range.
+template <typename T, int NPARTS>
+PE_DEVICE void walk_merge_pair(const PagedAttentionParams& p, const float* ml, int ml_stride, const float* acc,
+                               int acc_stride, int t, int h, int v, bool last, float& m, float& l, float* o) {
+  float M, L, po[8];
+  merge_parts<NPARTS>(ml, ml_stride, acc, acc_stride, &M, &L, po);
+  merge_range(m, l, o, partial_lse(M, L), po);
+  if (last) store_merged<T>(p, t, h, v, m, l, o);
 }
 
 // Asynchronous global -> shared copies: common/async_copy.h.

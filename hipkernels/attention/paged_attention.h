@@ -21,6 +21,13 @@
 // (at most kMaxSplits chunks); partial results go to a workspace and a combine kernel merges them.
 // split_block is a per-process setting (default kPagedAttnSplitBlock), never a per-batch one.
 // Other rows (prefill chunks) use one split and write the output directly.
+// Batch-invariant rule (fixed_splits, GQA only): a query's keys [0, lim) are summed as ranges
+// [0, U), [U, 2U), ... (U = split_block), each from a fresh online-softmax state, and the ranges'
+// partials are merged in range order by one sequential merge (attention_common.h merge_range):
+// rows of at most kSplitMaxQueryLen queries put each range in the workspace (ceil(ctx / U) splits,
+// max_splits = ceil(max_ctx / U), no kMaxSplits cap) and the combine merges them; longer rows walk
+// their ranges inside the block. A query's bits then depend only on its own keys, never on q_len,
+// the row's context, the chunk it lands in or the batch.
 #pragma once
 
 #include <cstdint>
@@ -54,6 +61,7 @@ struct PagedAttentionParams {
   int max_query_len = 0;  // upper bound over rows
   int max_splits = 1;     // workspace split dimension: min(kMaxSplits, ceil(max_ctx / split_block)), >= 1
   int split_block = kPagedAttnSplitBlock;  // keys per split unit, a multiple of 64
+  bool fixed_splits = false;  // GQA: the batch-invariant split rule above (KernelConfig.batch_invariant)
   float scale = 1.0f;
   int dtype = 0;          // PeDType: 0 fp16, 1 bf16
   // GQA on CUDA: programmatic dependent launch. The kernel's blocks start while the previous kernel

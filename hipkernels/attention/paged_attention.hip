@@ -28,7 +28,10 @@ using pe_attn::kLog2e;
 using pe_attn::merge_and_store_pair;
 using pe_attn::neg_inf;
 using pe_attn::pos_inf;
-using pe_attn::row_splits;
+using pe_attn::gqa_row_splits;
+using pe_attn::merge_range;
+using pe_attn::store_merged;
+using pe_attn::walk_merge_pair;
 using pe_attn::store8;
 
 constexpr int kThreads = 128;
@@ -86,9 +89,12 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>()))
   const int m_count = q_len * G;
   if (m_begin >= m_count) return;
   int nsplit, split_size;
-  row_splits(ctx, q_len, p.split_block, &nsplit, &split_size);
+  gqa_row_splits(p, ctx, q_len, &nsplit, &split_size);
   const int split = blockIdx.x;
   if (split >= nsplit) return;
+  // Batch-invariant rows of one split walk their key ranges [r U, (r + 1) U) here, each from a
+  // fresh state, merged in range order (merge_range) as the combine merges a split row's ranges.
+  const bool walk = p.fixed_splits && nsplit == 1;
 
   const int tid = threadIdx.x;
   const int group = tid / LPT;
@@ -106,9 +112,11 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>()))
     lim[mm] = mvalid[mm] ? ctx - (q_len - 1 - qi[mm]) : -1;
   }
   const int m_last = min(m_begin + MT, m_count) - 1;
-  const int k_begin = split * split_size;
-  const int k_end = min(min(ctx, k_begin + split_size), ctx - (q_len - 1 - m_last / G));
-  const int ntiles = k_end > k_begin ? (k_end - k_begin + KT - 1) / KT : 0;
+  const int k_lim = ctx - (q_len - 1 - m_last / G);  // no pair of the tile sees more keys
+  const int nranges = walk && k_lim > split_size ? (k_lim + split_size - 1) / split_size : 1;
+  int k_begin = split * split_size;
+  int k_end = min(min(ctx, k_begin + split_size), k_lim);
+  int ntiles = k_end > k_begin ? (k_end - k_begin + KT - 1) / KT : 0;
 
   const T* kcache = static_cast<const T*>(p.k_cache);
   const T* vcache = static_cast<const T*>(p.v_cache);
@@ -185,131 +193,159 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>()))
     }
   }
 
-  float mx[MT], l[MT], acc[MT][VPL_V][8];
+  // A walk's running merge state (merge_range) of this thread's merge-stage (pair, 8 values) slots.
+  constexpr int NIT = (MT * NV_V + kThreads - 1) / kThreads;
+  float wm[NIT], wl[NIT], wo[NIT][8];
 #pragma unroll
-  for (int mm = 0; mm < MT; ++mm) {
-    mx[mm] = neg_inf();
-    l[mm] = 0.f;
+  for (int it = 0; it < NIT; ++it) {
+    wm[it] = neg_inf();
+    wl[it] = 0.f;
 #pragma unroll
-    for (int i = 0; i < VPL_V; ++i)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[mm][i][j] = 0.f;
+    for (int j = 0; j < 8; ++j) wo[it][j] = 0.f;
   }
-
-  for (int t = 0; t < ntiles; ++t) {
-    copy_wait<STAGES - 2>();  // tile t has landed (this thread's copies) ...
-    __syncthreads();             // ... everyone's, and everyone is done with tile t - 1
-    issue(t + STAGES - 1, nblk);
-    nblk = load_block(t + STAGES);
-
-    const T* sk = s_kv + (t % STAGES) * TILE_ELEMS;
-    const T* sv = sk + KT * DQK;
-    const int tile_base = k_begin + t * KT;
-    // Scores.
-    float s[U][MT];
+  for (int r = 0; r < nranges; ++r) {
+    if (r > 0) {  // the next range: restart the pipeline (the merge buffer is free again)
+      k_begin = r * split_size;
+      k_end = min(k_begin + split_size, k_lim);
+      ntiles = (k_end - k_begin + KT - 1) / KT;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int kt = group + NG * u;
-      const int key = tile_base + kt;
-      float sc[MT];
-#pragma unroll
-      for (int mm = 0; mm < MT; ++mm) sc[mm] = 0.f;
-#pragma unroll
-      for (int i = 0; i < VPL_K; ++i) {
-        const int v = lane + LPT * i;
-        if (NV_K % LPT == 0 || v < NV_K) {
-          float kf[8];
-          PeVec8<T>::to_float(*reinterpret_cast<const uint4*>(sk + kt * DQK + v * 8), kf);
-#pragma unroll
-          for (int mm = 0; mm < MT; ++mm)
-#pragma unroll
-            for (int j = 0; j < 8; ++j) sc[mm] = fmaf(qf[mm][i][j], kf[j], sc[mm]);
-        }
-      }
-#pragma unroll
-      for (int mm = 0; mm < MT; ++mm) {
-#pragma unroll
-        for (int off = LPT / 2; off > 0; off >>= 1) sc[mm] += pe_shfl_xor(sc[mm], off);
-        s[u][mm] = key < lim[mm] && key < k_end ? sc[mm] : neg_inf();
-      }
+      for (int s = 0; s < STAGES - 1; ++s) issue(s, load_block(s));
+      nblk = load_block(STAGES - 1);
     }
-    // Online softmax; the running sums are rescaled only when the running max moves.
-    float pr[U][MT];
+    float mx[MT], l[MT], acc[MT][VPL_V][8];
 #pragma unroll
     for (int mm = 0; mm < MT; ++mm) {
-      float mnew = mx[mm];
+      mx[mm] = neg_inf();
+      l[mm] = 0.f;
 #pragma unroll
-      for (int u = 0; u < U; ++u) mnew = fmaxf(mnew, s[u][mm]);
-      if (mnew != mx[mm]) {  // uniform over the group: every lane holds the same reduced scores
-        const float alpha = exp2f(mx[mm] - mnew);  // 0 when mx was -inf (acc and l are 0 then)
-        l[mm] *= alpha;
+      for (int i = 0; i < VPL_V; ++i)
 #pragma unroll
-        for (int i = 0; i < VPL_V; ++i)
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[mm][i][j] *= alpha;
-        mx[mm] = mnew;
-      }
-      const bool any = mnew != neg_inf();
-      float psum = 0.f;
+        for (int j = 0; j < 8; ++j) acc[mm][i][j] = 0.f;
+    }
+
+    for (int t = 0; t < ntiles; ++t) {
+      copy_wait<STAGES - 2>();  // tile t has landed (this thread's copies) ...
+      __syncthreads();             // ... everyone's, and everyone is done with tile t - 1
+      issue(t + STAGES - 1, nblk);
+      nblk = load_block(t + STAGES);
+
+      const T* sk = s_kv + (t % STAGES) * TILE_ELEMS;
+      const T* sv = sk + KT * DQK;
+      const int tile_base = k_begin + t * KT;
+      // Scores.
+      float s[U][MT];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        pr[u][mm] = any ? exp2f(s[u][mm] - mnew) : 0.f;
-        psum += pr[u][mm];
-      }
-      l[mm] += psum;
-    }
+        const int kt = group + NG * u;
+        const int key = tile_base + kt;
+        float sc[MT];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int kt = group + NG * u;
+        for (int mm = 0; mm < MT; ++mm) sc[mm] = 0.f;
+#pragma unroll
+        for (int i = 0; i < VPL_K; ++i) {
+          const int v = lane + LPT * i;
+          if (NV_K % LPT == 0 || v < NV_K) {
+            float kf[8];
+            PeVec8<T>::to_float(*reinterpret_cast<const uint4*>(sk + kt * DQK + v * 8), kf);
+#pragma unroll
+            for (int mm = 0; mm < MT; ++mm)
+#pragma unroll
+              for (int j = 0; j < 8; ++j) sc[mm] = fmaf(qf[mm][i][j], kf[j], sc[mm]);
+          }
+        }
+#pragma unroll
+        for (int mm = 0; mm < MT; ++mm) {
+#pragma unroll
+          for (int off = LPT / 2; off > 0; off >>= 1) sc[mm] += pe_shfl_xor(sc[mm], off);
+          s[u][mm] = key < lim[mm] && key < k_end ? sc[mm] : neg_inf();
+        }
+      }
+      // Online softmax; the running sums are rescaled only when the running max moves.
+      float pr[U][MT];
+#pragma unroll
+      for (int mm = 0; mm < MT; ++mm) {
+        float mnew = mx[mm];
+#pragma unroll
+        for (int u = 0; u < U; ++u) mnew = fmaxf(mnew, s[u][mm]);
+        if (mnew != mx[mm]) {  // uniform over the group: every lane holds the same reduced scores
+          const float alpha = exp2f(mx[mm] - mnew);  // 0 when mx was -inf (acc and l are 0 then)
+          l[mm] *= alpha;
+#pragma unroll
+          for (int i = 0; i < VPL_V; ++i)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[mm][i][j] *= alpha;
+          mx[mm] = mnew;
+        }
+        const bool any = mnew != neg_inf();
+        float psum = 0.f;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          pr[u][mm] = any ? exp2f(s[u][mm] - mnew) : 0.f;
+          psum += pr[u][mm];
+        }
+        l[mm] += psum;
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int kt = group + NG * u;
+#pragma unroll
+        for (int i = 0; i < VPL_V; ++i) {
+          const int v = lane + LPT * i;
+          if (NV_V % LPT == 0 || v < NV_V) {
+            float vf[8];
+            PeVec8<T>::to_float(*reinterpret_cast<const uint4*>(sv + kt * DV + v * 8), vf);
+#pragma unroll
+            for (int mm = 0; mm < MT; ++mm)
+#pragma unroll
+              for (int j = 0; j < 8; ++j) acc[mm][i][j] = fmaf(pr[u][mm], vf[j], acc[mm][i][j]);
+          }
+        }
+      }
+    }
+    // The next kernel (a PDL-launched projection) may start streaming its weights: it still waits for
+    // this one to finish before reading the output. Not at the start: with several waves of blocks,
+    // its waiting blocks would hold SMs that this grid's later waves need.
+    if (r == nranges - 1) pe_pdl_launch_dependents();
+    copy_wait<0>();
+    __syncthreads();  // the pipeline buffers become the merge buffer
+
+    // Merge the key groups of the block.
+#pragma unroll
+    for (int mm = 0; mm < MT; ++mm) {
+      if (lane == 0) {
+        s_ml[group][mm][0] = mx[mm];
+        s_ml[group][mm][1] = l[mm];
+      }
 #pragma unroll
       for (int i = 0; i < VPL_V; ++i) {
         const int v = lane + LPT * i;
-        if (NV_V % LPT == 0 || v < NV_V) {
-          float vf[8];
-          PeVec8<T>::to_float(*reinterpret_cast<const uint4*>(sv + kt * DV + v * 8), vf);
+        if (v < NV_V) {
 #pragma unroll
-          for (int mm = 0; mm < MT; ++mm)
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[mm][i][j] = fmaf(pr[u][mm], vf[j], acc[mm][i][j]);
+          for (int j = 0; j < 8; ++j) s_acc[group][mm][v * 8 + j] = acc[mm][i][j];
         }
       }
     }
-  }
-  // The next kernel (a PDL-launched projection) may start streaming its weights: it still waits for
-  // this one to finish before reading the output. Not at the start: with several waves of blocks,
-  // its waiting blocks would hold SMs that this grid's later waves need.
-  pe_pdl_launch_dependents();
-  copy_wait<0>();
-  __syncthreads();  // the pipeline buffers become the merge buffer
+    __syncthreads();
 
-  // Merge the key groups of the block.
+    const bool direct = nsplit == 1;
 #pragma unroll
-  for (int mm = 0; mm < MT; ++mm) {
-    if (lane == 0) {
-      s_ml[group][mm][0] = mx[mm];
-      s_ml[group][mm][1] = l[mm];
+    for (int it = 0; it < NIT; ++it) {
+      const int idx = tid + it * kThreads;
+      if (idx >= MT * NV_V) continue;
+      const int mm = idx / NV_V;
+      const int v = idx - mm * NV_V;
+      const int m = m_begin + mm;
+      if (m >= m_count) continue;
+      const int i_tok = m / G;
+      const int h = kvh * G + (m - i_tok * G);
+      if (walk)
+        walk_merge_pair<T, NG>(p, &s_ml[0][mm][0], MT * 2, &s_acc[0][mm][v * 8], MT * DV, q0 + i_tok, h, v,
+                               r == nranges - 1, wm[it], wl[it], wo[it]);
+      else
+        merge_and_store_pair<T, NG>(p, &s_ml[0][mm][0], MT * 2, &s_acc[0][mm][v * 8], MT * DV, row, q0 + i_tok, i_tok, h,
+                                    v, split, direct);
     }
-#pragma unroll
-    for (int i = 0; i < VPL_V; ++i) {
-      const int v = lane + LPT * i;
-      if (v < NV_V) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) s_acc[group][mm][v * 8 + j] = acc[mm][i][j];
-      }
-    }
-  }
-  __syncthreads();
-
-  const bool direct = nsplit == 1;
-  for (int idx = tid; idx < MT * NV_V; idx += kThreads) {
-    const int mm = idx / NV_V;
-    const int v = idx - mm * NV_V;
-    const int m = m_begin + mm;
-    if (m >= m_count) continue;
-    const int i_tok = m / G;
-    const int h = kvh * G + (m - i_tok * G);
-    merge_and_store_pair<T, NG>(p, &s_ml[0][mm][0], MT * 2, &s_acc[0][mm][v * 8], MT * DV, row, q0 + i_tok, i_tok, h, v,
-                                split, direct);
+    if (r + 1 < nranges) __syncthreads();  // the merge buffer becomes the pipeline again
   }
 }
 
@@ -322,7 +358,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_combine_kernel(Paged
   const int q_len = p.query_start_loc[row + 1] - q0;
   if (i_tok >= q_len) return;
   int nsplit, split_size;
-  row_splits(p.context_lens[row], q_len, p.split_block, &nsplit, &split_size);
+  gqa_row_splits(p, p.context_lens[row], q_len, &nsplit, &split_size);
   if (nsplit == 1) return;
   const int NV = p.head_dim_v / 8;
   const int idx = blockIdx.z * kThreads + threadIdx.x;
@@ -330,6 +366,31 @@ __global__ void __launch_bounds__(kThreads) paged_attention_combine_kernel(Paged
   const int h = idx / NV;
   const int v = idx - h * NV;
   const int64_t w0 = ((int64_t)(p.ws_start[row] + i_tok) * p.num_q_heads + h) * p.max_splits;
+  if (p.fixed_splits) {  // the batch-invariant merge, in range order (what a walking block does)
+    // Up to 64+ ranges per query at long contexts and few threads at batch 1: the loads of kAhead
+    // ranges are issued before their merges (padding ranges read as empty: exact no-ops).
+    constexpr int kAhead = 8;
+    float m = neg_inf(), l = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int s0 = 0; s0 < nsplit; s0 += kAhead) {
+      float lse[kAhead];
+      float4 a[kAhead], b[kAhead];
+#pragma unroll
+      for (int u = 0; u < kAhead; ++u) {
+        const bool in = s0 + u < nsplit;
+        const float4* src = reinterpret_cast<const float4*>(p.ws_out + (w0 + s0 + u) * p.head_dim_v + v * 8);
+        lse[u] = in ? p.ws_lse[w0 + s0 + u] : neg_inf();
+        a[u] = in ? src[0] : make_float4(0.f, 0.f, 0.f, 0.f);
+        b[u] = in ? src[1] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < kAhead; ++u) {
+        const float po[8] = {a[u].x, a[u].y, a[u].z, a[u].w, b[u].x, b[u].y, b[u].z, b[u].w};
+        merge_range(m, l, o, lse[u], po);
+      }
+    }
+    store_merged<T>(p, q0 + i_tok, h, v, m, l, o);
+    return;
+  }
   float M = neg_inf();
   for (int s = 0; s < nsplit; ++s) M = fmaxf(M, p.ws_lse[w0 + s]);
   float L = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};

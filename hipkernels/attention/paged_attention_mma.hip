@@ -38,6 +38,18 @@ constexpr int kTileKeys = kWarps * kWarpKeys;
 template <int D>
 PE_DEVICE int swz(int r, int c) { return r * D + ((c ^ (r & 7)) << 3); }
 
+// Shared memory: the key pipeline, stage-major ([stage][warp] K [16][D] then V [16][D]); the
+// block's merge buffer of warp results (fp32 [warp][16][D]: exactly one stage) reuses the last
+// stage, so that a walking block copies its next range's first STAGES - 1 tiles while it merges;
+// then the warps' (max, sum) pairs [warp][16][2].
+template <int D, int STAGES>
+struct SmemBytes {
+  static constexpr int kPipe = STAGES * kWarps * 2 * kWarpKeys * D * 2;
+  static constexpr int kMergeAt = (STAGES - 1) * kWarps * 2 * kWarpKeys * D * 2;
+  static_assert(kWarps * kRows * D * 4 == kPipe - kMergeAt, "the merge buffer is one stage");
+  static constexpr int value = kPipe + kWarps * kRows * 2 * 4;
+};
+
 template <typename T, int D, int STAGES>
 __global__ void __launch_bounds__(kThreads) paged_attention_mma_kernel(PagedAttentionParams p) {
   pe_pdl_wait();
@@ -58,9 +70,12 @@ __global__ void __launch_bounds__(kThreads) paged_attention_mma_kernel(PagedAtte
   const int m_count = q_len * G;
   if (m_begin >= m_count) return;
   int nsplit, split_size;
-  row_splits(ctx, q_len, p.split_block, &nsplit, &split_size);
+  gqa_row_splits(p, ctx, q_len, &nsplit, &split_size);
   const int split = blockIdx.x;
   if (split >= nsplit) return;
+  // Batch-invariant rows of one split walk their key ranges [r U, (r + 1) U) here, each from a
+  // fresh state, merged in range order (merge_range) as the combine merges a split row's ranges.
+  const bool walk = p.fixed_splits && nsplit == 1;
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
@@ -76,9 +91,11 @@ __global__ void __launch_bounds__(kThreads) paged_attention_mma_kernel(PagedAtte
     lim[j] = valid ? ctx - (q_len - 1 - i) : -1;  // keys < lim[j]; -1: no key (padding row)
   }
   const int m_last = min(m_begin + kRows, m_count) - 1;
-  const int k_begin = split * split_size;
-  const int k_end = min(min(ctx, k_begin + split_size), ctx - (q_len - 1 - m_last / G));
-  const int ntiles = k_end > k_begin ? (k_end - k_begin + kTileKeys - 1) / kTileKeys : 0;
+  const int k_lim = ctx - (q_len - 1 - m_last / G);  // no pair of the tile sees more keys
+  const int nranges = walk && k_lim > split_size ? (k_lim + split_size - 1) / split_size : 1;
+  int k_begin = split * split_size;
+  int k_end = min(min(ctx, k_begin + split_size), k_lim);
+  int ntiles = k_end > k_begin ? (k_end - k_begin + kTileKeys - 1) / kTileKeys : 0;
 
   const T* kcache = static_cast<const T*>(p.k_cache);
   const T* vcache = static_cast<const T*>(p.v_cache);
@@ -87,7 +104,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_mma_kernel(PagedAtte
   const bool bs_pow2 = (bs & (bs - 1)) == 0;
   const int bs_shift = __ffs(bs) - 1;
   const int64_t slot_stride = (int64_t)Hkv * D;
-  T* wsm = reinterpret_cast<T*>(smem_raw) + warp * STAGES * WARP_STAGE;
+  T* wsm = reinterpret_cast<T*>(smem_raw) + warp * WARP_STAGE;  // stage t: wsm + t * kWarps * WARP_STAGE
 
   // Block-table entry of key (lane & 15) of this warp's part of tile t; -1 outside [k_begin, k_end).
   auto load_blk = [&](int t) -> int {
@@ -97,7 +114,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_mma_kernel(PagedAtte
   };
   auto issue = [&](int t, int blk_mine) {
     if (t < ntiles) {
-      T* ks = wsm + (t % STAGES) * WARP_STAGE;
+      T* ks = wsm + (t % STAGES) * kWarps * WARP_STAGE;
       T* vs = ks + kWarpKeys * D;
 #pragma unroll
       for (int i = 0; i < CPL; ++i) {
@@ -132,115 +149,149 @@ __global__ void __launch_bounds__(kThreads) paged_attention_mma_kernel(PagedAtte
                         : 0u;
 
   const float qscale = p.scale * kLog2e;
-  float o[D / 8][4];
+  float* s_o = reinterpret_cast<float*>(smem_raw + SmemBytes<D, STAGES>::kMergeAt);  // [warp][16][D]
+  float* s_ml = reinterpret_cast<float*>(smem_raw + SmemBytes<D, STAGES>::kPipe);     // [warp][16][2]
+  // A walk's running state between ranges, past the pipeline / merge buffers: [16][D] values and
+  // [16][NC][2] (m, l) per 8-value chunk (launch() adds it where a row may walk several ranges).
+  float* s_wo = reinterpret_cast<float*>(smem_raw + SmemBytes<D, STAGES>::value);
+  float* s_wml = s_wo + kRows * D;
+  for (int r = 0; r < nranges; ++r) {
+    float o[D / 8][4];
 #pragma unroll
-  for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
-  float mx[2] = {neg_inf(), neg_inf()}, ls[2] = {0.f, 0.f};
+    for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+    float mx[2] = {neg_inf(), neg_inf()}, ls[2] = {0.f, 0.f};
 
-  for (int t = 0; t < ntiles; ++t) {
-    copy_wait<STAGES - 2>();
-    __syncwarp();
-    issue(t + STAGES - 1, nblk);
-    nblk = load_blk(t + STAGES);
-    const T* ks = wsm + (t % STAGES) * WARP_STAGE;
-    const T* vs = ks + kWarpKeys * D;
+    for (int t = 0; t < ntiles; ++t) {
+      copy_wait<STAGES - 2>();
+      __syncwarp();
+      issue(t + STAGES - 1, nblk);
+      nblk = load_blk(t + STAGES);
+      const T* ks = wsm + (t % STAGES) * kWarps * WARP_STAGE;
+      const T* vs = ks + kWarpKeys * D;
 
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t b[4];  // matrices: keys 0-7 / 8-15 (lane / 16) x dims 16 kk + 0 / + 8 ((lane / 8) & 1)
-      ldsm_x4(b, ks + swz<D>(((lane >> 4) << 3) + (lane & 7), 2 * kk + ((lane >> 3) & 1)));
-      mma16816<T>(s[0], qa[kk], b[0], b[1]);
-      mma16816<T>(s[1], qa[kk], b[2], b[3]);
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t b[4];  // matrices: keys 0-7 / 8-15 (lane / 16) x dims 16 kk + 0 / + 8 ((lane / 8) & 1)
+        ldsm_x4(b, ks + swz<D>(((lane >> 4) << 3) + (lane & 7), 2 * kk + ((lane >> 3) & 1)));
+        mma16816<T>(s[0], qa[kk], b[0], b[1]);
+        mma16816<T>(s[1], qa[kk], b[2], b[3]);
+      }
+      const int kbase = k_begin + t * kTileKeys + warp * kWarpKeys + 2 * q;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float hmax = neg_inf();
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& v = s[nt][2 * j + e];
+            const int key = kbase + 8 * nt + e;
+            v = key < lim[j] && key < k_end ? v * qscale : neg_inf();
+            hmax = fmaxf(hmax, v);
+          }
+        hmax = fmaxf(hmax, pe_shfl_xor(hmax, 1));
+        hmax = fmaxf(hmax, pe_shfl_xor(hmax, 2));
+        const float mn = fmaxf(mx[j], hmax);
+        if (mn != mx[j]) {  // quad-uniform
+          const float alpha = exp2f(mx[j] - mn);  // 0 when the old max was -inf (o and ls are 0 then)
+          ls[j] *= alpha;
+#pragma unroll
+          for (int nd = 0; nd < D / 8; ++nd) o[nd][2 * j] *= alpha, o[nd][2 * j + 1] *= alpha;
+          mx[j] = mn;
+        }
+        const float ref = mn == neg_inf() ? 0.f : mn;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& v = s[nt][2 * j + e];
+            v = exp2f(v - ref);
+            ls[j] += v;
+          }
+      }
+      // P as the A fragment of the 16 keys: (row g / g + 8) x (keys 2q, 2q+1 / 8 + 2q, 9 + 2q).
+      const uint32_t pa[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]), pack2<T>(s[1][0], s[1][1]),
+                              pack2<T>(s[1][2], s[1][3])};
+#pragma unroll
+      for (int nd = 0; nd < D / 8; nd += 2) {
+        uint32_t b[4];  // transposed: keys 0-7 / 8-15 ((lane / 8) & 1) x dims 8 nd + 0 / + 8 (lane / 16)
+        ldsm_x4<true>(b, vs + swz<D>((((lane >> 3) & 1) << 3) + (lane & 7), nd + (lane >> 4)));
+        mma16816<T>(o[nd], pa, b[0], b[1]);
+        mma16816<T>(o[nd + 1], pa, b[2], b[3]);
+      }
     }
-    const int kbase = k_begin + t * kTileKeys + warp * kWarpKeys + 2 * q;
+    if (r == nranges - 1) pe_pdl_launch_dependents();
+    copy_wait<0>();
+    __syncthreads();  // every warp is done with the last stage: it becomes the merge buffer
+    if (r + 1 < nranges) {  // the next range's first tiles (stages 0 .. STAGES - 2) load meanwhile
+      k_begin = (r + 1) * split_size;
+      k_end = min(k_begin + split_size, k_lim);
+      ntiles = (k_end - k_begin + kTileKeys - 1) / kTileKeys;
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s) issue(s, load_blk(s));
+      nblk = load_blk(STAGES - 1);
+    }
+
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      float hmax = neg_inf();
+      float l = ls[j];
+      l += pe_shfl_xor(l, 1);
+      l += pe_shfl_xor(l, 2);
+      const int rr = g + 8 * j;
+      if (q == 0) s_ml[(warp * kRows + rr) * 2] = mx[j], s_ml[(warp * kRows + rr) * 2 + 1] = l;
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& v = s[nt][2 * j + e];
-          const int key = kbase + 8 * nt + e;
-          v = key < lim[j] && key < k_end ? v * qscale : neg_inf();
-          hmax = fmaxf(hmax, v);
-        }
-      hmax = fmaxf(hmax, pe_shfl_xor(hmax, 1));
-      hmax = fmaxf(hmax, pe_shfl_xor(hmax, 2));
-      const float mn = fmaxf(mx[j], hmax);
-      if (mn != mx[j]) {  // quad-uniform
-        const float alpha = exp2f(mx[j] - mn);  // 0 when the old max was -inf (o and ls are 0 then)
-        ls[j] *= alpha;
-#pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) o[nd][2 * j] *= alpha, o[nd][2 * j + 1] *= alpha;
-        mx[j] = mn;
+      for (int nd = 0; nd < D / 8; ++nd)
+        *reinterpret_cast<float2*>(s_o + (warp * kRows + rr) * D + 8 * nd + 2 * q) =
+            make_float2(o[nd][2 * j], o[nd][2 * j + 1]);
+    }
+    __syncthreads();
+
+    const bool direct = nsplit == 1;
+    for (int idx = tid; idx < kRows * NC; idx += kThreads) {
+      const int rr = idx / NC;
+      const int v = idx - rr * NC;
+      const int m = m_begin + rr;
+      if (m >= m_count) continue;
+      const int i_tok = m / G;
+      const int h = kvh * G + (m - i_tok * G);
+      if (!walk) {
+        merge_and_store_pair<T, kWarps>(p, s_ml + rr * 2, kRows * 2, s_o + rr * D + v * 8, kRows * D, row, q0 + i_tok,
+                                        i_tok, h, v, split, direct);
+        continue;
       }
-      const float ref = mn == neg_inf() ? 0.f : mn;
+      float wm = neg_inf(), wl = 0.f, wo[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      if (r > 0) {
+        wm = s_wml[idx * 2], wl = s_wml[idx * 2 + 1];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+        for (int j = 0; j < 8; ++j) wo[j] = s_wo[rr * D + v * 8 + j];
+      }
+      const bool last = r == nranges - 1;
+      walk_merge_pair<T, kWarps>(p, s_ml + rr * 2, kRows * 2, s_o + rr * D + v * 8, kRows * D, q0 + i_tok, h, v, last,
+                                 wm, wl, wo);
+      if (!last) {
+        s_wml[idx * 2] = wm, s_wml[idx * 2 + 1] = wl;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& v = s[nt][2 * j + e];
-          v = exp2f(v - ref);
-          ls[j] += v;
-        }
+        for (int j = 0; j < 8; ++j) s_wo[rr * D + v * 8 + j] = wo[j];
+      }
     }
-    // P as the A fragment of the 16 keys: (row g / g + 8) x (keys 2q, 2q+1 / 8 + 2q, 9 + 2q).
-    const uint32_t pa[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]), pack2<T>(s[1][0], s[1][1]),
-                            pack2<T>(s[1][2], s[1][3])};
-#pragma unroll
-    for (int nd = 0; nd < D / 8; nd += 2) {
-      uint32_t b[4];  // transposed: keys 0-7 / 8-15 ((lane / 8) & 1) x dims 8 nd + 0 / + 8 (lane / 16)
-      ldsm_x4<true>(b, vs + swz<D>((((lane >> 3) & 1) << 3) + (lane & 7), nd + (lane >> 4)));
-      mma16816<T>(o[nd], pa, b[0], b[1]);
-      mma16816<T>(o[nd + 1], pa, b[2], b[3]);
-    }
-  }
-  pe_pdl_launch_dependents();
-  copy_wait<0>();
-  __syncthreads();  // the pipeline buffers become the merge buffer
-
-  float* s_o = reinterpret_cast<float*>(smem_raw);  // [warp][16][D]
-  float* s_ml = s_o + kWarps * kRows * D;           // [warp][16][2]
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    float l = ls[j];
-    l += pe_shfl_xor(l, 1);
-    l += pe_shfl_xor(l, 2);
-    const int r = g + 8 * j;
-    if (q == 0) s_ml[(warp * kRows + r) * 2] = mx[j], s_ml[(warp * kRows + r) * 2 + 1] = l;
-#pragma unroll
-    for (int nd = 0; nd < D / 8; ++nd)
-      *reinterpret_cast<float2*>(s_o + (warp * kRows + r) * D + 8 * nd + 2 * q) = make_float2(o[nd][2 * j], o[nd][2 * j + 1]);
-  }
-  __syncthreads();
-
-  const bool direct = nsplit == 1;
-  for (int idx = tid; idx < kRows * NC; idx += kThreads) {
-    const int r = idx / NC;
-    const int v = idx - r * NC;
-    const int m = m_begin + r;
-    if (m >= m_count) continue;
-    const int i_tok = m / G;
-    const int h = kvh * G + (m - i_tok * G);
-    merge_and_store_pair<T, kWarps>(p, s_ml + r * 2, kRows * 2, s_o + r * D + v * 8, kRows * D, row, q0 + i_tok, i_tok, h,
-                                    v, split, direct);
+    if (r + 1 < nranges) __syncthreads();  // the merge buffer becomes the last stage again
   }
 }
 
 template <typename T, int D, int STAGES>
 int launch(const PagedAttentionParams& p, peStream_t s) {
-  constexpr int kPipe = STAGES * kWarps * 2 * kWarpKeys * D * 2;
-  constexpr int kMerge = kWarps * kRows * (D + 2) * 4;
-  constexpr int kSmem = kPipe > kMerge ? kPipe : kMerge;
+  constexpr int kSmem = SmemBytes<D, STAGES>::value;
+  constexpr int kWalk = kRows * (D + 2 * (D / 8)) * 4;  // a walk's running state between ranges
+  // Only rows of more than kSplitMaxQueryLen queries walk several ranges (decode keeps its occupancy).
+  const bool walks = p.fixed_splits && p.max_query_len > kPagedAttnSplitMaxQueryLen;
   auto kernel = paged_attention_mma_kernel<T, D, STAGES>;
-  cudaError_t rc = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  cudaError_t rc = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem + kWalk);
   if (rc != cudaSuccess) return static_cast<int>(rc);
   const int G = p.num_q_heads / p.num_kv_heads;
   const int m_tiles = (p.max_query_len * G + kRows - 1) / kRows;
   const dim3 grid((unsigned)p.max_splits, (unsigned)m_tiles, (unsigned)(p.num_rows * p.num_kv_heads));
-  return static_cast<int>(pe_launch(kernel, grid, dim3(kThreads), kSmem, s, p.pdl, p));
+  return static_cast<int>(pe_launch(kernel, grid, dim3(kThreads), walks ? kSmem + kWalk : kSmem, s, p.pdl, p));
 }
 
 template <typename T>

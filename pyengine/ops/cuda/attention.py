@@ -6,12 +6,14 @@ and the split-KV workspace are built once per step (meta.cache) and shared by ev
 meta.max_query_len / meta.max_context_len must be upper bounds of the rows' values. The kernel
 variant (tensor-core or FMA GQA kernel, pairs per block, PDL) comes from the current KernelConfig.
 
-Under KernelConfig.batch_invariant no row splits its keys: the split rule reads the row's query
-length (prefill chunks never split) and a split's size grows with the context, so a query's
-partial sums would change with the chunk or verify row it lands in. With one split a query's keys
-are summed tile by tile in key order whatever its row (keys past its causal limit are masked to
-exact zeros), at a cost only where few long rows leave the GPU idle (batch-1 decode past 512 keys).
-What the kernels do not take (fp32, other head sizes) runs the reference: in this mode its
+Under KernelConfig.batch_invariant the GQA kernels use the fixed split rule (params.fixed_splits,
+hipkernels/attention/paged_attention.h): a query's keys are summed in ranges of SPLIT_BLOCK keys at
+fixed boundaries, each from a fresh state, merged in range order by one sequential merge; decode
+and verify rows put each range in the workspace (ceil(max_context_len / SPLIT_BLOCK) splits, no
+MAX_SPLITS cap) and the combine merges them, longer rows walk their ranges in the block. A query's
+bits then depend only on its own keys. MLA keeps one split per row in this mode (the default rule
+reads the row's query length and context; keys past a query's causal limit are masked to exact
+zeros), at a cost where few long rows leave the GPU idle. What the kernels do not take (fp32, other head sizes) runs the reference: in this mode its
 per-query form (reference.attention.paged_attention_per_query, slow, eager only), since the padded
 one sums a token's keys in a layout that changes with the step.
 """
@@ -31,17 +33,17 @@ _CONST = kernels.paged_attention_constants()
 SPLIT_BLOCK: int = _CONST["split_block"]  # keys per split unit; process-wide (benchmarks sweep it)
 MAX_SPLITS: int = _CONST["max_splits"]
 SPLIT_MAX_QUERY_LEN: int = _CONST["split_max_query_len"]
-# split_block under KernelConfig.batch_invariant: larger than any context, so no row splits
+# split_block of MLA under KernelConfig.batch_invariant: larger than any context, so no row splits
 NO_SPLIT_BLOCK = 1 << 30
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 _PLAN_KEY = "cuda_paged_attention"
 
 
-def max_splits_for(max_context_len: int) -> int:
-    """Workspace split dimension for a step (the kernel's per-row rule never exceeds it)."""
-    if get_kernel_config().batch_invariant:
-        return 1
-    return max(1, min(MAX_SPLITS, math.ceil(max(max_context_len, 0) / SPLIT_BLOCK)))
+def max_splits_for(max_context_len: int, fixed: bool = False) -> int:
+    """Workspace split dimension for a step (the kernel's per-row rule never exceeds it); fixed: the
+    batch-invariant rule (one split per SPLIT_BLOCK keys, uncapped)."""
+    splits = math.ceil(max(max_context_len, 0) / SPLIT_BLOCK)
+    return max(1, splits if fixed else min(MAX_SPLITS, splits))
 
 
 def plan(meta: AttentionMetadata, device: torch.device) -> dict:
@@ -59,6 +61,7 @@ def plan(meta: AttentionMetadata, device: torch.device) -> dict:
             "ws_start": ws_start,
             "ws_tokens": min(meta.num_tokens, meta.num_rows * SPLIT_MAX_QUERY_LEN),
             "max_splits": max_splits_for(meta.max_context_len),
+            "max_splits_fixed": max_splits_for(meta.max_context_len, fixed=True),
             "workspace": {},
         }
         meta.cache[_PLAN_KEY] = step
@@ -77,8 +80,13 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             lse.fill_(float("inf"))
         return (out, lse) if return_lse else out
     step = plan(meta, q.device)
-    max_splits = step["max_splits"]
-    ws_key = (num_heads, head_dim_v)
+    config = get_kernel_config()
+    fixed = config.batch_invariant and not mla  # MLA: one split per row in this mode
+    if config.batch_invariant:
+        max_splits = 1 if mla else step["max_splits_fixed"]
+    else:
+        max_splits = step["max_splits"]
+    ws_key = (num_heads, head_dim_v, max_splits)
     ws = step["workspace"].get(ws_key)
     if ws is None:
         n = step["ws_tokens"] * num_heads * max_splits if max_splits > 1 else 0
@@ -87,7 +95,6 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         step["workspace"][ws_key] = ws
     q = aligned_rows(q)
     tables = step["tables"]
-    config = get_kernel_config()
     p = params(
         kernels.PagedAttentionParams, q=q.data_ptr(), q_stride_token=row_stride(q), q_stride_head=row_stride(q, 1),
         k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), out=out.data_ptr(), out_stride_token=row_stride(out),
@@ -96,7 +103,8 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         query_start_loc=step["qsl"].data_ptr(), context_lens=step["ctx"].data_ptr(), num_rows=meta.num_rows,
         num_q_heads=num_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_v=head_dim_v,
         block_size=meta.block_size, max_blocks_per_row=tables.shape[1], max_query_len=int(meta.max_query_len),
-        max_splits=max_splits, split_block=NO_SPLIT_BLOCK if config.batch_invariant else SPLIT_BLOCK, scale=float(scale), dtype=DTYPE_CODE[q.dtype],
+        max_splits=max_splits, split_block=NO_SPLIT_BLOCK if config.batch_invariant and mla else SPLIT_BLOCK,
+        fixed_splits=fixed, scale=float(scale), dtype=DTYPE_CODE[q.dtype],
         pdl=config.pdl and not mla, num_sms=num_sms(q.device), gqa_fma=config.gqa_fma,
         gqa_pairs_per_block=config.gqa_pairs_per_block, mla_small_tile=config.mla_small_tile,
     )
