@@ -1,6 +1,6 @@
 // Paged GQA attention on the CUDA cores (decode, verify, prefill chunks and mixed batches in one
-// launch) plus the split-KV combine that the MLA and tensor-core GQA kernels share. Semantics and the
-// split rule: paged_attention.h. This FMA kernel is what AMD runs; NVIDIA runs the tensor-core kernel
+// launch); the split-KV combine that every attention kernel shares is paged_attention_combine.hip.
+// Semantics and the split rule: paged_attention.h. This FMA kernel is what AMD runs; NVIDIA runs the tensor-core kernel
 // of paged_attention_mma.hip (same semantics, split rule and workspace) unless p.gqa_fma asks for it.
 //
 // Work decomposition: one block of kThreads threads per (row, kv head, key split, tile of MT
@@ -23,14 +23,10 @@ namespace {
 using pe_attn::copy16_async;
 using pe_attn::copy_commit;
 using pe_attn::copy_wait;
-using pe_attn::kLn2;
 using pe_attn::kLog2e;
 using pe_attn::merge_and_store_pair;
 using pe_attn::neg_inf;
-using pe_attn::pos_inf;
 using pe_attn::gqa_row_splits;
-using pe_attn::merge_range;
-using pe_attn::store_merged;
 using pe_attn::walk_merge_pair;
 using pe_attn::store8;
 
@@ -349,70 +345,6 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>()))
   }
 }
 
-// Merges the splits of split rows: grid (rows, kPagedAttnSplitMaxQueryLen, chunks of Hq * DV / 8).
-template <typename T>
-__global__ void __launch_bounds__(kThreads) paged_attention_combine_kernel(PagedAttentionParams p) {
-  const int row = blockIdx.x;
-  const int i_tok = blockIdx.y;
-  const int q0 = p.query_start_loc[row];
-  const int q_len = p.query_start_loc[row + 1] - q0;
-  if (i_tok >= q_len) return;
-  int nsplit, split_size;
-  gqa_row_splits(p, p.context_lens[row], q_len, &nsplit, &split_size);
-  if (nsplit == 1) return;
-  const int NV = p.head_dim_v / 8;
-  const int idx = blockIdx.z * kThreads + threadIdx.x;
-  if (idx >= p.num_q_heads * NV) return;
-  const int h = idx / NV;
-  const int v = idx - h * NV;
-  const int64_t w0 = ((int64_t)(p.ws_start[row] + i_tok) * p.num_q_heads + h) * p.max_splits;
-  if (p.fixed_splits) {  // the batch-invariant merge, in range order (what a walking block does)
-    // Up to 64+ ranges per query at long contexts and few threads at batch 1: the loads of kAhead
-    // ranges are issued before their merges (padding ranges read as empty: exact no-ops).
-    constexpr int kAhead = 8;
-    float m = neg_inf(), l = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int s0 = 0; s0 < nsplit; s0 += kAhead) {
-      float lse[kAhead];
-      float4 a[kAhead], b[kAhead];
-#pragma unroll
-      for (int u = 0; u < kAhead; ++u) {
-        const bool in = s0 + u < nsplit;
-        const float4* src = reinterpret_cast<const float4*>(p.ws_out + (w0 + s0 + u) * p.head_dim_v + v * 8);
-        lse[u] = in ? p.ws_lse[w0 + s0 + u] : neg_inf();
-        a[u] = in ? src[0] : make_float4(0.f, 0.f, 0.f, 0.f);
-        b[u] = in ? src[1] : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int u = 0; u < kAhead; ++u) {
-        const float po[8] = {a[u].x, a[u].y, a[u].z, a[u].w, b[u].x, b[u].y, b[u].z, b[u].w};
-        merge_range(m, l, o, lse[u], po);
-      }
-    }
-    store_merged<T>(p, q0 + i_tok, h, v, m, l, o);
-    return;
-  }
-  float M = neg_inf();
-  for (int s = 0; s < nsplit; ++s) M = fmaxf(M, p.ws_lse[w0 + s]);
-  float L = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (M != neg_inf()) {
-    for (int s = 0; s < nsplit; ++s) {
-      const float w = exp2f(p.ws_lse[w0 + s] - M);
-      L += w;
-      const float4* src = reinterpret_cast<const float4*>(p.ws_out + (w0 + s) * p.head_dim_v + v * 8);
-      const float4 a = src[0], b = src[1];
-      o[0] += w * a.x; o[1] += w * a.y; o[2] += w * a.z; o[3] += w * a.w;
-      o[4] += w * b.x; o[5] += w * b.y; o[6] += w * b.z; o[7] += w * b.w;
-    }
-  }
-  const float inv = L > 0.f ? 1.f / L : 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) o[j] *= inv;
-  const int t = q0 + i_tok;
-  T* dst = static_cast<T*>(p.out) + (int64_t)t * p.out_stride_token + (int64_t)h * p.out_stride_head + v * 8;
-  store8<T>(dst, o);
-  if (v == 0 && p.lse != nullptr) p.lse[(int64_t)t * p.num_q_heads + h] = L > 0.f ? (M + log2f(L)) * kLn2 : pos_inf();
-}
-
 constexpr int kStages = 5;
 
 template <typename T, int DQK, int DV, int LPT, int MT, int U>
@@ -454,14 +386,6 @@ void launch_gqa(const PagedAttentionParams& p, peStream_t s, int mt) {
   }
 }
 
-template <typename T>
-void launch_combine(const PagedAttentionParams& p, peStream_t s) {
-  const int qmax = p.max_query_len < kPagedAttnSplitMaxQueryLen ? p.max_query_len : kPagedAttnSplitMaxQueryLen;
-  const int chunks = (p.num_q_heads * (p.head_dim_v / 8) + kThreads - 1) / kThreads;
-  const dim3 grid((unsigned)p.num_rows, (unsigned)qmax, (unsigned)chunks);
-  paged_attention_combine_kernel<T><<<grid, kThreads, 0, s>>>(p);
-}
-
 // Query-head pairs per block. The model's choice, the group size up to 8, lets every pair of a KV
 // head share each K/V load. A grid that would not fill the GPU (batch-1 decode: one block per KV
 // head) is latency-bound, so fewer pairs per block give more blocks and a shorter chain per key
@@ -491,8 +415,7 @@ int launch_typed(const PagedAttentionParams& p, peStream_t s) {
   if (!p.gqa_fma) {
     const int rc = launch_paged_attention_mma(p, s);
     if (rc != 0) return rc;
-    if (p.max_splits > 1) launch_combine<T>(p, s);
-    return 0;
+    return launch_paged_attention_combine(p, s);
   }
 #endif
   const int mt = pairs_per_block(p);
@@ -502,8 +425,7 @@ int launch_typed(const PagedAttentionParams& p, peStream_t s) {
     case 256: launch_gqa<T, 256>(p, s, mt); break;
     default: return -1;
   }
-  if (p.max_splits > 1) launch_combine<T>(p, s);
-  return 0;
+  return launch_paged_attention_combine(p, s);
 }
 
 }  // namespace
@@ -519,14 +441,5 @@ int launch_paged_attention(const PagedAttentionParams& p, void* stream) {
   else if (p.dtype == PE_BFLOAT16) rc = launch_typed<pe_bf16>(p, s);
   else rc = -1;
   if (rc != 0) return rc;
-  return static_cast<int>(peGetLastError());
-}
-
-int launch_paged_attention_combine(const PagedAttentionParams& p, void* stream) {
-  if (p.num_rows == 0 || p.max_query_len == 0 || p.max_splits <= 1) return 0;
-  const peStream_t s = static_cast<peStream_t>(stream);
-  if (p.dtype == PE_FLOAT16) launch_combine<pe_half>(p, s);
-  else if (p.dtype == PE_BFLOAT16) launch_combine<pe_bf16>(p, s);
-  else return -1;
   return static_cast<int>(peGetLastError());
 }
