@@ -29,6 +29,9 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,4096,16384,32768")
     ap.add_argument("--max-tokens", type=int, default=1 << 21, help="skip points with batch*ctx above this")
     ap.add_argument("--kinds", default="gqa,mla")
+    ap.add_argument("--bound", type=int, default=0,
+                    help="max_context_len of the step's metadata (0: the context), as a CUDA graph captured for "
+                         "max_model_len keys sizes its split grid")
     ap.add_argument("--prefill", default="4096:4096,512:16384", help="GQA prefill chunks, q_len:context, batch 1")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -47,6 +50,7 @@ def main() -> None:
             if batch * ctx > args.max_tokens:
                 continue
             meta = make_meta(batch, ctx, q_len, bs, nblocks, gen)
+            meta.max_context_len = max(ctx, args.bound)
             q = torch.randn(batch * q_len, hq, dqk, device="cuda", dtype=torch.bfloat16)
             if kind == "mla":
                 call = lambda: cuda_ops.paged_attention_mla(q, k, meta, 192 ** -0.5)  # noqa: E731
