@@ -65,7 +65,7 @@ def main() -> None:
             rows.append(row)
             print(f"{kind} b={batch:3d} ctx={ctx:6d} q={q_len:5d} default {ms[False]:.4f} ms "
                   f"invariant {ms[True]:.4f} ms x{row['ratio']:.2f}", flush=True)
-        del k, v
+        k = v = None  # the next kind allocates its own cache
         torch.cuda.empty_cache()
     write_result(args.out, {**run_header(), "rows": rows})
 
