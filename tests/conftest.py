@@ -1,4 +1,5 @@
-"""Shared fixtures: the repo root on sys.path, and the embedded SmolLM2 GGUF loaded once."""
+"""Shared fixtures: the repo root on sys.path, the embedded SmolLM2 GGUF loaded once, and the CPU
+pool put back after tests that change it."""
 from __future__ import annotations
 
 import os
@@ -27,3 +28,19 @@ def smollm2_fp32(smollm2_path: str):
     from pyengine.loader import load_model
 
     return load_model(smollm2_path, "cpu", torch.float32)
+
+
+@pytest.fixture
+def restore_pool():
+    """Tests that change the C++ CPU pool (its threads, its stall policy) or torch's thread count
+    put them back to the defaults afterwards."""
+    import torch
+
+    from pyengine.ops import cpu as cpu_ops
+
+    threads = torch.get_num_threads()
+    yield
+    cpu_ops.kernels.set_pool_adaptive(True)
+    cpu_ops.kernels.set_pool_absent_fraction(0.5)
+    torch.set_num_threads(threads)
+    cpu_ops.kernels.set_num_threads(threads)

@@ -89,7 +89,7 @@ def test_paged_attention_is_batch_invariant(dtype: torch.dtype) -> None:
 
 
 @pytest.fixture
-def pool_of_two(restore_pool_threads) -> None:
+def pool_of_two(restore_pool) -> None:
     """As inside an engine step: torch at one thread, so the C++ ops split work over a pool of 2."""
     torch.set_num_threads(1)
     cpu_ops.kernels.set_num_threads(2)
@@ -255,15 +255,6 @@ def test_has_gemm_reports_the_kernels_this_cpu_runs() -> None:
             assert cpu_ops.PackedLinear(torch.zeros(2, 16, dtype=dtype)).isa == {2: "avx2", 3: "avx512"}[want]
 
 
-@pytest.fixture
-def restore_pool_threads():
-    """Tests that set the C++ pool's (or torch's) thread count put both back afterwards."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-    cpu_ops.kernels.set_num_threads(threads)
-
-
 GEMM_SHAPES = [(64, 30), (96, 70), (576, 200), (1536, 40)]  # K 1536: several L2 row chunks at M 300
 
 
@@ -271,7 +262,7 @@ GEMM_SHAPES = [(64, 30), (96, 70), (576, 200), (1536, 40)]  # K 1536: several L2
 @pytest.mark.parametrize("k,n", GEMM_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_linear_row_bits_do_not_depend_on_m_or_threads(k: int, n: int, dtype: torch.dtype,
-                                                             restore_pool_threads) -> None:
+                                                             restore_pool) -> None:
     """y = x @ W + b for M = 1, 2, 5, 17, 64, 300 rows: every row equals the same row computed
     alone, or in any other slice of the batch (other row groups, other row chunks), bit for bit,
     with 1, 2 or 3 pool threads; and the values are those of the exact product within fp32

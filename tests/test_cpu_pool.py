@@ -14,16 +14,6 @@ kernels = cpu_ops.kernels
 Backoff = kernels.SoloBackoff
 
 
-@pytest.fixture
-def restore_pool():
-    threads = torch.get_num_threads()
-    yield
-    kernels.set_pool_adaptive(True)
-    kernels.set_pool_absent_fraction(0.5)
-    torch.set_num_threads(threads)
-    kernels.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("cpus,busy,want", [(2, 0.0, 2), (2, 0.3, 2), (2, 0.6, 1), (2, 1.0, 1), (2, 2.0, 1),
                                             (8, 2.6, 5), (4, 0.0, 4), (1, 0.9, 1)])
 def test_free_cores_rounds_others_load_and_keeps_one(cpus: int, busy: float, want: int) -> None:

@@ -37,16 +37,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
 
 
-@pytest.fixture
-def restore_pool():
-    threads = torch.get_num_threads()
-    yield
-    kernels.set_pool_adaptive(True)
-    kernels.set_pool_absent_fraction(0.5)
-    torch.set_num_threads(threads)
-    kernels.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("ggml_type", TYPES)
 @pytest.mark.parametrize("rows,cols", [(40, 96), (200, 1536)])  # a partial last panel; SmolLM2's down K
 def test_every_m_equals_the_reference(ggml_type: int, rows: int, cols: int) -> None:
