@@ -49,6 +49,7 @@ FILLER = ("The history of science is the study of the development of science and
 CHILD = r"""
 import json, sys, time
 engine, threads, spec_k, max_tokens, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+int8_dot = sys.argv[6] == "1"
 ids = json.loads(sys.stdin.read())
 model = ids.pop("model")
 out = {}
@@ -65,7 +66,7 @@ if engine == "pyengine":
     from pyengine import LLM, SamplingParams
     spec = {"method": "ngram", "num_speculative_tokens": spec_k} if spec_k else None
     t0 = time.perf_counter()
-    llm = LLM(model, enable_prefix_caching=False, speculative_config=spec)
+    llm = LLM(model, enable_prefix_caching=False, speculative_config=spec, kernel_config={"cpu_int8_dot": int8_dot})
     out["load_s"] = time.perf_counter() - t0
     def gen(prompt, n):
         p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -108,7 +109,7 @@ print(json.dumps(out))
 def run_engine(engine: str, threads: int, spec_k: int, ids: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """One fresh process (bench_load.run_child): its result, peak RSS and the load around it."""
     before = loadavg()
-    argv = ["-c", CHILD, engine, str(threads), str(spec_k), str(args.max_tokens), str(args.repeats)]
+    argv = ["-c", CHILD, engine, str(threads), str(spec_k), str(args.max_tokens), str(args.repeats), str(int(args.int8_dot))]
     env = dict(os.environ, PYTHONPATH=ROOT)  # the child sets torch's threads; the pool follows them
     result, _, peak_rss_mb = run_child(argv, json.dumps(ids).encode(), env, ROOT)
     result["loadavg"] = [before, loadavg()]
@@ -124,6 +125,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--spec-tokens", type=int, default=4)
+    ap.add_argument("--int8-dot", action="store_true",
+                    help="pyengine with KernelConfig.cpu_int8_dot: llama.cpp's arithmetic for the GGUF linears")
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args()

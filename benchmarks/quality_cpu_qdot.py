@@ -68,7 +68,10 @@ def main() -> None:
 
     path = default_model_path()
     ref, config, tok = load(path, from_codes=False)
-    new = load(path, from_codes=True)[0]
+    from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
+
+    with use_kernel_config(KernelConfig(cpu_int8_dot=True)):  # llama.cpp's arithmetic (opt-in)
+        new = load(path, from_codes=True)[0]
     if not all(getattr(layer.qkv_proj, "int8_dot", False) for layer in new.layers):
         raise SystemExit("this CPU does not run the int8-dot linears (AVX2 + F16C)")
     seen: dict[str, int] = {}

@@ -23,7 +23,7 @@ def _weight(ggml_type: int, rows: int, cols: int, seed: int = 0):
     linears are) and the reference's (scale, offset, codes) of the same matrix."""
     raw = random_blocks(ggml_type, rows, cols, seed)
     order = np.random.default_rng(seed + 1).permutation(rows)
-    packed = PackedLinear.from_gguf(ggml_type, addresses(raw, order), cols)
+    packed = PackedLinear.from_gguf(ggml_type, addresses(raw, order), cols, int8_dot=True)
     if packed is None or not packed.int8_dot:
         pytest.skip("no int8-dot GEMM on this CPU (AVX2 + F16C)")
     codes = gguf_weight_codes(decode(raw.reshape(-1), ggml_type, rows, cols).map_rows(lambda a: a[order]))
@@ -112,7 +112,7 @@ def test_a_q4_0_offset_beyond_fp16_keeps_the_exact_products() -> None:
     (|d| > 8188) the weight is packed as before: the dequantised weights' fp32 products."""
     raw = random_blocks(Q4_0, 16, 64, seed=7)
     raw.view(np.dtype(LAYOUTS[Q4_0]))["d"][2, 1] = 10000.0
-    packed = PackedLinear.from_gguf(Q4_0, addresses(raw, np.arange(16)), 64)
+    packed = PackedLinear.from_gguf(Q4_0, addresses(raw, np.arange(16)), 64, int8_dot=True)
     if packed is None:
         pytest.skip("no packed GEMM here")
     assert not packed.int8_dot and packed.bits_per_weight == 4
@@ -128,7 +128,10 @@ def test_layer_stack_equals_the_layer_loop(smollm2_path: str) -> None:
     from pyengine.ops.kernel_config import use_kernel_config
     from tests.utils_paged import PagedCache, make_meta
 
-    model, config, _ = load_model(smollm2_path, "cpu", torch.float32)
+    from pyengine.ops.kernel_config import KernelConfig
+
+    with use_kernel_config(KernelConfig(cpu_int8_dot=True)):
+        model, config, _ = load_model(smollm2_path, "cpu", torch.float32)
     if not getattr(model.layers[0].qkv_proj, "int8_dot", False) or model.cpu_stack is None:
         pytest.skip("no int8-dot GEMM or layer stack on this CPU")
     outs: dict[str, list[torch.Tensor]] = {}

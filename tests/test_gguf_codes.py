@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pyengine.loader.gguf_dequant import Q4_0, Q4_1, Q8_0, decode, dequantize
+from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
 from pyengine.ops.reference.quant_dot import gguf_weight_codes, quant_linear
 
 cpu_ops = pytest.importorskip("pyengine.ops.cpu")
@@ -128,24 +129,31 @@ def dequantised_model(smollm2_path):
     return model
 
 
-def test_default_model_packed_from_codes_computes_the_reference(smollm2_path, dequantised_model, monkeypatch):
+@pytest.mark.parametrize("int8_dot", [False, True])
+def test_default_model_packed_from_codes_computes_the_reference(smollm2_path, dequantised_model, monkeypatch,
+                                                                int8_dot):
     """Every linear and the lm_head, packed from the file's blocks through the model's own mapping
-    (q/k rows reordered, fused projections), computes the reference on those blocks bit for bit;
-    the token embeddings are the dequantised model's."""
+    (q/k rows reordered, fused projections), computes bit for bit what the dequantised model's
+    linear computes (the default), or under KernelConfig.cpu_int8_dot the int8-dot reference on
+    those blocks; the token embeddings are the dequantised model's."""
     calls = _recording_from_gguf(monkeypatch)
-    model = _load(smollm2_path, from_codes=True)
+    with use_kernel_config(KernelConfig(cpu_int8_dot=int8_dot)):
+        model = _load(smollm2_path, from_codes=True)
     assert model[0].lm_head.numel() == 0 and model[0].cpu_stack is not None
     codes = {id(p): c for p, c in calls}
     linears = _linears(model[0])
     assert all(id(w) in codes for w in linears)
     ids = torch.arange(model[1].vocab_size)
     assert torch.equal(model[0].embedding_columns.gather(ids), dequantised_model[0].embedding_columns.gather(ids))
-    if not linears[0].int8_dot:
+    if int8_dot and not linears[0].int8_dot:
         pytest.skip("this CPU packs the codes for the dequantised weights' products (no AVX2 + F16C)")
     gen = torch.Generator().manual_seed(0)
-    for w in linears:
+    for w, dense in zip(linears, _linears(dequantised_model[0])):
         x = torch.randn(3, w.in_features, generator=gen)
-        assert w.int8_dot and torch.equal(w(x), quant_linear(x, *codes[id(w)]))
+        if int8_dot:
+            assert w.int8_dot and torch.equal(w(x), quant_linear(x, *codes[id(w)]))
+        else:
+            assert not w.int8_dot and torch.equal(w(x), dense(x))
     _close_logits(model, dequantised_model)
 
 

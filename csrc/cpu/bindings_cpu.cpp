@@ -139,17 +139,19 @@ void register_cpu_ops(py::module_& m) {
       }, "columns ids (count int64) as rows out [count, k] fp32 (cpu_gguf_pack.h); False for a dense format");
   cpu.def(
       "pack_gguf",
-      [](int32_t ggml_type, uintptr_t row_addresses, int64_t k, int64_t n) -> py::object {
+      [](int32_t ggml_type, uintptr_t row_addresses, int64_t k, int64_t n, bool int8_dot) -> py::object {
         const GgufRows rows{ggml_type, ptr<const uint8_t* const>(row_addresses)};
         std::optional<PackedWeight> w;
         {
           py::gil_scoped_release release;
-          w = PackedWeight::from_gguf(rows, k, n);
+          w = PackedWeight::from_gguf(rows, k, n, int8_dot);
         }
         return w ? py::cast(std::move(*w)) : py::none();
       },
       "an fp32 [k, n] PackedWeight from n rows of GGUF blocks (row_addresses: n uint64 addresses; "
-      "cpu_gguf_pack.h), or None where they cannot be packed");
+      "cpu_gguf_pack.h), or None where they cannot be packed; int8_dot: llama.cpp's arithmetic "
+      "(cpu_gemm_qdot.h) where the CPU has it", py::arg("ggml_type"), py::arg("row_addresses"), py::arg("k"),
+      py::arg("n"), py::arg("int8_dot") = false);
   cpu.def("gguf_string_starts", [](uintptr_t base, int64_t size, int64_t pos, int64_t count, uintptr_t starts) {
     return gguf_string_starts(ptr<const uint8_t>(base), size, pos, count, ptr<int64_t>(starts));
   }, "the body offsets of a GGUF string array (starts: count int64) and its end, -1 if it runs past size");

@@ -176,10 +176,10 @@ PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, boo
       }
 }
 
-std::optional<PackedWeight> PackedWeight::from_gguf(const GgufRows& rows, int64_t k, int64_t n) {
+std::optional<PackedWeight> PackedWeight::from_gguf(const GgufRows& rows, int64_t k, int64_t n, bool int8_dot) {
   if (!check(k, n, DType::kFloat32).empty()) return std::nullopt;
   PackedWeight w(nullptr, 0, 1, DType::kFloat32, false);  // an empty weight (check fails: nothing read)
-  if (pack_gguf_qdot(rows, k, n, w.packed_)) {
+  if (int8_dot && pack_gguf_qdot(rows, k, n, w.packed_)) {
     w.int8_dot_ = true, w.isa_ = GemmIsa::kAvx2;  // AVX2 kernels on every CPU: the same bits everywhere
   } else if (!pack_gguf_rows(rows, k, n, w.packed_, w.isa_ == GemmIsa::kAvx2)) {
     return std::nullopt;

@@ -52,7 +52,9 @@ class PackedWeight {
   // fp32 products of the dequantised weights); else, or where those refuse a block, as the
   // weights the fp32 constructor packs from their dequantised values (cpu_gguf_pack.h), without
   // making them. nullopt where both refuse, or check(k, n, fp32) fails.
-  static std::optional<PackedWeight> from_gguf(const GgufRows& rows, int64_t k, int64_t n);
+  // int8_dot: llama.cpp's arithmetic (cpu_gemm_qdot.h) where the CPU has it; else the dequantised
+  // weights' fp32 products, rebuilt exactly (cpu_gemm_affine.h).
+  static std::optional<PackedWeight> from_gguf(const GgufRows& rows, int64_t k, int64_t n, bool int8_dot);
 
   int64_t k() const { return k_; }
   int64_t n() const { return n_; }

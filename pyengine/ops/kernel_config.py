@@ -15,6 +15,12 @@ from typing import Any
 class KernelConfig:
     cpu_kernels: bool = True  # CPU: the C++ ops and packed GEMM; False keeps the PyTorch references
     cpu_layer_stack: bool = True  # CPU: a Llama model's decoder layers in one C++ call per step
+    # CPU: GGUF Q4_0/Q4_1/Q8_0 linears packed from their codes compute in llama.cpp's arithmetic
+    # (activations quantised to int8 per 32 inputs, integer dots: csrc/cpu/cpu_gemm_qdot.h), ~1.5x
+    # faster decode and llama.cpp's answers. Off by default: the default model then answers the
+    # README's first question as llama.cpp does, with nonsense, where the dequantised weights' fp32
+    # products (the default, as HF computes them) answer it (docs/kernels/cpu.md)
+    cpu_int8_dot: bool = False
     skinny_gemm: bool = True  # CUDA: single-row projections on pyengine's skinny GEMM (False: cuBLAS)
     pdl: bool = True  # CUDA: programmatic dependent launch for the skinny GEMM and GQA attention
     gqa_fma: bool = False  # NVIDIA: the CUDA-core (FMA) GQA kernel instead of the tensor-core one

@@ -6,6 +6,7 @@ import torch
 
 from pyengine.ops.cpu.extension import DTYPE_CODE, kernels, raise_error
 from pyengine.ops.cpu.threads import pool_threads_for
+from pyengine.ops.kernel_config import get_kernel_config
 
 
 class PackedLinear:
@@ -34,7 +35,8 @@ class PackedLinear:
         kernels.set_num_threads(pool_threads_for(torch.get_num_threads()))
 
     @classmethod
-    def from_gguf(cls, ggml_type: int, rows: np.ndarray, in_features: int) -> PackedLinear | None:
+    def from_gguf(cls, ggml_type: int, rows: np.ndarray, in_features: int,
+                  int8_dot: bool | None = None) -> PackedLinear | None:
         """An fp32 [in_features, len(rows)] weight packed straight from GGUF Q4_0 / Q4_1 / Q8_0
         blocks: rows (uint64) holds the address of each output's first block (a row of the file's
         tensor, anywhere: fused and reordered matrices need no copy), valid during the call. Its
@@ -42,14 +44,17 @@ class PackedLinear:
         PackedLinear the constructor makes of them, without making them. None for another type or
         a non-finite scale (the caller then dequantises).
 
-        Where the CPU has AVX2 + F16C it computes in llama.cpp's arithmetic instead (`int8_dot`:
+        With int8_dot (None: KernelConfig.cpu_int8_dot), where the CPU has AVX2 + F16C, it computes in
+        llama.cpp's arithmetic instead (`int8_dot`:
         activations quantised per 32-input block to int8, integer dot products; csrc/cpu/cpu_gemm_qdot.h,
         spec pyengine.ops.reference.quant_dot): other bits than the dequantised weights' fp32 products,
         the same for a row whatever the batch."""
         if rows.dtype != np.uint64 or rows.ndim != 1 or not rows.flags.c_contiguous:
             raise ValueError(f"PackedLinear.from_gguf takes a contiguous uint64 array of row addresses, got {rows.dtype}")
         kernels.set_num_threads(pool_threads_for(torch.get_num_threads()))  # the pool packs too
-        packed = kernels.pack_gguf(ggml_type, rows.ctypes.data, in_features, rows.shape[0])
+        if int8_dot is None:
+            int8_dot = get_kernel_config().cpu_int8_dot
+        packed = kernels.pack_gguf(ggml_type, rows.ctypes.data, in_features, rows.shape[0], bool(int8_dot))
         if packed is None:
             return None
         self = cls.__new__(cls)
