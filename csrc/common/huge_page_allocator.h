@@ -15,10 +15,23 @@
 
 namespace pyengine {
 
+constexpr size_t kHugePage = size_t{2} << 20;
+
+// bytes rounded up to whole 2 MiB pages, 2 MiB aligned, advised to use transparent huge pages;
+// std::free releases it. Throws std::bad_alloc.
+inline void* huge_page_alloc(size_t bytes) {
+  const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* p = std::aligned_alloc(kHugePage, rounded);
+  if (p == nullptr) throw std::bad_alloc();
+#ifdef __linux__
+  madvise(p, rounded, MADV_HUGEPAGE);  // advisory: without THP this is plain memory
+#endif
+  return p;
+}
+
 template <typename T>
 struct HugePageAllocator {
   using value_type = T;
-  static constexpr size_t kHugePage = size_t{2} << 20;
 
   HugePageAllocator() = default;
   template <typename U>
@@ -27,13 +40,7 @@ struct HugePageAllocator {
   T* allocate(size_t n) {
     const size_t bytes = n * sizeof(T);
     if (bytes < kHugePage) return std::allocator<T>().allocate(n);
-    const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
-    void* p = std::aligned_alloc(kHugePage, rounded);
-    if (p == nullptr) throw std::bad_alloc();
-#ifdef __linux__
-    madvise(p, rounded, MADV_HUGEPAGE);  // advisory: without THP this is plain memory
-#endif
-    return static_cast<T*>(p);
+    return static_cast<T*>(huge_page_alloc(bytes));
   }
   void deallocate(T* p, size_t n) noexcept {
     if (n * sizeof(T) < kHugePage)

@@ -5,14 +5,11 @@
 #include <map>
 #include <mutex>
 
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
+#include "common/huge_page_allocator.h"
 
 namespace pyengine::cpu {
 namespace {
 
-constexpr size_t kHugePage = size_t{2} << 20;
 constexpr size_t kAlign = 64;  // a cache line: the kernels' loads never straddle two
 
 struct Slab {
@@ -31,20 +28,10 @@ Slabs& slabs() {
   return s;
 }
 
-void* huge_pages(size_t bytes) {
-  const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
-  void* p = std::aligned_alloc(kHugePage, rounded);
-  if (p == nullptr) throw std::bad_alloc();
-#ifdef __linux__
-  madvise(p, rounded, MADV_HUGEPAGE);  // advisory: without THP this is plain memory
-#endif
-  return p;
-}
-
 }  // namespace
 
 void* panel_alloc(size_t bytes) {
-  if (bytes >= kSlabBytes / 2) return huge_pages(bytes);
+  if (bytes >= kSlabBytes / 2) return huge_page_alloc(bytes);
   const size_t size = bytes == 0 ? kAlign : (bytes + kAlign - 1) / kAlign * kAlign;
   Slabs& s = slabs();
   std::lock_guard<std::mutex> lock(s.mutex);
@@ -54,7 +41,7 @@ void* panel_alloc(size_t bytes) {
       s.by_base.erase(s.current);
     }
     s.current = 0;
-    const auto base = reinterpret_cast<uintptr_t>(huge_pages(kSlabBytes));
+    const auto base = reinterpret_cast<uintptr_t>(huge_page_alloc(kSlabBytes));
     s.by_base[base] = Slab{};
     s.current = base;
   }
