@@ -10,11 +10,8 @@
 namespace {
 
 using pe_attn::gqa_row_splits;
-using pe_attn::kLn2;
 using pe_attn::merge_range;
 using pe_attn::neg_inf;
-using pe_attn::pos_inf;
-using pe_attn::store8;
 using pe_attn::store_merged;
 
 constexpr int kThreads = 128;
@@ -74,13 +71,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_combine_kernel(Paged
       o[4] += w * b.x; o[5] += w * b.y; o[6] += w * b.z; o[7] += w * b.w;
     }
   }
-  const float inv = L > 0.f ? 1.f / L : 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) o[j] *= inv;
-  const int t = q0 + i_tok;
-  T* dst = static_cast<T*>(p.out) + (int64_t)t * p.out_stride_token + (int64_t)h * p.out_stride_head + v * 8;
-  store8<T>(dst, o);
-  if (v == 0 && p.lse != nullptr) p.lse[(int64_t)t * p.num_q_heads + h] = L > 0.f ? (M + log2f(L)) * kLn2 : pos_inf();
+  store_merged<T>(p, q0 + i_tok, h, v, M, L, o);
 }
 
 template <typename T>
