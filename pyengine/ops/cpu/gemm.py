@@ -44,10 +44,10 @@ class PackedLinear:
         PackedLinear the constructor makes of them, without making them. None for another type or
         a non-finite scale (the caller then dequantises).
 
-        With int8_dot (None: KernelConfig.cpu_int8_dot), where the CPU has AVX2 + F16C, it computes in
-        llama.cpp's arithmetic instead (`int8_dot`:
-        activations quantised per 32-input block to int8, integer dot products; csrc/cpu/cpu_gemm_qdot.h,
-        spec pyengine.ops.reference.quant_dot): other bits than the dequantised weights' fp32 products,
+        With int8_dot (None: KernelConfig.cpu_int8_dot), where the CPU has AVX2 + F16C, it computes
+        in llama.cpp's arithmetic instead (the `int8_dot` property: activations quantised per
+        32-input block to int8, integer dot products; csrc/cpu/cpu_gemm_qdot.h, spec
+        pyengine.ops.reference.quant_dot): other bits than the dequantised weights' fp32 products,
         the same for a row whatever the batch."""
         if rows.dtype != np.uint64 or rows.ndim != 1 or not rows.flags.c_contiguous:
             raise ValueError(f"PackedLinear.from_gguf takes a contiguous uint64 array of row addresses, got {rows.dtype}")
