@@ -13,9 +13,10 @@ and verify rows put each range in the workspace (ceil(max_context_len / SPLIT_BL
 MAX_SPLITS cap) and the combine merges them, longer rows walk their ranges in the block. A query's
 bits then depend only on its own keys. MLA keeps one split per row in this mode (the default rule
 reads the row's query length and context; keys past a query's causal limit are masked to exact
-zeros), at a cost where few long rows leave the GPU idle. What the kernels do not take (fp32, other head sizes) runs the reference: in this mode its
-per-query form (reference.attention.paged_attention_per_query, slow, eager only), since the padded
-one sums a token's keys in a layout that changes with the step.
+zeros), at a cost where few long rows leave the GPU idle. What the kernels do not take (fp32,
+other head sizes) runs the reference: in this mode its per-query form
+(reference.attention.paged_attention_per_query, slow, eager only), since the padded one sums a
+token's keys in a layout that changes with the step.
 """
 from __future__ import annotations
 
