@@ -54,9 +54,10 @@ summation orders earlier in the network (every GEMM, the attention, the norms; i
 rounding of every activation) change the unrounded logits by more than a tiny d, and those
 differences can grow through the layers, so a genuine order-only difference can exceed the bound
 and is then reported as "diverged". A "tie" means the two runs agree to within what the last
-rounding alone allows, no more; a batch-invariant engine (LLM(batch_invariant=True)) computes the
-same bits whatever the batch and speculation, so strict mode (default on when batch_invariant=True
-is given) fails on any bit difference at all.
+rounding alone allows, no more; a batch-invariant engine (KernelConfig.batch_invariant: asked for,
+or picked by the engine for the model, pyengine/engine/invariance.py) computes the same bits
+whatever the batch and speculation, so strict mode (default on when the engine runs invariant)
+fails on any bit difference at all.
 
 Pass / exit code: without strict, the check passes (exit 0) when every row of every comparison is
 "identical", "logits_differ" (the outputs are the same) or "tie"; strict passes only when every
@@ -209,7 +210,7 @@ class Report:
     dtype: str
     speculative_config: dict[str, Any]
     max_tokens: int
-    batch_invariant: bool | None
+    batch_invariant: bool  # what the engine ran
     strict: bool
     significant_bits: int
     rows: list[RowResult] = field(default_factory=list)
@@ -429,22 +430,21 @@ def check_losslessness(prompts: Sequence[str | list[int]], *, model: str | None 
     batched, (3) with alone=True, plain with each prompt alone, and compare (2) and (3) with (1) row
     by row (the module docstring says how). prompts: strings (rendered with the chat template when
     chat and the model has one) or token-id lists. strict: pass only on bit-identical rows
-    (default: batch_invariant is True). llm_kwargs go to both LLMs (max_num_seqs, block_size,
-    enable_prefix_caching, kernel_config, ...). log: called with a line per finished run.
+    (default: whether the engine runs batch-invariant, as asked or as it picks for the model).
+    llm_kwargs go to both LLMs (max_num_seqs, block_size, enable_prefix_caching, kernel_config, ...). log: called with a line per finished run.
     Raises ValueError on bad input."""
     spec = dict(DEFAULT_SPEC if speculative_config is None else speculative_config)
     prompt_list = _validate(prompts, max_tokens, spec)
-    if strict is None:
-        strict = batch_invariant is True
     say = log or (lambda line: None)
     kwargs = dict(model=model, device=device, dtype=dtype, batch_invariant=batch_invariant, **llm_kwargs)
     with share_loaded_models():
         t0 = time.perf_counter()
         llm = _build_llm(**kwargs)
         model_dtype = llm.dtype
+        invariant = bool(llm.kernel_config.batch_invariant)  # None above: the engine's choice for the model
         report = Report(model=model or "default (SmolLM2-135M-Instruct GGUF)", device=str(llm.device),
                         dtype=str(model_dtype).replace("torch.", ""), speculative_config=spec,
-                        max_tokens=max_tokens, batch_invariant=batch_invariant, strict=strict,
+                        max_tokens=max_tokens, batch_invariant=invariant, strict=invariant if strict is None else strict,
                         significant_bits=significant_bits(model_dtype))
         say(f"loaded {report.model} on {report.device} in {report.dtype} ({time.perf_counter() - t0:.1f} s)")
         encoded = _encode(llm, prompt_list, chat, max_tokens)

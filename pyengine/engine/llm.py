@@ -14,7 +14,8 @@ from pyengine.loader import load_model
 from pyengine.engine.kv_budget import (CPU_KV_CACHE_BYTES, StatePoolPlan, cache_budget_bytes, default_num_kv_blocks,
                                        kv_bytes_per_block, plan_state_pool)
 from pyengine.engine.model_runner import ModelRunner
-from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
+from pyengine.engine.invariance import cpu_invariance_problem, resolve_batch_invariant
+from pyengine.ops.kernel_config import KernelConfig, set_kernel_config, use_kernel_config
 from pyengine.outputs import CompletionOutput, RequestOutput
 from pyengine.sampling_params import SEED_END, SEED_MIN, SamplingParams
 from pyengine.spec_decode.config import SpeculativeConfig
@@ -112,9 +113,11 @@ class LLM:
         CPU) and kernel_config (the kernel variants this LLM's loading and steps run: a
         KernelConfig or a dict of its fields; another LLM in the process keeps its own).
         batch_invariant: a row's numbers never depend on the rest of the step (None: the
-        kernel_config's batch_invariant). Hybrid (recurrent-state) models with prefix caching keep
-        their state every state_checkpoint_interval tokens (a multiple of block_size; default 256)
-        in a pool of num_state_checkpoints slots (default: a tenth of the cache memory)."""
+        kernel_config's batch_invariant, whose None picks per model, device and dtype:
+        pyengine/engine/invariance.py; `llm.kernel_config.batch_invariant` says what was picked).
+        Hybrid (recurrent-state) models with prefix caching keep their state every
+        state_checkpoint_interval tokens (a multiple of block_size; default 256) in a pool of
+        num_state_checkpoints slots (default: a tenth of the cache memory)."""
         self.kernel_config = KernelConfig.from_value(kernel_config)
         if batch_invariant is not None:
             if not isinstance(batch_invariant, bool):
@@ -148,6 +151,9 @@ class LLM:
             torch.manual_seed(seed)
             self.model, self.model_config, self.tokenizer = load_model(model, str(self.device), self.dtype,
                                                                        load_mtp=spec is not None and spec.method == "mtp")
+            invariant = resolve_batch_invariant(self.model, self.device, self.dtype, self.kernel_config)
+            self.kernel_config = dataclasses.replace(self.kernel_config, batch_invariant=invariant)
+            set_kernel_config(self.kernel_config)  # the rest of __init__ (prepacking, graph capture) runs it
             if (self.kernel_config.batch_invariant and self.device.type == "cuda"
                     and not getattr(self.model, "batch_invariant_on_cuda", True)):
                 raise ValueError(f"{self.model_config.architecture}: batch_invariant is not available on CUDA in "
@@ -203,7 +209,9 @@ class LLM:
                                                       max_model_len, gpu_memory_utilization, cpu_kv_cache_bytes,
                                                       reserved_bytes=state.num_bytes)
             if self.kernel_config.batch_invariant and self.device.type == "cpu":
-                self._check_cpu_batch_invariant()
+                problem = cpu_invariance_problem(self.model, self.kernel_config)
+                if problem is not None:
+                    raise ValueError(problem)
             cfg = EngineConfig(
                 max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens or max(2048, 4 * max_num_seqs),
@@ -219,18 +227,6 @@ class LLM:
                                  num_state_slots=state.num_slots, num_state_checkpoints=state.num_checkpoints,
                                  prefill_graph_tokens=min(cfg.max_num_batched_tokens, PREFILL_GRAPH_TOKENS))
             self.engine = LLMEngine(runner, self.model_config, self.tokenizer, cfg, draft_model=draft)
-
-    def _check_cpu_batch_invariant(self) -> None:
-        """batch_invariant on the CPU needs the C++ ops and every linear on the packed GEMM (torch's
-        GEMMs pick their kernel by the number of rows)."""
-        from pyengine.ops.cpu import PackedLinear
-
-        if not self.kernel_config.cpu_kernels:
-            raise ValueError("batch_invariant on the CPU needs KernelConfig.cpu_kernels (the references are not "
-                             "batch-invariant)")
-        if not isinstance(getattr(self.model, "packed_lm_head", None), PackedLinear):
-            raise ValueError("batch_invariant on the CPU needs pyengine's packed GEMM (x86-64 with AVX2 + FMA or "
-                             "AVX-512) for this model's linears")
 
     # ---- generation ---------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

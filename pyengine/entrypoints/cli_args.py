@@ -38,7 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser, default_spec: str | None = None)
                    help="hybrid models: tokens between state checkpoints, a multiple of --block-size (default 256)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (GPU)")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
-                   help="a row's numbers never depend on the rest of the batch (default: the engine's)")
+                   help="a row's numbers never depend on the rest of the batch (default: picked per model: on for "
+                        "the CPU kernels and for fp16/bf16 Llama-family models on CUDA)")
 
 
 def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -21,6 +21,10 @@ class KernelConfig:
     # README's first question as llama.cpp does, with nonsense, where the dequantised weights' fp32
     # products (the default, as HF computes them) answer it (docs/kernels/cpu.md)
     cpu_int8_dot: bool = False
+    # CPU: those linears (cpu_int8_dot off) with activations quantised to int16 per 32 inputs,
+    # integer dots on the same packed codes (csrc/cpu/cpu_gemm_qdot16.cpp): 258x finer than int8;
+    # False keeps the exact fp32 products of the dequantised weights (docs/kernels/cpu.md)
+    cpu_int16_dot: bool = True
     skinny_gemm: bool = True  # CUDA: single-row projections on pyengine's skinny GEMM (False: cuBLAS)
     pdl: bool = True  # CUDA: programmatic dependent launch for the skinny GEMM and GQA attention
     gqa_fma: bool = False  # NVIDIA: the CUDA-core (FMA) GQA kernel instead of the tensor-core one
@@ -36,9 +40,12 @@ class KernelConfig:
     gdn_chunked_prefill: bool = False
     # Every op computes a row's result from that row alone, whatever shares the step (docs/
     # architecture.md, "Batch invariance"): CUDA projections of every size run one GEMM family.
-    batch_invariant: bool = False
+    # None: the LLM decides after loading (pyengine/engine/invariance.py); ops read None as off.
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be a bool or None, got {self.batch_invariant!r}")
         if self.gqa_pairs_per_block not in (0, 1, 2, 4, 8):
             raise ValueError(f"gqa_pairs_per_block must be 0 (auto), 1, 2, 4 or 8, got {self.gqa_pairs_per_block!r}")
 
