@@ -92,6 +92,9 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if args.eagle3:
         METHODS["eagle3_adaptive"] = ({"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": 4}, True)
+    unknown = [m for m in args.methods.split(",") if m not in METHODS]
+    if unknown:
+        ap.error(f"unknown --methods {unknown} (known: {sorted(METHODS)}; eagle3_adaptive needs --eagle3 DIR)")
     with open(args.prompts) as f:
         rows_in = [json.loads(line) for line in f if line.strip()]
     if args.per_category:

@@ -21,8 +21,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 MAX_TOKENS = 48
 
 
-def eagle3_run(gguf: str, prompts: list[str], k: int, head_graphs: bool = True):  # noqa: F811
-    """(outputs as run() gives them, every step's drafts, the proposer's graph runner counters)."""
+def eagle3_run(gguf: str, prompts: list[str], k: int, head_graphs: bool = True,  # noqa: F811
+               prefill_graphs: bool = True):
+    """(outputs as run() gives them, every step's drafts, the proposer's graph runner counters and
+    the target's count of steps with prefill rows on graphs). prefill_graphs False: those eagerly."""
     llm = LLM(model=gguf, device="cuda", dtype="bfloat16", batch_invariant=True, num_kv_blocks=4096,
               max_model_len=2048, max_num_batched_tokens=512,
               speculative_config={"method": "eagle3", "model": SHIPPED_HEAD, "num_speculative_tokens": k,
@@ -32,13 +34,17 @@ def eagle3_run(gguf: str, prompts: list[str], k: int, head_graphs: bool = True):
     assert graphs is not None and graphs.use_graphs, "a CUDA target with graphs: the head gets graphs too"
     if not head_graphs:
         proposer.set_graphs(None)
+    target_graphs = llm.engine.runner.graph_runner
+    if not prefill_graphs:
+        target_graphs.prefill_buckets = []  # execute_mixed declines: prefill steps run eagerly
     drafts = record_drafts(proposer)
     llm.engine.cfg.record_logits = True
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     reqs = llm.run_requests([(p, llm.tokenizer.encode(p)) for p in prompts], [params] * len(prompts))
     out = [(r.output_token_ids, torch.stack(r.logits)) for r in reqs]
-    stats, counts = llm.stats(), (graphs.num_replays, graphs.num_eager, sorted(graphs.graphs))
-    del llm, proposer
+    counts = (graphs.num_replays, graphs.num_eager, sorted(graphs.graphs), target_graphs.num_mixed)
+    stats = llm.stats()
+    del llm, proposer, target_graphs
     gc.collect()
     torch.cuda.empty_cache()
     return out, drafts, stats, counts
@@ -48,7 +54,7 @@ def eagle3_run(gguf: str, prompts: list[str], k: int, head_graphs: bool = True):
 def test_eagle3_head_graphs_equal_plain(gguf: str, batch: int, k: int) -> None:  # noqa: F811
     prompts = PROMPTS[:batch]
     plain = run(gguf, prompts, MAX_TOKENS)
-    out, drafts, stats, (replays, eager, keys) = eagle3_run(gguf, prompts, k)
+    out, drafts, stats, (replays, eager, keys, _) = eagle3_run(gguf, prompts, k)
     assert replays > 0 and eager == 0, (replays, eager)
     assert any(q > 1 for _, q in keys), f"no catch-up after accepted drafts replayed a graph: {keys}"
     assert stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] > 0, stats
@@ -57,8 +63,19 @@ def test_eagle3_head_graphs_equal_plain(gguf: str, batch: int, k: int) -> None: 
 
 def test_head_graph_drafts_equal_eager_drafts(gguf: str) -> None:  # noqa: F811
     prompts = PROMPTS[:4]
-    out, drafts, _, (replays, _, _) = eagle3_run(gguf, prompts, 3)
-    eager_out, eager_drafts, _, (eager_replays, _, _) = eagle3_run(gguf, prompts, 3, head_graphs=False)
+    out, drafts, _, (replays, _, _, _) = eagle3_run(gguf, prompts, 3)
+    eager_out, eager_drafts, _, (eager_replays, _, _, _) = eagle3_run(gguf, prompts, 3, head_graphs=False)
     assert replays > 0 and eager_replays == 0
     assert_identical(out, eager_out, "eagle3 with vs without head graphs")
+    assert drafts == eager_drafts
+
+
+def test_prefills_on_graphs_give_the_head_the_same_aux_states(gguf: str) -> None:  # noqa: F811
+    """Prefill steps replay prefill graphs with EAGLE-3 too (the aux states read after each replay):
+    the same drafts and output as with those steps eager."""
+    prompts = PROMPTS[:4]
+    out, drafts, _, (_, _, _, mixed) = eagle3_run(gguf, prompts, 3)
+    eager_out, eager_drafts, _, (_, _, _, eager_mixed) = eagle3_run(gguf, prompts, 3, prefill_graphs=False)
+    assert mixed > 0 and eager_mixed == 0, (mixed, eager_mixed)
+    assert_identical(out, eager_out, "eagle3 with vs without prefill graphs")
     assert drafts == eager_drafts

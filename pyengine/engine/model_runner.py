@@ -97,10 +97,11 @@ class ModelRunner:
         self.model.set_aux_layers(layers, self.graph_runner.T if self.graph_runner is not None else 0)
         self.keep_hidden = self.keep_aux = True
 
-    def _keep(self, batch, hidden: torch.Tensor | None) -> None:
+    def _keep(self, batch, hidden: torch.Tensor | None, aux_taken: bool = False) -> None:
         """The step's final hidden states (or aux states: keep_aux) with the rows they belong to:
-        seq ids, first positions, query starts (a proposer that reads them: MTP, EAGLE-3)."""
-        if self.keep_aux and hidden is not None:
+        seq ids, first positions, query starts (a proposer that reads them: MTP, EAGLE-3).
+        aux_taken: hidden already holds the aux states (a mixed step's two replays)."""
+        if self.keep_aux and hidden is not None and not aux_taken:
             aux = self.model.aux_out if self.last_graph_key is not None else self.model.last_aux
             hidden = aux[:hidden.shape[0]]
         self.last_hidden = hidden
@@ -120,12 +121,13 @@ class ModelRunner:
                 if self.keep_hidden:
                     self._keep(batch, self.graph_runner.last_hidden)
                 return logits
-            # prefill rows: a prefill graph (None: eager). Not with aux states, which both replays would
-            # write at the same rows of the model's aux buffer.
-            logits = None if self.keep_aux else self.graph_runner.execute_mixed(batch, self.keep_hidden)
+            # prefill rows: a prefill graph (None: eager); aux states are read after each replay, which
+            # both write from row 0 of the model's aux buffer
+            aux = self.model.aux_out if self.keep_aux else None
+            logits = self.graph_runner.execute_mixed(batch, self.keep_hidden, aux)
             if logits is not None:
                 if self.keep_hidden:
-                    self._keep(batch, self.graph_runner.last_hidden)
+                    self._keep(batch, self.graph_runner.last_hidden, aux_taken=aux is not None)
                 return logits
         meta = self.build_metadata(batch)
         input_ids = self._tensor(batch.input_ids)

@@ -62,12 +62,13 @@ class PrefillGraphs:
         return b, -next(t for t in self.prefill_buckets if t >= n)
 
     @torch.inference_mode()
-    def execute_mixed(self, batch, keep_hidden: bool = False) -> torch.Tensor | None:
+    def execute_mixed(self, batch, keep_hidden: bool = False, aux: torch.Tensor | None = None) -> torch.Tensor | None:
         """A step with prefill rows (and maybe decode/verify rows before them) as at most two replays:
         the decode rows on their decode/verify graph, the prefill rows on a prefill graph. Returns
         the step's logits in logits_indices order, or None when a part does not fit a graph (the
         caller runs the step eagerly). keep_hidden: last_hidden holds every token's hidden state
-        (else None)."""
+        (else None), or, given aux (the model's aux_out, which every replay rewrites from row 0:
+        EAGLE-3), every token's aux states."""
         d, rows = int(batch.num_decode_rows), len(batch.context_lens)
         if not self.prefill_buckets or d == rows:
             return None
@@ -83,9 +84,9 @@ class PrefillGraphs:
             # a graph captured later may hold its static outputs where the other's temporaries go
             logits.append(self._execute_part(decode, dkey)[:decode.num_tokens].clone())
             if keep_hidden:
-                hidden.append(self.last_hidden.clone())
+                hidden.append((self.last_hidden if aux is None else aux[:decode.num_tokens]).clone())
         out = self._execute_part(prefill, pkey)
-        hidden.append(self.last_hidden)
+        hidden.append(self.last_hidden if aux is None else aux[:prefill.num_tokens])
         want = np.nonzero(prefill.num_logits)[0]
         if not len(want) or want[-1] == len(want) - 1:  # rows 0..m-1 want logits: a view
             logits.append(out[:len(want)])
