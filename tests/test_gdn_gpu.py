@@ -137,7 +137,7 @@ def test_persistent_grid_equals_rows_alone(slots: int) -> None:
     (16: more than one shared-memory round of tokens and of records), every acceptance length, a PAD
     row in the middle."""
     h, hv, dk, dv = 16, 32, 128, 128
-    rows = 24  # 3072 items: past 4 blocks on each of 132 multiprocessors
+    rows = 24  # 3072 items: past 5 blocks on each of 132 multiprocessors
     lengths = [1 + (5 * n) % slots for n in range(rows)]
     idx = [[slots * n + j for j in range(slots)] for n in range(rows)]
     idx[7] = [-1] * slots

@@ -3,24 +3,27 @@
 // race argument in gated_delta_rule.h (reference: pyengine/ops/reference/gdn.py). All arithmetic
 // in fp32.
 //
-// Work items are (row, value head, tile of kGdnRecordRows value rows): 8 warps of 4 value rows of
-// S^T [V, K]; a group of 8 lanes owns one value row, each lane KC 16-byte chunks of it (lane sub of
-// the group: entries (sub + 8 j) * 4 .. + 3, so a group reads a row's 128-byte segments whole; K
-// contiguous in the pool), held in registers across the row's tokens. Per item the block stages in
-// shared memory the row's tokens (q and k l2-normalised once per block, k . q, decay, beta, the
-// tile's v) and the records it replays, replays them, then per token reads out from the state
-// before the token's update:
-//   S^T k and S^T q in one pass (independent partial sums per chunk, then one 8-lane butterfly for
-//   both), delta = beta (v - decay S^T k), o = decay S^T q + delta (k . q), S = S decay + k delta^T
+// Work items are (row, value head, tile of kGdnRecordRows value rows): 4 warps of 8 value rows of
+// S^T [V, K]; a group of 8 lanes owns two adjacent value rows, each lane the same KC 16-byte chunks
+// of both (lane sub of the group: entries (sub + 8 j) * 4 .. + 3, so a group reads a row's 128-byte
+// segments whole; K contiguous in the pool), held in registers across the row's tokens: the k / q
+// chunks and per-token scalars a lane loads serve two rows. Per item the block stages in shared
+// memory the row's tokens (q and k l2-normalised once per block, k . q, decay, beta, the tile's v)
+// and the records it replays, replays them, then per token reads out from the state before the
+// token's update:
+//   S^T k and S^T q of both rows in one pass (a chain of fused multiply-adds per dot, then one
+//   8-lane butterfly for the four), delta = beta (v - decay S^T k), o = decay S^T q + delta (k . q),
+//   S = S decay + k delta^T
 // so the token's critical path holds one reduction, not two. The base (token 0) or the token's
 // record (tokens >= 1) is stored.
 // Two launches of the same item code. When the items outnumber what the device holds at once
 // (K <= 128), a persistent grid: each block walks a contiguous range of items, copies the next
-// item's base into shared memory (cp.async, double-buffered) while it computes this one, and keeps
-// q / k across the items of one key head (the per-item work, not the arithmetic per state entry, is
-// what a verify step's instructions were mostly spent on: docs/kernels/gdn.md). Otherwise one block
-// per item, the base loaded straight into registers (batch 1 latency). 64 registers, < 48 KB of
-// shared memory: 4 blocks (32 warps) per SM.
+// item's base into shared memory (cp.async; each thread reads back only its own copies, so one
+// buffer serves) while it computes this one, and keeps q / k across the items of one key head (the
+// per-item and per-token overhead, not the arithmetic per state entry, is what a verify step's
+// instructions were mostly spent on: docs/kernels/gdn.md). Otherwise one block per item, the base
+// loaded straight into registers (batch 1 latency). 96 registers, 32 KB of shared memory: 5 blocks
+// (20 warps) per SM.
 // A row's arithmetic never depends on the other rows or on how many tokens share its step: token t
 // of a verify row gets the bits the same token gets decoded alone, and a replayed record the bits
 // its token computed (the same device functions, explicit __fmul_rn / fmaf, no contraction left to
@@ -37,12 +40,14 @@ namespace {
 
 using namespace pe_gdn;
 
-constexpr int kMinBlocks = 4;  // blocks per SM the K <= 128 kernel is built for (64 registers)
+constexpr int kMinBlocks = 5;  // blocks per SM the K <= 128 kernel is built for (96 registers, no spills)
 
-// The next item's base, copied by each thread into its own 16-byte chunks ([buffer][chunk][thread]).
+// The next item's base, copied by each thread into its own 16-byte chunks ([row][chunk][thread]):
+// only the thread that copies a chunk reads it, so one buffer serves (the copy of the next item's
+// base is issued once this thread has read this item's, after a barrier).
 template <int KC, bool kPrefetch>
 struct BaseBuffers {
-  float4 f[2][KC][kThreads];
+  float4 f[kRowsPerLane][KC][kThreads];
 };
 template <int KC>
 struct BaseBuffers<KC, false> {};
@@ -75,23 +80,31 @@ PE_DEVICE int base_slot(const GatedDeltaRuleParams& p, int n) {
 // This thread's chunks of the item's base into buf (cp.async; chunks past K or V are left alone
 // and never read).
 template <int KC>
-PE_DEVICE void prefetch_base(float4 (&buf)[KC][kThreads], const GatedDeltaRuleParams& p, const Item& x, int slot) {
-  const int lane = threadIdx.x % kLanes, sub = lane % kGroup, tile_row = threadIdx.x / kLanes * kRows + lane / kGroup;
+PE_DEVICE void prefetch_base(float4 (&buf)[kRowsPerLane][KC][kThreads], const GatedDeltaRuleParams& p, const Item& x,
+                             int slot) {
+  const int lane = threadIdx.x % kLanes, sub = lane % kGroup;
+  const int tile_row = threadIdx.x / kLanes * kRows + lane / kGroup * kRowsPerLane;
   const int vr = x.tile * kGdnRecordRows + tile_row, K = p.key_dim;
   if (slot < 0 || vr >= p.value_dim) return;
   const float* row = p.state + (int64_t)slot * p.num_v_heads * p.value_dim * K + ((int64_t)x.hv * p.value_dim + vr) * K;
-  if (chunk_k0(sub, KC - 1) < K) {  // every chunk (K = 128): one address, constant offsets
+  const bool second = vr + 1 < p.value_dim;
+  if (chunk_k0(sub, KC - 1) < K && second) {  // every chunk of both rows (K = 128): one address, constant offsets
 #pragma unroll
-    for (int j = 0; j < KC; ++j) pe_copy::copy16_async(&buf[j][threadIdx.x], row + chunk_k0(sub, j), true);
+    for (int r = 0; r < kRowsPerLane; ++r)
+#pragma unroll
+      for (int j = 0; j < KC; ++j) pe_copy::copy16_async(&buf[r][j][threadIdx.x], row + r * K + chunk_k0(sub, j), true);
   } else {
 #pragma unroll
-    for (int j = 0; j < KC; ++j)
-      if (chunk_k0(sub, j) < K) pe_copy::copy16_async(&buf[j][threadIdx.x], row + chunk_k0(sub, j), true);
+    for (int r = 0; r < kRowsPerLane; ++r)
+#pragma unroll
+      for (int j = 0; j < KC; ++j)
+        if ((r == 0 || second) && chunk_k0(sub, j) < K)
+          pe_copy::copy16_async(&buf[r][j][threadIdx.x], row + r * K + chunk_k0(sub, j), true);
   }
 }
 
 // Outputs of tokens c0 .. c0 + nt - 1 and, for decode / verify rows, the records of tokens >= 1 (k and
-// decay from the staged token, the tile's deltas), from shared memory: token c0 + tt by warp tt % 8,
+// decay from the staged token, the tile's deltas), from shared memory: token c0 + tt by warp tt % 4,
 // a lane per value row and 16-byte pieces of the record. Each piece comes from the same fp32 values
 // the token's update used.
 template <typename T, int KC>
@@ -113,47 +126,53 @@ PE_DEVICE void write_tokens(const GatedDeltaRuleParams& p, const Staged<KC>& st,
     }
     if (lane < kGdnRecordRows / 4)
       *reinterpret_cast<float4*>(rec + K + 4 * lane) = *reinterpret_cast<const float4*>(&st.delta[tt][4 * lane]);
-    if (lane == 0) rec[K + kGdnRecordRows] = st.decay[tt];
+    if (lane == 0) rec[K + kGdnRecordRows] = st.tok[tt].x;
   }
 }
 
-// One work item, start to end. buf: the item's base copied by prefetch_base (its copy group the
-// second newest of this thread), or null to load it here.
+// One work item, start to end. buf: the item's base copied by prefetch_base (the thread's only copy
+// group in flight), or null to load it here. prefetch_next() is called once on every path, after
+// this thread has read buf (behind a barrier): it issues and commits the next item's copy.
 // staged_qk: the (row, key head) whose q and k the shared memory holds (-1: none), updated.
-template <typename T, int KC>
-PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, const float4 (*buf)[kThreads], const Item& x,
-                        int& staged_qk) {
-  const int lane = threadIdx.x % kLanes, warp = threadIdx.x / kLanes;
-  const int sub = lane % kGroup, tile_row = warp * kRows + lane / kGroup;  // the lane's row in the tile
+template <typename T, int KC, typename Next>
+PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, const float4 (*buf)[KC][kThreads], const Item& x,
+                        int& staged_qk, Next prefetch_next) {
+  const int lane = threadIdx.x % kLanes, warp = threadIdx.x / kLanes, sub = lane % kGroup;
+  const int tile_row = warp * kRows + lane / kGroup * kRowsPerLane;  // the lane's first row in the tile
   const int tile = x.tile, hv = x.hv, n = x.n;
   const int K = p.key_dim, V = p.value_dim, HV = p.num_v_heads;
-  const int vr = tile * kGdnRecordRows + tile_row;  // the lane's value row
-  const bool row_ok = vr < V;  // lanes past V compute zeros (and still meet the barriers)
+  const int vr = tile * kGdnRecordRows + tile_row;  // the lane's first value row
+  const bool ok0 = vr < V, ok1 = vr + 1 < V;  // lanes past V compute zeros (and still meet the barriers)
   const bool materialise = p.replay_dst != nullptr;
   const int s0 = materialise ? 0 : p.query_start_loc[n];
   const int num = materialise ? 0 : p.query_start_loc[n + 1] - s0;
   const int32_t* idx = p.state_idx + (int64_t)n * p.slots_per_row;
   if (idx[0] < 0) {  // the whole block skips the item
-    if (sub == 0 && row_ok)
-      for (int t = 0; t < num; ++t) Io<T>::st(static_cast<T*>(p.out) + ((int64_t)(s0 + t) * HV + hv) * V + vr, 0.f);
+    prefetch_next();
+    if (sub == 0)
+      for (int t = 0; t < num; ++t)
+        for (int r = 0; r < kRowsPerLane; ++r)
+          if (vr + r < V) Io<T>::st(static_cast<T*>(p.out) + ((int64_t)(s0 + t) * HV + hv) * V + vr + r, 0.f);
     return;
   }
   const bool init = !p.final_state_only || p.has_initial_state == nullptr || p.has_initial_state[n];
   const int replays = init ? min(max(p.num_accepted[n], 1), p.slots_per_row) - 1 : 0;  // records idx[1..a-1]
   const int64_t slot_elems = (int64_t)HV * V * K;
   const int64_t rec_off = (int64_t)hv * V * K + (int64_t)tile * (K + kGdnRecordRows + kGdnRecordPad);
-  float* base = p.state + idx[0] * slot_elems + ((int64_t)hv * V + vr) * K;  // the lane's value row of the base
-  float s[KC][4];
+  float* base = p.state + idx[0] * slot_elems + ((int64_t)hv * V + vr) * K;  // the lane's first row of the base
+  RowPair<KC> s;
   if (buf == nullptr) {  // the base: every load issued before any is used
 #pragma unroll
-    for (int j = 0; j < KC; ++j) {
-      if (init && row_ok && chunk_k0(sub, j) < K) {
-        load4(base + chunk_k0(sub, j), s[j]);
-      } else {
+    for (int r = 0; r < kRowsPerLane; ++r)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) s[j][i] = 0.f;
+      for (int j = 0; j < KC; ++j) {
+        if (init && (r == 0 ? ok0 : ok1) && chunk_k0(sub, j) < K) {
+          load4(base + r * K + chunk_k0(sub, j), s[r][j]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) s[r][j][i] = 0.f;
+        }
       }
-    }
   }
   const T* q = static_cast<const T*>(p.q) + (int64_t)x.hk * K;
   const T* k = static_cast<const T*>(p.k) + (int64_t)x.hk * K;
@@ -164,17 +183,21 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, const flo
     staged_qk = num > kTokens ? -1 : qk;  // a longer row restages its later tokens over these
   }
   if (replays > 0) stage_records(st, p, idx, slot_elems, rec_off, 0, min(replays, kRecords), lane, warp);
-  if (buf != nullptr) {  // the base this thread copied (the newest group is the next item's)
-    pe_copy::copy_wait<1>();
+  if (buf != nullptr) {  // the base this thread copied
+    pe_copy::copy_wait<0>();
 #pragma unroll
-    for (int j = 0; j < KC; ++j) {
-      const float4 f = init && row_ok && chunk_k0(sub, j) < K ? buf[j][threadIdx.x] : make_float4(0.f, 0.f, 0.f, 0.f);
-      s[j][0] = f.x, s[j][1] = f.y, s[j][2] = f.z, s[j][3] = f.w;
-    }
+    for (int r = 0; r < kRowsPerLane; ++r)
+#pragma unroll
+      for (int j = 0; j < KC; ++j) {
+        const float4 f = init && (r == 0 ? ok0 : ok1) && chunk_k0(sub, j) < K ? buf[r][j][threadIdx.x]
+                                                                              : make_float4(0.f, 0.f, 0.f, 0.f);
+        s[r][j][0] = f.x, s[r][j][1] = f.y, s[r][j][2] = f.z, s[r][j][3] = f.w;
+      }
   }
-  // tokens and records staged; every record of the previous step is read by the block before this
-  // step writes any (the barriers below come before the first store)
+  // tokens and records staged, the base read; every record of the previous step is read by the
+  // block before this step writes any (the barriers below come before the first store)
   __syncthreads();
+  prefetch_next();
   for (int r0 = 0; r0 < replays; r0 += kRecords) {
     if (r0 > 0) {  // more records than shared memory holds: the next ones
       __syncthreads();
@@ -182,11 +205,11 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, const flo
       __syncthreads();
     }
     for (int r = 0; r < min(replays - r0, kRecords); ++r)
-      if (idx[1 + r0 + r] >= 0) replay_record(s, st, r, sub, tile_row, row_ok);
+      if (idx[1 + r0 + r] >= 0) replay_record(s, st, r, sub, tile_row, ok0, ok1);
   }
   if (materialise) {
-    if (p.replay_dst[n] >= 0 && row_ok)
-      store_state(p.state + p.replay_dst[n] * slot_elems + ((int64_t)hv * V + vr) * K, s, K, sub);
+    if (p.replay_dst[n] >= 0)
+      store_state(p.state + p.replay_dst[n] * slot_elems + ((int64_t)hv * V + vr) * K, s, K, sub, ok0, ok1);
     return;
   }
   const int base_t = p.final_state_only ? num - 1 : 0;  // the token whose full state is stored
@@ -201,15 +224,21 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, const flo
       float kk[KC][4], qq[KC][4];
       load_staged(kk, st.k[tt], sub);
       load_staged(qq, st.q[tt], sub);
-      const float decay = st.decay[tt];
-      // both reductions from the state before the token: S^T k for delta, S^T q for the output
-      float mk = dot_part(s, kk), mq = dot_part(s, qq);
-      group_sum2(mk, mq);
-      const float delta = __fmul_rn(st.beta[tt], __fsub_rn(st.v[tt][tile_row], __fmul_rn(decay, mk)));
-      decay_state(s, decay);
-      add_update(s, kk, delta);
-      if (sub == 0) st.o[tt][tile_row] = fmaf(delta, st.kq[tt], __fmul_rn(decay, mq)), st.delta[tt][tile_row] = delta;
-      if (c0 + tt == base_t && row_ok) store_state(base, s, K, sub);
+      const float4 c = st.tok[tt];  // decay, beta, k . q
+      // the four reductions from the state before the token: S^T k for delta, S^T q for the output
+      float mk0 = dot_part(s[0], kk), mk1 = dot_part(s[1], kk), mq0 = dot_part(s[0], qq), mq1 = dot_part(s[1], qq);
+      group_sum4(mk0, mk1, mq0, mq1);
+      const float2 vv = *reinterpret_cast<const float2*>(&st.v[tt][tile_row]);
+      const float d0 = __fmul_rn(c.y, __fsub_rn(vv.x, __fmul_rn(c.x, mk0)));
+      const float d1 = __fmul_rn(c.y, __fsub_rn(vv.y, __fmul_rn(c.x, mk1)));
+      decay_state(s, c.x);
+      add_update(s, kk, d0, d1);
+      if (sub == 0) {
+        *reinterpret_cast<float2*>(&st.o[tt][tile_row]) =
+            make_float2(fmaf(d0, c.z, __fmul_rn(c.x, mq0)), fmaf(d1, c.z, __fmul_rn(c.x, mq1)));
+        *reinterpret_cast<float2*>(&st.delta[tt][tile_row]) = make_float2(d0, d1);
+      }
+      if (c0 + tt == base_t) store_state(base, s, K, sub, ok0, ok1);
     }
     __syncthreads();  // outputs and deltas staged
     write_tokens<T>(p, st, x, idx, s0, c0, nt, rec_off);
@@ -227,24 +256,26 @@ __global__ void __launch_bounds__(kThreads, KC <= 4 ? kMinBlocks : 1) gated_delt
   const int group = HV / p.num_k_heads;
   int staged_qk = -1;
   if constexpr (!kPrefetch) {  // one item per block
-    run_item<T, KC>(p, st, nullptr, item_at(blockIdx.x, tiles, HV, group), staged_qk);
+    run_item<T, KC>(p, st, nullptr, item_at(blockIdx.x, tiles, HV, group), staged_qk, [] {});
   } else {
     const int items = tiles * HV * p.num_rows, share = items / gridDim.x, extra = items % gridDim.x;
     const int begin = blockIdx.x * share + min((int)blockIdx.x, extra), end = begin + share + ((int)blockIdx.x < extra);
     Item x = item_at(begin, tiles, HV, group), next = x;
     next_item(next, tiles, HV, group);
-    if (begin < end) prefetch_base(bb.f[0], p, x, base_slot(p, x.n));
+    if (begin < end) prefetch_base(bb.f, p, x, base_slot(p, x.n));
     pe_copy::copy_commit();
     int next_slot = begin + 1 < end ? base_slot(p, next.n) : -1;
     for (int it = begin; it < end; ++it) {
       Item after = next;
       next_item(after, tiles, HV, group);
-      const int b = (it - begin) & 1;
-      if (it + 1 < end) prefetch_base(bb.f[b ^ 1], p, next, next_slot);
-      pe_copy::copy_commit();  // a group per item, empty or not: copy_wait<1> then means "this item's"
-      next_slot = it + 2 < end ? base_slot(p, after.n) : -1;
-      run_item<T, KC>(p, st, bb.f[b], x, staged_qk);
-      __syncthreads();  // every warp done with this item's staged values (and base buffer) before reuse
+      const bool more = it + 1 < end;
+      const int after_slot = it + 2 < end ? base_slot(p, after.n) : -1;  // loaded an item before it is used
+      run_item<T, KC>(p, st, bb.f, x, staged_qk, [&] {
+        if (more) prefetch_base(bb.f, p, next, next_slot);
+        pe_copy::copy_commit();  // a group per item, empty or not
+      });
+      next_slot = after_slot;
+      __syncthreads();  // every warp done with this item's staged values before reuse
       x = next, next = after;
     }
   }
