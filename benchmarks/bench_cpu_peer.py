@@ -19,8 +19,11 @@ burst of load from other processes on a shared machine hits both alike. Per proc
   peak_rss_mb  the process's maximum resident set (load + all of the above)
 Rates are the best of --repeats after a warm-up. Medians over --rounds processes go to the JSON
 with /proc/loadavg before and after each process (the machine is shared: see the note).
+--arith default int16 exact int8 runs pyengine once per arithmetic of the GGUF linears (its
+KernelConfig: the default; cpu_int16_dot, two int16 limbs; the exact fp32 products; cpu_int8_dot,
+llama.cpp's), all taking turns with llama.cpp in each round; keys then read pyengine_<arith>_...
 
-    python benchmarks/bench_cpu_peer.py [--threads 1 2] [--rounds 3] [--max-tokens 128] [--out FILE]
+    python benchmarks/bench_cpu_peer.py [--threads 1 2] [--rounds 3] [--max-tokens 128] [--arith ...] [--out FILE]
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ FILLER = ("The history of science is the study of the development of science and
 CHILD = r"""
 import json, sys, time
 engine, threads, spec_k, max_tokens, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-int8_dot = sys.argv[6] == "1"
+kernel_config = json.loads(sys.argv[6])
 ids = json.loads(sys.stdin.read())
 model = ids.pop("model")
 out = {}
@@ -66,7 +69,7 @@ if engine == "pyengine":
     from pyengine import LLM, SamplingParams
     spec = {"method": "ngram", "num_speculative_tokens": spec_k} if spec_k else None
     t0 = time.perf_counter()
-    llm = LLM(model, enable_prefix_caching=False, speculative_config=spec, kernel_config={"cpu_int8_dot": int8_dot})
+    llm = LLM(model, enable_prefix_caching=False, speculative_config=spec, kernel_config=kernel_config)
     out["load_s"] = time.perf_counter() - t0
     def gen(prompt, n):
         p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -106,10 +109,16 @@ print(json.dumps(out))
 """
 
 
-def run_engine(engine: str, threads: int, spec_k: int, ids: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+ARITH = {"default": {}, "int16": {"cpu_int16_dot": True, "cpu_int8_dot": False},
+         "exact": {"cpu_int16_dot": False, "cpu_int8_dot": False}, "int8": {"cpu_int8_dot": True}}
+
+
+def run_engine(engine: str, threads: int, spec_k: int, ids: dict[str, Any], args: argparse.Namespace,
+               arith: str = "default") -> dict[str, Any]:
     """One fresh process (bench_load.run_child): its result, peak RSS and the load around it."""
     before = loadavg()
-    argv = ["-c", CHILD, engine, str(threads), str(spec_k), str(args.max_tokens), str(args.repeats), str(int(args.int8_dot))]
+    argv = ["-c", CHILD, engine, str(threads), str(spec_k), str(args.max_tokens), str(args.repeats),
+            json.dumps(ARITH[arith])]
     env = dict(os.environ, PYTHONPATH=ROOT)  # the child sets torch's threads; the pool follows them
     result, _, peak_rss_mb = run_child(argv, json.dumps(ids).encode(), env, ROOT)
     result["loadavg"] = [before, loadavg()]
@@ -127,9 +136,14 @@ def main() -> None:
     ap.add_argument("--spec-tokens", type=int, default=4)
     ap.add_argument("--int8-dot", action="store_true",
                     help="pyengine with KernelConfig.cpu_int8_dot: llama.cpp's arithmetic for the GGUF linears")
+    ap.add_argument("--arith", nargs="+", choices=sorted(ARITH), default=None,
+                    help="pyengine once per arithmetic of the GGUF linears, in turns (keys pyengine_<arith>_...)")
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args()
+    arith = args.arith or ["int8" if args.int8_dot else "default"]
+    pyengines = {"pyengine": arith[0]} if len(arith) == 1 else {f"pyengine_{a}": a for a in arith}
+    engines = [*pyengines, "llama.cpp"]
     try:
         import llama_cpp
     except ImportError:
@@ -149,8 +163,9 @@ def main() -> None:
     for r in range(args.rounds):
         for threads in args.threads:
             for spec_k in (0, args.spec_tokens):
-                for engine in ("pyengine", "llama.cpp"):  # taking turns
-                    res = run_engine(engine, threads, spec_k, ids, args)
+                for engine in engines:  # taking turns
+                    res = run_engine("llama.cpp" if engine == "llama.cpp" else "pyengine", threads, spec_k, ids, args,
+                                     pyengines.get(engine, "default"))
                     runs.setdefault(f"{engine}|{threads}|{spec_k}", []).append(res)
                     shown = {k: round(v, 2) for k, v in res.items() if isinstance(v, float)}
                     print(f"round {r + 1} {engine} threads={threads} spec={spec_k}: {shown} load {res['loadavg'][0]}",
@@ -158,16 +173,18 @@ def main() -> None:
     rows = []
     for threads in args.threads:
         row: dict[str, Any] = {"threads": threads}
-        for engine in ("pyengine", "llama.cpp"):
+        for engine in engines:
             for spec_k in (0, args.spec_tokens):
                 for key, value in _medians(runs[f"{engine}|{threads}|{spec_k}"]).items():
                     if not spec_k or key.startswith("spec_"):  # load time and RSS: the plain process's
                         row[f"{engine}_{key}"] = value
-        for key in ("decode_tok_s", "pp_tok_s", "spec_tok_s", "plain_tok_s"):
-            row[f"ratio_{key}"] = round(row[f"pyengine_{key}"] / row[f"llama.cpp_{key}"], 3)
-        first = {e: runs[f"{e}|{threads}|0"][0] for e in ("pyengine", "llama.cpp")}
-        row["same_greedy_tokens_decode"] = first["pyengine"]["decode_tokens"] == first["llama.cpp"]["decode_tokens"]
-        row["same_greedy_tokens_grounded"] = first["pyengine"]["plain_tokens"] == first["llama.cpp"]["plain_tokens"]
+        for engine in pyengines:
+            tag = engine[len("pyengine"):]
+            for key in ("decode_tok_s", "pp_tok_s", "spec_tok_s", "plain_tok_s"):
+                row[f"ratio{tag}_{key}"] = round(row[f"{engine}_{key}"] / row[f"llama.cpp_{key}"], 3)
+            first = {e: runs[f"{e}|{threads}|0"][0] for e in (engine, "llama.cpp")}
+            for key, name in (("decode_tokens", "decode"), ("plain_tokens", "grounded")):
+                row[f"same_greedy_tokens{tag}_{name}"] = first[engine][key] == first["llama.cpp"][key]
         rows.append(row)
     result = {
         "benchmark": "pyengine vs llama-cpp-python " + llama_cpp.__version__ + ", same GGUF and token ids, greedy",

@@ -1,7 +1,9 @@
 """Packing GGUF Q4_0 / Q4_1 / Q8_0 weights straight from their blocks (loader/gguf_codes.py) holds the
-file's very weights: where the CPU runs the int8-dot GEMM (csrc/cpu/cpu_gemm_qdot.h) every linear
-computes its pure-PyTorch spec (pyengine/ops/reference/quant_dot.py) on the file's codes bit for
-bit, else (csrc/cpu/cpu_gguf_pack.h) the products of the dequantised weights, as packing those does."""
+file's very weights: where the CPU runs the integer-dot GEMMs (csrc/cpu/cpu_gemm_qdot.h: two int16
+limbs by default, KernelConfig.cpu_int16_dot; int8 under cpu_int8_dot) every linear computes its
+pure-PyTorch spec (pyengine/ops/reference/quant_dot.py) on the file's codes bit for bit, else
+(csrc/cpu/cpu_gguf_pack.h, and with both off) the products of the dequantised weights, as packing
+those does."""
 from __future__ import annotations
 
 import ctypes
@@ -53,11 +55,14 @@ def test_from_gguf_computes_the_files_weights(ggml_type):
     assert (packed.in_features, packed.out_features) == (cols, rows)
     assert torch.equal(packed.columns(torch.arange(rows)), dense.t())  # the weights themselves (as numbers)
     x = torch.randn(7, cols)
-    if packed.int8_dot:
+    if packed.int8_dot or packed.int16_dot:
         blocks = decode(raw.reshape(-1), ggml_type, rows, cols).map_rows(lambda a: a[order])
-        assert torch.equal(packed(x), quant_linear(x, *gguf_weight_codes(blocks)))
+        act_bits = 8 if packed.int8_dot else 32
+        assert torch.equal(packed(x), quant_linear(x, *gguf_weight_codes(blocks), act_bits=act_bits))
     else:
         assert torch.equal(packed(x), reference(x))
+    exact = PackedLinear.from_gguf(ggml_type, addresses(raw, order), cols, int8_dot=False, int16_dot=False)
+    assert not exact.int8_dot and not exact.int16_dot and torch.equal(exact(x), reference(x))
 
 
 def test_from_gguf_refuses_what_it_cannot_pack():
@@ -108,9 +113,10 @@ def _linears(model) -> list:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")] + [model.packed_lm_head]
 
 
-def _close_logits(a, b) -> None:
+def _close_logits(a, b, tight: bool = False) -> None:
     """The int8 dots move a model's logits about as llama.cpp's do (benchmarks/quality_cpu_qdot.py:
-    mean 0.17 over 3078 positions); two prompts' greedy first tokens, with clear margins, agree."""
+    mean 0.17 over 3078 positions); two prompts' greedy first tokens, with clear margins, agree.
+    tight (two int16 limbs): within test_gguf.py's tolerance of HF's logits instead."""
     from tests.utils_paged import greedy_generate
 
     prompts = [a[2].encode("The capital of France is"), a[2].encode("def fib(n):")]
@@ -118,6 +124,8 @@ def _close_logits(a, b) -> None:
     tokens_b, logits_b = greedy_generate(b[0], b[1], prompts, 1)
     assert tokens_a == tokens_b
     for x, y in zip(logits_a, logits_b):
+        if tight:
+            torch.testing.assert_close(x, y, atol=2e-3, rtol=1e-3)
         assert (x - y).abs().mean() < 1.0 and (x - y).abs().max() < 5.0
 
 
@@ -129,15 +137,18 @@ def dequantised_model(smollm2_path):
     return model
 
 
-@pytest.mark.parametrize("int8_dot", [False, True])
+@pytest.mark.parametrize("arith", ["default", "exact", "int8"])
 def test_default_model_packed_from_codes_computes_the_reference(smollm2_path, dequantised_model, monkeypatch,
-                                                                int8_dot):
+                                                                arith):
     """Every linear and the lm_head, packed from the file's blocks through the model's own mapping
-    (q/k rows reordered, fused projections), computes bit for bit what the dequantised model's
-    linear computes (the default), or under KernelConfig.cpu_int8_dot the int8-dot reference on
-    those blocks; the token embeddings are the dequantised model's."""
+    (q/k rows reordered, fused projections), computes bit for bit the two-int16-limb reference on
+    those blocks (the default), what the dequantised model's linear computes (cpu_int16_dot off),
+    or under KernelConfig.cpu_int8_dot the int8-dot reference; the token embeddings are the
+    dequantised model's."""
     calls = _recording_from_gguf(monkeypatch)
-    with use_kernel_config(KernelConfig(cpu_int8_dot=int8_dot)):
+    int8_dot = arith == "int8"
+    config = KernelConfig() if arith == "default" else KernelConfig(cpu_int8_dot=int8_dot, cpu_int16_dot=False)
+    with use_kernel_config(config):
         model = _load(smollm2_path, from_codes=True)
     assert model[0].lm_head.numel() == 0 and model[0].cpu_stack is not None
     codes = {id(p): c for p, c in calls}
@@ -145,16 +156,18 @@ def test_default_model_packed_from_codes_computes_the_reference(smollm2_path, de
     assert all(id(w) in codes for w in linears)
     ids = torch.arange(model[1].vocab_size)
     assert torch.equal(model[0].embedding_columns.gather(ids), dequantised_model[0].embedding_columns.gather(ids))
-    if int8_dot and not linears[0].int8_dot:
+    if arith != "exact" and not (linears[0].int8_dot or linears[0].int16_dot):
         pytest.skip("this CPU packs the codes for the dequantised weights' products (no AVX2 + F16C)")
     gen = torch.Generator().manual_seed(0)
     for w, dense in zip(linears, _linears(dequantised_model[0])):
         x = torch.randn(3, w.in_features, generator=gen)
-        if int8_dot:
+        if arith == "int8":
             assert w.int8_dot and torch.equal(w(x), quant_linear(x, *codes[id(w)]))
+        elif arith == "default":
+            assert w.int16_dot and torch.equal(w(x), quant_linear(x, *codes[id(w)], act_bits=32))
         else:
-            assert not w.int8_dot and torch.equal(w(x), dense(x))
-    _close_logits(model, dequantised_model)
+            assert not w.int8_dot and not w.int16_dot and torch.equal(w(x), dense(x))
+    _close_logits(model, dequantised_model, tight=arith != "int8")
 
 
 def test_a_linear_the_codes_cannot_pack_is_dequantised(smollm2_path, dequantised_model, monkeypatch):
@@ -169,7 +182,7 @@ def test_a_linear_the_codes_cannot_pack_is_dequantised(smollm2_path, dequantised
     for i, (a, b) in enumerate(zip(_linears(model[0]), _linears(dequantised_model[0]))):
         x = torch.randn(3, a.in_features, generator=gen)
         if i in refused:
-            assert not a.int8_dot and torch.equal(a(x), b(x))
+            assert not a.int8_dot and not a.int16_dot and torch.equal(a(x), b(x))
     ids = torch.arange(model[1].vocab_size)
     assert torch.equal(model[0].embedding_columns.gather(ids), dequantised_model[0].embedding_columns.gather(ids))
     _close_logits(model, dequantised_model)
@@ -192,7 +205,7 @@ def test_packed_columns_are_the_dequantised_rows(ggml_type):
         assert torch.equal(got.view(torch.int32), table[ids].view(torch.int32))
     else:
         assert torch.equal(got, table[ids])
-        if not packed.int8_dot:  # the GEMM's own weights (int8 dots quantise the eye's rows too)
+        if not packed.int8_dot and not packed.int16_dot:  # the GEMM's own weights (integer dots quantise the eye's rows too)
             assert torch.equal(got, packed(torch.eye(cols)).t()[ids])
     with pytest.raises(IndexError):
         packed.columns(torch.tensor([rows]))

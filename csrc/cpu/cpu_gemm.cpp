@@ -176,11 +176,12 @@ PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, boo
       }
 }
 
-std::optional<PackedWeight> PackedWeight::from_gguf(const GgufRows& rows, int64_t k, int64_t n, bool int8_dot) {
+std::optional<PackedWeight> PackedWeight::from_gguf(const GgufRows& rows, int64_t k, int64_t n, int act_bits) {
   if (!check(k, n, DType::kFloat32).empty()) return std::nullopt;
   PackedWeight w(nullptr, 0, 1, DType::kFloat32, false);  // an empty weight (check fails: nothing read)
-  if (int8_dot && pack_gguf_qdot(rows, k, n, w.packed_)) {
-    w.int8_dot_ = true, w.isa_ = GemmIsa::kAvx2;  // AVX2 kernels on every CPU: the same bits everywhere
+  if ((act_bits == 8 || act_bits == 32) && pack_gguf_qdot(rows, k, n, w.packed_)) {
+    w.qdot_act_bits_ = act_bits;
+    w.isa_ = GemmIsa::kAvx2;  // AVX2 kernels on every CPU: the same bits everywhere
   } else if (!pack_gguf_rows(rows, k, n, w.packed_, w.isa_ == GemmIsa::kAvx2)) {
     return std::nullopt;
   }
@@ -190,7 +191,7 @@ std::optional<PackedWeight> PackedWeight::from_gguf(const GgufRows& rows, int64_
 
 bool PackedWeight::columns(const int64_t* ids, int64_t count, float* out) const {
   if (dtype_ != DType::kFloat32 || format_ == PanelFormat::kDense) return false;
-  if (int8_dot_)
+  if (qdot_act_bits_ != 0)
     return qdot_columns(reinterpret_cast<const uint8_t*>(packed_.data()), format_ == PanelFormat::kAffine4 ? 4 : 8, k_,
                         n_, ids, count, out);
   return packed_columns(packed_.data(), format_, k_, n_, ids, count, out, paired());
@@ -202,9 +203,9 @@ void PackedWeight::matmul(const void* x, int64_t x_row_stride, int64_t m, const 
   const auto* xf = static_cast<const float*>(x);
   const auto* bf = static_cast<const float*>(bias);
   auto* yf = static_cast<float*>(y);
-  if (int8_dot_) {
+  if (qdot_act_bits_ != 0) {
     qdot_matmul(reinterpret_cast<const uint8_t*>(packed_.data()), format_ == PanelFormat::kAffine4 ? 4 : 8, k_, n_, xf,
-                x_row_stride, m, bf, yf);
+                x_row_stride, m, bf, yf, qdot_act_bits_);
     return;
   }
   if (isa_ == GemmIsa::kAvx2) {

@@ -52,9 +52,10 @@ class PackedWeight {
   // fp32 products of the dequantised weights); else, or where those refuse a block, as the
   // weights the fp32 constructor packs from their dequantised values (cpu_gguf_pack.h), without
   // making them. nullopt where both refuse, or check(k, n, fp32) fails.
-  // int8_dot: llama.cpp's arithmetic (cpu_gemm_qdot.h) where the CPU has it; else the dequantised
+  // act_bits 8: llama.cpp's arithmetic (cpu_gemm_qdot.h) where the CPU has it; 32: the same
+  // panels with activations as two int16 limbs (cpu_gemm_qdot.h); else, and 0, the dequantised
   // weights' fp32 products, rebuilt exactly (cpu_gemm_affine.h).
-  static std::optional<PackedWeight> from_gguf(const GgufRows& rows, int64_t k, int64_t n, bool int8_dot);
+  static std::optional<PackedWeight> from_gguf(const GgufRows& rows, int64_t k, int64_t n, int act_bits);
 
   int64_t k() const { return k_; }
   int64_t n() const { return n_; }
@@ -63,9 +64,12 @@ class PackedWeight {
   int64_t packed_bytes() const { return static_cast<int64_t>(packed_.size() * sizeof(uint32_t)); }
   const uint32_t* panels() const { return packed_.data(); }  // the layout format() and paired() say
   // Affine panels in pairs (AffineLayout): the AVX2 kernels' layout.
-  bool paired() const { return isa_ == GemmIsa::kAvx2 && format_ != PanelFormat::kDense && !int8_dot_; }
-  // The integer-dot panels of cpu_gemm_qdot.h (format() says 4 or 8 bits), from GGUF codes.
-  bool int8_dot() const { return int8_dot_; }
+  bool paired() const { return isa_ == GemmIsa::kAvx2 && format_ != PanelFormat::kDense && qdot_act_bits_ == 0; }
+  // The integer-dot panels of cpu_gemm_qdot.h (format() says 4 or 8 bits), from GGUF codes, run
+  // with int8 activations (llama.cpp's arithmetic).
+  bool int8_dot() const { return qdot_act_bits_ == 8; }
+  // The bits of the activations those panels run with: 8 or 32 (two int16 limbs); 0: not such panels.
+  int qdot_act_bits() const { return qdot_act_bits_; }
 
   // y [M, N] (row stride N) = x [M, K] (row stride x_row_stride) @ W + bias (bias [N] or null).
   // All of `dtype`.
@@ -79,7 +83,7 @@ class PackedWeight {
   DType dtype_;
   GemmIsa isa_;
   PanelFormat format_ = PanelFormat::kDense;
-  bool int8_dot_ = false;
+  int qdot_act_bits_ = 0;
   PanelStore packed_;  // dense: [panels][k_steps][16] fp32 or bf16 pairs; else cpu_gemm_affine.h
 };
 

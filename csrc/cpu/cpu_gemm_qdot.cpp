@@ -1,6 +1,7 @@
-// cpu_gemm_qdot.h: the activation quantiser and the AVX2 integer-dot kernels (up to 4 rows x one
-// 16-column panel), row groups looped over row chunks that stay in L2, the pool's threads claiming
-// contiguous panel ranges.
+// cpu_gemm_qdot.h: the int8 activation quantiser and the AVX2 integer-dot kernels (up to 4 rows x
+// one 16-column panel), and the driver of both activation widths (the int16 kernels:
+// cpu_gemm_qdot16.cpp): row groups looped over row chunks that stay in L2, the pool's threads
+// claiming contiguous panel ranges.
 #include "cpu_gemm_qdot.h"
 
 #include <algorithm>
@@ -12,50 +13,20 @@
 #include "common/common.h"
 #include "cpu_thread_pool.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define PE_HAVE_QDOT 1
-#endif
+#include "cpu_gemm_qdot_kernels.h"
 
 namespace pyengine::cpu {
 
 #ifdef PE_HAVE_QDOT
 namespace {
 
-#define PE_QDOT __attribute__((target("avx2,fma,f16c")))
-#define PE_QDOT_INLINE inline __attribute__((target("avx2,fma,f16c"), always_inline))
-
-constexpr int kPanel = kPanelCols;
-constexpr int kRun = kAffineRun;
-constexpr int kMaxRows = 4;                   // rows per kernel call
-constexpr float kTinyBlock = 0x1p-100f;       // a block below this magnitude counts as zero
-constexpr int64_t kChunkBytes = 192 << 10;    // int8 x rows of one chunk: L2-resident while panels pass
+using namespace qdot;
+constexpr int64_t kChunkBytes = 192 << 10;    // quantised x rows of one chunk: L2-resident while panels pass
 constexpr int kChunksPerThread = 4;           // panel ranges per pool thread, claimed dynamically
 constexpr int64_t kQuantisePerJob = 1 << 16;  // inputs quantised by the caller alone below this
 
-// v, materialised: the product it holds is rounded before the add that takes it (GCC contracts
-// _mm256_mul_ps + _mm256_add_ps into an FMA under -ffp-contract=fast, GNU C++'s default).
-PE_QDOT_INLINE __m256 rounded(__m256 v) {
-  __asm__("" : "+x"(v));
-  return v;
-}
-
-PE_QDOT_INLINE float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-PE_QDOT_INLINE int32_t hsum(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-
 // One row: x [blocks * 32] -> q int8 [blocks * 32], d and sx [blocks] (cpu_gemm_qdot.h's rule).
-PE_QDOT void quantise_row(const float* x, int64_t blocks, int8_t* q, float* d, float* sx) {
+PE_QDOT void quantise_row(const float* x, int64_t blocks, uint8_t* q, float* d, float* sx) {
   const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t b = 0; b < blocks; ++b, x += kRun, q += kRun) {
@@ -85,45 +56,8 @@ PE_QDOT void quantise_row(const float* x, int64_t blocks, int8_t* q, float* d, f
   }
 }
 
-// Rows [0, R) of the quantised x against one panel: q rows qs apart, d / sx rows bs apart.
-struct QRows {
-  const int8_t* q;
-  int64_t qs;
-  const float* d;
-  const float* sx;
-  int64_t bs;
-};
-
-// PE_R(X) applies X to rows 0 .. 3; rows >= R compile away. Accumulators are named registers
-// (an array of __m256 was kept on the stack by GCC 12: cpu_gemm_avx2.cpp).
-#define PE_R(X) X(0) X(1) X(2) X(3)
-#define PE_ACC_DECL(r) __m256 acc##r##0 = _mm256_setzero_ps(), acc##r##1 = acc##r##0, accm##r##0 = acc##r##0, accm##r##1 = acc##r##0;
-// Block b's integer sums of row r (i0: columns 0-7, i1: 8-15) into its fp32 accumulators.
-#define PE_SCALE(r)                                                                            \
-  if constexpr (R > r) {                                                                       \
-    const __m256 db = _mm256_broadcast_ss(x.d + r * x.bs + b);                                \
-    acc##r##0 = _mm256_add_ps(acc##r##0, rounded(_mm256_mul_ps(_mm256_mul_ps(s0, db), _mm256_cvtepi32_ps(i##r##0)))); \
-    acc##r##1 = _mm256_add_ps(acc##r##1, rounded(_mm256_mul_ps(_mm256_mul_ps(s1, db), _mm256_cvtepi32_ps(i##r##1)))); \
-    if constexpr (Bits == 4) {                                                                 \
-      const __m256 sxb = _mm256_broadcast_ss(x.sx + r * x.bs + b);                             \
-      accm##r##0 = _mm256_add_ps(accm##r##0, rounded(_mm256_mul_ps(m0, sxb)));                  \
-      accm##r##1 = _mm256_add_ps(accm##r##1, rounded(_mm256_mul_ps(m1, sxb)));                  \
-    }                                                                                          \
-  }
-#define PE_OUT(r)                                                                              \
-  if constexpr (R > r) {                                                                       \
-    if constexpr (Bits == 4) acc##r##0 = _mm256_add_ps(acc##r##0, accm##r##0), acc##r##1 = _mm256_add_ps(acc##r##1, accm##r##1); \
-    _mm256_storeu_ps(out + 16 * r, acc##r##0), _mm256_storeu_ps(out + 16 * r + 8, acc##r##1); \
-  }
-
 // 4 bytes of row r's codes for inputs 4g .. 4g + 3 of block b, in every 32-bit lane.
 #define PE_XB(r) _mm256_set1_epi32(load_i32(x.q + r * x.qs + b * kRun + 4 * g))
-
-PE_QDOT_INLINE int32_t load_i32(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 // out [R][16] = rows [0, R) of x against a 4-bit panel of `blocks` blocks (acc + accm).
 // Per group: the 32 code bytes hold 8 columns x 4 inputs twice (low / high nibbles); vpmaddubsw
@@ -200,12 +134,7 @@ PE_QDOT void kernel_q8(const QRows& x, const uint8_t* blk, int64_t blocks, float
   PE_R(PE_OUT)
 }
 #undef PE_XB
-#undef PE_OUT
-#undef PE_SCALE
-#undef PE_ACC_DECL
-#undef PE_R
 
-using Kernel = void (*)(const QRows&, const uint8_t*, int64_t, float*);
 constexpr Kernel kQ4[kMaxRows] = {&kernel_q4<1, 4>, &kernel_q4<2, 4>, &kernel_q4<3, 4>, &kernel_q4<4, 4>};
 constexpr Kernel kQ8[kMaxRows] = {&kernel_q8<1, 8>, &kernel_q8<2, 8>, &kernel_q8<3, 8>, &kernel_q8<4, 8>};
 
@@ -231,20 +160,21 @@ bool has_qdot() {
 }
 
 void qdot_matmul(const uint8_t* packed, int bits, int64_t k, int64_t n, const float* x, int64_t x_row_stride,
-                 int64_t m, const float* bias, float* y) {
-  const int64_t blocks = k / kRun, panels = ceil_div(n, kPanel);
+                 int64_t m, const float* bias, float* y, int act_bits) {
+  const int64_t blocks = k / kRun, panels = ceil_div(n, kPanel), row_bytes = k * (act_bits / 8);
   const int64_t block_bytes = qdot_block_bytes(bits);
   ThreadPool& pool = shared_pool();
   // x quantised once, by the caller (a large M: row ranges over the pool); workers read this
   // thread's buffers (a thread_local named in the lambdas would be each worker's own).
-  thread_local std::vector<int8_t> qbuf;
+  thread_local std::vector<uint8_t> qbuf;
   thread_local std::vector<float> dbuf;
-  qbuf.resize(static_cast<size_t>(m * k));
+  qbuf.resize(static_cast<size_t>(m * row_bytes));
   dbuf.resize(static_cast<size_t>(2 * m * blocks));
-  int8_t* q = qbuf.data();
+  uint8_t* q = qbuf.data();
+  const Quantiser quantise_one = act_bits == 32 ? &quantise_row16x2 : &quantise_row;
   float *d = dbuf.data(), *sx = d + m * blocks;
   auto quantise = [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) quantise_row(x + r * x_row_stride, blocks, q + r * k, d + r * blocks, sx + r * blocks);
+    for (int64_t r = r0; r < r1; ++r) quantise_one(x + r * x_row_stride, blocks, q + r * row_bytes, d + r * blocks, sx + r * blocks);
   };
   if (m * k < kQuantisePerJob) {
     quantise(0, m);
@@ -252,8 +182,8 @@ void qdot_matmul(const uint8_t* packed, int bits, int64_t k, int64_t n, const fl
     const int64_t parts = std::min<int64_t>(m, kChunksPerThread * pool.num_threads());
     pool.run_chunks(parts, [&](int64_t c) { quantise(split_begin(m, c, parts), split_begin(m, c + 1, parts)); });
   }
-  const Kernel* kernels = bits == 4 ? kQ4 : kQ8;
-  const int64_t chunk = std::max<int64_t>(kMaxRows, kChunkBytes / k / kMaxRows * kMaxRows);
+  const Kernel* kernels = act_bits == 32 ? qdot16x2_kernels(bits) : bits == 4 ? kQ4 : kQ8;
+  const int64_t chunk = std::max<int64_t>(kMaxRows, kChunkBytes / row_bytes / kMaxRows * kMaxRows);
   const int64_t parts = std::min<int64_t>(panels, kChunksPerThread * pool.num_threads());
   pool.run_chunks(parts, [&](int64_t c) {
     const int64_t begin = split_begin(panels, c, parts), end = split_begin(panels, c + 1, parts);
@@ -271,7 +201,7 @@ void qdot_matmul(const uint8_t* packed, int bits, int64_t k, int64_t n, const fl
         const uint8_t* panel = packed + p * blocks * block_bytes;
         for (int64_t g = r0; g < r0 + rows; g += kMaxRows) {
           const int rg = static_cast<int>(std::min<int64_t>(kMaxRows, r0 + rows - g));
-          const QRows xr{q + g * k, k, d + g * blocks, sx + g * blocks, blocks};
+          const QRows xr{q + g * row_bytes, row_bytes, d + g * blocks, sx + g * blocks, blocks};
           kernels[rg - 1](xr, panel, blocks, acc);
           store_rows(acc, rg, b, y + g * n + p * kPanel, n, cols);
         }
@@ -283,7 +213,7 @@ void qdot_matmul(const uint8_t* packed, int bits, int64_t k, int64_t n, const fl
 #else  // no x86-64 GCC/Clang: has_qdot() is false and nothing packs for the rest
 
 bool has_qdot() { return false; }
-void qdot_matmul(const uint8_t*, int, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*) {}
+void qdot_matmul(const uint8_t*, int, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*, int) {}
 
 #endif  // PE_HAVE_QDOT
 

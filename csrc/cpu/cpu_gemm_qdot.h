@@ -26,6 +26,18 @@
 //     input 4g + i of column c), then columns 8-15.
 // The kernels are AVX2 (+ FMA, F16C) on every x86-64 CPU that has them, AVX-512 ones included, so
 // the bits do not depend on the machine's kernel family.
+//
+// int16x2 activations (act_bits 32, cpu_gemm_qdot16.cpp; spec: quant_dot.py, act_bits=32), the
+// same panels: each input as two int16 limbs, x_k ~ d_b * (q1_k + q2_k * 2^-15):
+//   d_b = a / 32767, p_k = x_k * (32767 / a) (fp32), q1_k = rne(p_k) in [-32767, 32767],
+//   q2_k = rne((p_k - q1_k) * 2^15) in [-16384, 16384] (the subtraction and product are exact);
+//   the tiny / non-finite block rules as above; sx_b = d_b * (sum q1 + sum q2 * 2^-15), the add
+//   rounded once. Per column and block, i = sum q q1, j = sum q q2 (vpmaddwd, exact:
+//   |sum| < 2^28), f = float(i) + float(j) * 2^-15 (conversions round to nearest even, exact for
+//   4-bit codes; one rounding of the add), acc += (s * d_b) * f, accm += m * sx_b as above.
+// An input is off by at most 2^-31 of its block's largest magnitude (int8: 2^-8): below the fp32
+// rounding of the products themselves, so these are the dequantised weights' fp32 products up
+// to rounding (docs/kernels/cpu.md: quality), at about the int8 kernels' speed.
 #pragma once
 
 #include <cstdint>
@@ -46,9 +58,10 @@ bool has_qdot();
 // Q4_0 block whose -8 d is not an fp16 value.
 bool pack_gguf_qdot(const GgufRows& src, int64_t k, int64_t n, PanelStore& out);
 
-// y [M, N] (row stride N) = x [M, K] (row stride x_row_stride) @ W + bias (null or [N]).
+// y [M, N] (row stride N) = x [M, K] (row stride x_row_stride) @ W + bias (null or [N]), with x
+// quantised per 32-input block to act_bits 8 (int8) or 32 (two int16 limbs).
 void qdot_matmul(const uint8_t* packed, int bits, int64_t k, int64_t n, const float* x, int64_t x_row_stride,
-                 int64_t m, const float* bias, float* y);
+                 int64_t m, const float* bias, float* y, int act_bits = 8);
 
 // Columns ids[0 .. count) of W as rows out[count][K] fp32: s * q (8-bit: Q8_0's d * q) or
 // fma(s, q, m) (4-bit: exact, d * q has at most 15 significant bits). False for an id outside [0, N).

@@ -21,9 +21,10 @@ class KernelConfig:
     # README's first question as llama.cpp does, with nonsense, where the dequantised weights' fp32
     # products (the default, as HF computes them) answer it (docs/kernels/cpu.md)
     cpu_int8_dot: bool = False
-    # CPU: those linears (cpu_int8_dot off) with activations quantised to int16 per 32 inputs,
-    # integer dots on the same packed codes (csrc/cpu/cpu_gemm_qdot16.cpp): 258x finer than int8;
-    # False keeps the exact fp32 products of the dequantised weights (docs/kernels/cpu.md)
+    # CPU: those linears (cpu_int8_dot off) with each activation as two int16 limbs per 32-input
+    # block and integer dots on the same packed codes (csrc/cpu/cpu_gemm_qdot16.cpp): the dequantised
+    # weights' products up to fp32 rounding, at about the int8 dots' decode speed. False keeps the
+    # exact fp32 products of the dequantised weights (docs/kernels/cpu.md)
     cpu_int16_dot: bool = True
     skinny_gemm: bool = True  # CUDA: single-row projections on pyengine's skinny GEMM (False: cuBLAS)
     pdl: bool = True  # CUDA: programmatic dependent launch for the skinny GEMM and GQA attention

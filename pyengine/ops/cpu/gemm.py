@@ -36,7 +36,7 @@ class PackedLinear:
 
     @classmethod
     def from_gguf(cls, ggml_type: int, rows: np.ndarray, in_features: int,
-                  int8_dot: bool | None = None) -> PackedLinear | None:
+                  int8_dot: bool | None = None, int16_dot: bool | None = None) -> PackedLinear | None:
         """An fp32 [in_features, len(rows)] weight packed straight from GGUF Q4_0 / Q4_1 / Q8_0
         blocks: rows (uint64) holds the address of each output's first block (a row of the file's
         tensor, anywhere: fused and reordered matrices need no copy), valid during the call. Its
@@ -48,13 +48,19 @@ class PackedLinear:
         in llama.cpp's arithmetic instead (the `int8_dot` property: activations quantised per
         32-input block to int8, integer dot products; csrc/cpu/cpu_gemm_qdot.h, spec
         pyengine.ops.reference.quant_dot): other bits than the dequantised weights' fp32 products,
-        the same for a row whatever the batch."""
+        the same for a row whatever the batch. Else with int16_dot (None: KernelConfig.cpu_int16_dot)
+        the same panels and integer dots with each activation as two int16 limbs (the `int16_dot`
+        property; csrc/cpu/cpu_gemm_qdot16.cpp, the spec with act_bits=32): the dequantised weights'
+        products up to fp32 rounding, other bits, the same for a row whatever the batch."""
         if rows.dtype != np.uint64 or rows.ndim != 1 or not rows.flags.c_contiguous:
             raise ValueError(f"PackedLinear.from_gguf takes a contiguous uint64 array of row addresses, got {rows.dtype}")
         kernels.set_num_threads(pool_threads_for(torch.get_num_threads()))  # the pool packs too
         if int8_dot is None:
             int8_dot = get_kernel_config().cpu_int8_dot
-        packed = kernels.pack_gguf(ggml_type, rows.ctypes.data, in_features, rows.shape[0], bool(int8_dot))
+        if int16_dot is None:
+            int16_dot = get_kernel_config().cpu_int16_dot
+        act_bits = 8 if int8_dot else 32 if int16_dot else 0
+        packed = kernels.pack_gguf(ggml_type, rows.ctypes.data, in_features, rows.shape[0], False, act_bits)
         if packed is None:
             return None
         self = cls.__new__(cls)
@@ -71,6 +77,12 @@ class PackedLinear:
         csrc/cpu/cpu_gemm_qdot.h, spec pyengine.ops.reference.quant_dot), not the fp32 products of
         the dequantised weights."""
         return bool(getattr(self.packed, "int8_dot", False))
+
+    @property
+    def int16_dot(self) -> bool:
+        """Packed from GGUF codes for activations as two int16 limbs and integer dots
+        (csrc/cpu/cpu_gemm_qdot16.cpp, spec pyengine.ops.reference.quant_dot with act_bits=32)."""
+        return int(getattr(self.packed, "qdot_act_bits", 0)) == 32
 
     @property
     def isa(self) -> str:

@@ -1,0 +1,102 @@
+// Internal to cpu_gemm_qdot*.cpp: what the int8-activation kernels (cpu_gemm_qdot.cpp) and the
+// int16x2-activation kernels (cpu_gemm_qdot16.cpp) share - the row view of quantised activations,
+// the kernel signature, the float part of a block (the same for both) and small AVX2 helpers.
+// Both read the same packed panels (cpu_gemm_qdot.h's layout).
+#pragma once
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_gemm_affine.h"
+#include "cpu_gemm_qdot.h"
+
+#define PE_HAVE_QDOT 1
+#define PE_QDOT __attribute__((target("avx2,fma,f16c")))
+#define PE_QDOT_INLINE inline __attribute__((target("avx2,fma,f16c"), always_inline))
+
+namespace pyengine::cpu::qdot {
+
+constexpr int kPanel = kPanelCols;
+constexpr int kRun = kAffineRun;
+constexpr int kMaxRows = 4;              // rows per kernel call
+constexpr float kTinyBlock = 0x1p-100f;  // a block below this magnitude counts as zero
+
+// Rows [0, R) of the quantised x against one panel: row r's codes at q + r * qs (bytes; int8 or
+// int16 codes), its per-block d / sx at d + r * bs, sx + r * bs.
+struct QRows {
+  const uint8_t* q;
+  int64_t qs;
+  const float* d;
+  const float* sx;
+  int64_t bs;
+};
+
+// out [R][16] = rows [0, R) of x against a panel of `blocks` blocks.
+using Kernel = void (*)(const QRows&, const uint8_t*, int64_t, float*);
+// One row x [blocks * 32] -> codes (bytes), d and sx [blocks].
+using Quantiser = void (*)(const float*, int64_t, uint8_t*, float*, float*);
+
+// v, materialised: the product it holds is rounded before the add that takes it (GCC contracts
+// _mm256_mul_ps + _mm256_add_ps into an FMA under -ffp-contract=fast, GNU C++'s default).
+PE_QDOT_INLINE __m256 rounded(__m256 v) {
+  __asm__("" : "+x"(v));
+  return v;
+}
+
+PE_QDOT_INLINE float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+PE_QDOT_INLINE int32_t hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+PE_QDOT_INLINE int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+PE_QDOT_INLINE __m256 load_half8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// PE_R(X) applies X to rows 0 .. 3; rows >= R compile away. Accumulators are named registers
+// (an array of __m256 was kept on the stack by GCC 12: cpu_gemm_avx2.cpp).
+#define PE_R(X) X(0) X(1) X(2) X(3)
+#define PE_ACC_DECL(r) __m256 acc##r##0 = _mm256_setzero_ps(), acc##r##1 = acc##r##0, accm##r##0 = acc##r##0, accm##r##1 = acc##r##0;
+// Block b's integer sums of row r (i0: columns 0-7, i1: 8-15) into its fp32 accumulators:
+// acc += (s * d) * isum, accm += m * sx, each product rounded before its add.
+#define PE_SCALE(r)                                                                            \
+  if constexpr (R > r) {                                                                       \
+    const __m256 db = _mm256_broadcast_ss(x.d + r * x.bs + b);                                \
+    acc##r##0 = _mm256_add_ps(acc##r##0, rounded(_mm256_mul_ps(_mm256_mul_ps(s0, db), _mm256_cvtepi32_ps(i##r##0)))); \
+    acc##r##1 = _mm256_add_ps(acc##r##1, rounded(_mm256_mul_ps(_mm256_mul_ps(s1, db), _mm256_cvtepi32_ps(i##r##1)))); \
+    if constexpr (Bits == 4) {                                                                 \
+      const __m256 sxb = _mm256_broadcast_ss(x.sx + r * x.bs + b);                             \
+      accm##r##0 = _mm256_add_ps(accm##r##0, rounded(_mm256_mul_ps(m0, sxb)));                  \
+      accm##r##1 = _mm256_add_ps(accm##r##1, rounded(_mm256_mul_ps(m1, sxb)));                  \
+    }                                                                                          \
+  }
+#define PE_OUT(r)                                                                              \
+  if constexpr (R > r) {                                                                       \
+    if constexpr (Bits == 4) acc##r##0 = _mm256_add_ps(acc##r##0, accm##r##0), acc##r##1 = _mm256_add_ps(acc##r##1, accm##r##1); \
+    _mm256_storeu_ps(out + 16 * r, acc##r##0), _mm256_storeu_ps(out + 16 * r + 8, acc##r##1); \
+  }
+
+// The int16x2-activation kernels (kernels[R - 1] for `bits`) and quantiser: cpu_gemm_qdot16.cpp.
+const Kernel* qdot16x2_kernels(int bits);
+void quantise_row16x2(const float* x, int64_t blocks, uint8_t* q, float* d, float* sx);
+
+}  // namespace pyengine::cpu::qdot
+
+#endif  // x86-64 GCC/Clang
