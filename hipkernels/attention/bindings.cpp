@@ -21,7 +21,9 @@ void register_attention_kernels(py::module_& k) {
       .PE_FIELD(A, max_query_len).PE_FIELD(A, max_splits).PE_FIELD(A, split_block).PE_FIELD(A, fixed_splits)
       .PE_FIELD(A, scale)
       .PE_FIELD(A, dtype).PE_FIELD(A, pdl).PE_FIELD(A, num_sms)
-      .PE_FIELD(A, gqa_fma).PE_FIELD(A, gqa_pairs_per_block).PE_FIELD(A, mla_small_tile);
+      .PE_FIELD(A, gqa_fma).PE_FIELD(A, gqa_pairs_per_block).PE_FIELD(A, mla_small_tile)
+      .PE_FIELD(A, mla_walk).PE_FIELD(A, mla_acc).PE_FIELD(A, mla_acc_floats).PE_FIELD(A, mla_locks)
+      .PE_FIELD(A, mla_lock_count);
   def_launch(k, "paged_attention", &launch_paged_attention);
   def_launch(k, "paged_attention_mla", &launch_mla_attention);
 

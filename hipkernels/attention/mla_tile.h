@@ -1,8 +1,8 @@
-// Tile configurations of the MLA decode kernels (mla_attention.hip): the fast tile runs with tensor
-// cores in ~226 KB of shared memory on sm_90a (mla_attention_ws_kernel, warpgroup roles), the small
-// one with FMA products in under 64 KB elsewhere (mla_attention_kernel; AMD gfx90a has 64 KB per
-// block). Both use the same split rule, masking, softmax and combine. Device-independent: included
-// by the kernel file only.
+// Tile configurations of the MLA decode kernels: the fast tile runs with tensor cores in ~226 KB of
+// shared memory on sm_90a (mla_decode_fast.hip, warpgroup roles), the small one with FMA products in
+// under 64 KB elsewhere (mla_decode_small.hip; AMD gfx90a has 64 KB per block). Both use the same
+// fixed key ranges (mla_ranges.h), masking, softmax and merge. Device-independent: included by the
+// kernel files only.
 #pragma once
 
 namespace pe_mla {
@@ -25,9 +25,11 @@ struct MlaTile {
   static constexpr int kTprQ = kThreads / kM;  // copy threads per query row
   static constexpr int kQElems = kM * kDqk, kKElems = kN * kDqk;
   static constexpr int kPElems = kM * ((kN + 63) / 64 * 64);  // a slab row is 64 wide (swizzle)
-  // + 1024: the tiles start at a 1024-byte boundary (align_1024); 2 kGroups kM floats: sMax, sSum.
+  // + 1024: the tiles start at a 1024-byte boundary (align_1024); (2 kGroups + 1) kM floats: the
+  // per-row exchanges (small tile: sMax, sSum; fast tile: sScale and two ranges' sSum, sMx).
+  static constexpr int kFloats = (2 * kGroups + 1) * kM;
   static constexpr int kSmemBytes =
-      1024 + (kQElems + kStages * kKElems + kPElems) * 2 + 2 * kGroups * kM * (int)sizeof(float);
+      1024 + (kQElems + kStages * kKElems + kPElems) * 2 + kFloats * (int)sizeof(float);
   static_assert(kThreads == kTpr * kN && kThreads == kTprQ * kM && kChunks % kTpr == 0 &&
                 kChunks % kTprQ == 0, "copy layout");
   static_assert(kNS % 8 == 0 && kNO % 8 == 0 && kN % 16 == 0 && kNO * kGroups == kDv, "product layout");

@@ -73,6 +73,15 @@ struct PagedAttentionParams {
   bool gqa_fma = false;         // NVIDIA: the FMA GQA kernel instead of the tensor-core one
   int gqa_pairs_per_block = 0;  // FMA GQA kernel: query-head pairs per block (1, 2, 4, 8); 0: chosen per launch
   bool mla_small_tile = false;  // NVIDIA: the small MLA tile (the one hipcc builds) instead of the fast one
+  // MLA fixed key ranges (mla_attention.h): mla_walk makes every row walk its ranges in one block
+  // (chosen per step from the batch; the same bits as one block per range). Walking blocks keep the
+  // merged values in a slab of the fp32 accumulator pool (mla_acc_floats floats) taken under
+  // mla_locks (mla_lock_count ints, all 0 between launches).
+  bool mla_walk = false;
+  float* mla_acc = nullptr;
+  int64_t mla_acc_floats = 0;
+  int* mla_locks = nullptr;
+  int mla_lock_count = 0;
 };
 
 // GQA. Returns 0 on success, -1 for an unsupported configuration, else the runtime's error code.

@@ -1,15 +1,53 @@
-"""CUDA paged MLA attention and latent-cache write (hipkernels/attention/mla_attention.hip,
-kv_cache_write.hip). The facade has validated shapes and devices; fp16/bf16 at DeepSeek-V3's
-widths (512 + 64) run the attention kernel, anything else the reference."""
+"""CUDA paged MLA attention and latent-cache write (hipkernels/attention/mla_*.hip, kv_cache_write.hip).
+The facade has validated shapes and devices; fp16/bf16 at DeepSeek-V3's widths (512 + 64) run the
+attention kernel, anything else the reference.
+
+Under KernelConfig.batch_invariant the kernel sums a query's keys in fixed ranges of SPLIT_BLOCK
+keys, each from a fresh state, merged in range order (hipkernels/attention/mla_ranges.h;
+reference.mla.paged_attention_mla_ranges); which block computes a range does not change the bits:
+decode and verify rows give each range a block (partials in the workspace, merged by the combine
+kernel), longer rows and rows of one range are walked by one block (ranges in turn, merged state in
+a slab of the accumulator pool), and force_walk makes every row walk. The default mode keeps the
+per-row split rule (at most MAX_SPLITS splits per row, larger as the context grows: fewer partials
+at long contexts; a token's bits depend on its row's context and query length there).
+benchmarks/results/mla_ranges_h100.json compares them."""
 from __future__ import annotations
 
 import torch
 
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.ops import reference
-from pyengine.ops.cuda.attention import launch_paged_attention
-from pyengine.ops.cuda.launch import DTYPE_CODE, kernels, params, row_stride, slots, stream
-from pyengine.ops.reference.mla import KV_LORA_RANK, ROPE_DIM
+from pyengine.ops.cuda.attention import SPLIT_BLOCK, plan
+from pyengine.ops.cuda.launch import DTYPE_CODE, aligned_rows, kernels, num_sms, params, row_stride, slots, stream
+from pyengine.ops.kernel_config import get_kernel_config
+from pyengine.ops.reference.mla import KV_LORA_RANK, ROPE_DIM, paged_attention_mla_ranges
+
+PAIR_TILE = 64  # query-head pairs per block of the fast tile (hipkernels/attention/mla_tile.h)
+# batch_invariant only. True: every row of a step walks its ranges (the same bits; tests and
+# benchmarks force it); None / False: only the rows the combine does not take.
+force_walk: bool | None = None
+
+_pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def accumulator_pool(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 slabs for the walking blocks (one 64 x 512 slab per SM: the fast tile runs one block per
+    SM; the small tile's 16-row slabs fit 4 per SM in the same bytes) and their locks, zero between
+    launches. One pool per device, allocated on first use."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pool = _pools.get(index)
+    if pool is None:
+        n = num_sms(device)
+        pool = (torch.empty(n * PAIR_TILE * KV_LORA_RANK, dtype=torch.float32, device=device),
+                torch.zeros(4 * n, dtype=torch.int32, device=device))
+        _pools[index] = pool
+    return pool
+
+
+def walks(meta: AttentionMetadata, num_heads: int, device: torch.device) -> bool:
+    """Whether every row of the step walks its ranges (a function of the step's shape, if anything:
+    the bits are the same either way)."""
+    return bool(force_walk)
 
 
 def reshape_and_cache_mla(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -39,5 +77,45 @@ def paged_attention_mla(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if (q.dtype not in (torch.float16, torch.bfloat16) or kv_cache.dtype != q.dtype
             or (kv_lora_rank, kv_cache.shape[2]) != (KV_LORA_RANK, KV_LORA_RANK + ROPE_DIM)):
+        if get_kernel_config().batch_invariant:  # the same ranges and merge as the kernel, per row
+            return paged_attention_mla_ranges(q, kv_cache, meta, scale, return_lse=return_lse,
+                                              kv_lora_rank=kv_lora_rank, range_size=SPLIT_BLOCK)
         return reference.paged_attention_mla(q, kv_cache, meta, scale, return_lse=return_lse, kv_lora_rank=kv_lora_rank)
-    return launch_paged_attention(q, kv_cache, kv_cache, meta, scale, return_lse, 1, KV_LORA_RANK, mla=True)
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty(num_tokens, num_heads, KV_LORA_RANK, dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if return_lse else None
+    if num_tokens == 0 or meta.num_rows == 0:
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("inf"))
+        return (out, lse) if return_lse else out
+    step = plan(meta, q.device)
+    fixed = get_kernel_config().batch_invariant
+    walk = fixed and walks(meta, num_heads, q.device)
+    max_splits = 1 if walk else step["max_splits_fixed" if fixed else "max_splits"]
+    ws_key = ("mla", num_heads, max_splits)
+    ws = step["workspace"].get(ws_key)
+    if ws is None:
+        n = step["ws_tokens"] * num_heads * max_splits if max_splits > 1 else 0
+        ws = (torch.empty(max(n * KV_LORA_RANK, 1), dtype=torch.float32, device=q.device),
+              torch.empty(max(n, 1), dtype=torch.float32, device=q.device))
+        step["workspace"][ws_key] = ws
+    acc, locks = accumulator_pool(q.device)
+    q = aligned_rows(q)
+    tables = step["tables"]
+    p = params(
+        kernels.PagedAttentionParams, q=q.data_ptr(), q_stride_token=row_stride(q), q_stride_head=row_stride(q, 1),
+        k_cache=kv_cache.data_ptr(), v_cache=kv_cache.data_ptr(), out=out.data_ptr(), out_stride_token=row_stride(out),
+        out_stride_head=row_stride(out, 1), lse=lse.data_ptr() if lse is not None else 0, ws_out=ws[0].data_ptr(),
+        ws_lse=ws[1].data_ptr(), ws_start=step["ws_start"].data_ptr(), block_tables=tables.data_ptr(),
+        query_start_loc=step["qsl"].data_ptr(), context_lens=step["ctx"].data_ptr(), num_rows=meta.num_rows,
+        num_q_heads=num_heads, num_kv_heads=1, head_dim_qk=head_dim, head_dim_v=KV_LORA_RANK,
+        block_size=meta.block_size, max_blocks_per_row=tables.shape[1], max_query_len=int(meta.max_query_len),
+        max_splits=max_splits, split_block=SPLIT_BLOCK, fixed_splits=fixed, scale=float(scale),
+        dtype=DTYPE_CODE[q.dtype], num_sms=num_sms(q.device), mla_small_tile=get_kernel_config().mla_small_tile,
+        mla_walk=walk, mla_acc=acc.data_ptr(), mla_acc_floats=acc.numel(), mla_locks=locks.data_ptr(),
+        mla_lock_count=locks.numel(),
+    )
+    with torch.cuda.device(q.device):
+        kernels.paged_attention_mla(p, stream(q.device))
+    return (out, lse) if return_lse else out

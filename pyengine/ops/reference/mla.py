@@ -10,6 +10,8 @@ lse[t, h] = logsumexp_j score (natural log, fp32); a query with no keys gets out
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pyengine.engine.attention_metadata import AttentionMetadata
@@ -57,5 +59,61 @@ def paged_attention_mla(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         probs = torch.where(has_keys[..., None], torch.exp(scores - row_lse[..., None]), torch.zeros_like(scores))
         out[q0:q0 + q_len] = torch.einsum("qhk,kd->qhd", probs, k[:, :kv_lora_rank]).to(out.device)
         lse[q0:q0 + q_len] = torch.where(has_keys, row_lse, torch.full_like(row_lse, float("inf"))).float().to(lse.device)
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def paged_attention_mla_ranges(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                               return_lse: bool = False, kv_lora_rank: int = KV_LORA_RANK, range_size: int = 512
+                               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' formulation of paged_attention_mla (hipkernels/attention/mla_ranges.h): a query's
+    keys are summed in ranges [r U, (r + 1) U), U = range_size, each a normalised partial (values
+    o_r / L_r, base-2 lse_r = M_r + log2 L_r; -inf without keys), merged in range order from the
+    empty state (m = -inf, l = 0, o = 0) as merge_range does:
+        mn = max(m, lse_r);  a = 2^(m - mn);  b = 2^(lse_r - mn);  l = l a + b;  o = o a + b po_r
+    (a range without keys skipped), out = o / l, lse = (m + log2 l) ln 2 (+inf, out 0 without keys).
+    Equal to paged_attention_mla up to rounding; a query's arithmetic depends only on its own keys."""
+    num_tokens, num_heads, _ = q.shape
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(num_tokens, num_heads, kv_lora_rank, dtype=compute, device=q.device)
+    lse = torch.full((num_tokens, num_heads), float("inf"), dtype=torch.float32, device=q.device)
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    bs = meta.block_size
+    qsl = meta.query_start_loc.tolist()
+    ctxs = meta.context_lens.tolist()
+    tables = meta.block_tables.to(device=kv_cache.device, dtype=torch.int64)
+    log2e = 1.4426950408889634
+    for r, ctx in enumerate(ctxs):
+        q0, q_len = qsl[r], qsl[r + 1] - qsl[r]
+        if q_len == 0 or ctx <= 0:
+            continue
+        pos = torch.arange(ctx, device=kv_cache.device)
+        k = flat.index_select(0, tables[r, pos // bs] * bs + pos % bs).to(compute)  # [ctx, 576]
+        qr = q[q0:q0 + q_len].to(device=kv_cache.device, dtype=compute)
+        s2 = torch.einsum("qhd,kd->qhk", qr, k) * (scale * log2e)  # base-2 scores
+        limit = ctx - (q_len - 1 - torch.arange(q_len, device=kv_cache.device))
+        s2 = s2.masked_fill(~(pos[None, :] < limit[:, None])[:, None, :], float("-inf"))
+        m = torch.full((q_len, num_heads), float("-inf"), dtype=compute, device=kv_cache.device)
+        l_sum = torch.zeros_like(m)
+        o = torch.zeros(q_len, num_heads, kv_lora_rank, dtype=compute, device=kv_cache.device)
+        for k0 in range(0, ctx, range_size):
+            sr = s2[:, :, k0:k0 + range_size]
+            mr = sr.amax(dim=-1)
+            has = mr > float("-inf")
+            p = torch.exp2(sr - torch.where(has, mr, torch.zeros_like(mr))[..., None])
+            lr = p.sum(dim=-1)
+            po = torch.einsum("qhk,kd->qhd", p, k[k0:k0 + range_size, :kv_lora_rank]) / torch.where(
+                has, lr, torch.ones_like(lr))[..., None]
+            lse_r = torch.where(has, mr + torch.log2(lr), torch.full_like(mr, float("-inf")))
+            mn = torch.where(has, torch.maximum(m, lse_r), m)
+            a = torch.where(has, torch.exp2(m - mn), torch.ones_like(m))
+            b = torch.where(has, torch.exp2(lse_r - mn), torch.zeros_like(m))
+            l_sum = l_sum * a + b
+            o = o * a[..., None] + b[..., None] * po
+            m = mn
+        has_keys = l_sum > 0
+        out[q0:q0 + q_len] = (o / torch.where(has_keys, l_sum, torch.ones_like(l_sum))[..., None]).to(out.device)
+        lse[q0:q0 + q_len] = torch.where(has_keys, (m + torch.log2(l_sum)) * math.log(2.0),
+                                         torch.full_like(m, float("inf"))).float().to(lse.device)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
