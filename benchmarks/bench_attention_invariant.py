@@ -1,7 +1,7 @@
 """What batch invariance costs attention: under KernelConfig.batch_invariant GQA splits a query's
 keys at fixed multiples of SPLIT_BLOCK (ranges merged in order: workspace + combine for decode and
-verify rows, inside the block for prefill rows), MLA does not split (pyengine/ops/cuda/attention.py),
-so for MLA a batch of few long rows leaves most SMs idle. Times the GQA (Llama-3-8B: 32 query heads,
+verify rows, inside the block for prefill rows); MLA sums the same fixed ranges (pyengine/ops/cuda/
+mla.py; before 27ee066 it did not split, so a batch of few long rows left most SMs idle). Times the GQA (Llama-3-8B: 32 query heads,
 8 KV heads, D 128, block 16) and MLA (DeepSeek-V3: 128 heads, 576 / 512, block 64) kernels with and
 without the mode, same run, CUDA-graph timing, bf16: decode rows (q_len 1) at every batch and
 context, then GQA prefill chunks at batch 1 (--prefill q_len:context pairs).

@@ -10,8 +10,10 @@ on wherever its paths are fast ones:
   take (head_dim 64/128/256, every projection width a multiple of 8): Llama-8B decode x1.04 /
   1.01 / 1.15 at batch 1 / 16 / 64, a 4k prefill x1.34 (benchmarks/results/
   batch_invariant_models_h100.json). Off for fp32 (attention then runs a per-query reference,
-  eagerly), for MLA (one key split per row: x4-13 on long contexts) and for the recurrent-state
-  hybrids (prefill as the decode recurrence; not measured against the targets): opt-in there.
+  eagerly), for DeepSeek-V3 (MLA on fixed key ranges: as fast as the default up to 4k keys, x1.3-1.5
+  at batch 8-64 on 16k-32k, benchmarks/results/mla_ranges_h100.json; the model not measured) and
+  for the recurrent-state hybrids (prefill as the decode recurrence; not measured against the
+  targets): opt-in there.
 """
 from __future__ import annotations
 

@@ -11,9 +11,8 @@ hipkernels/attention/paged_attention.h): a query's keys are summed in ranges of 
 fixed boundaries, each from a fresh state, merged in range order by one sequential merge; decode
 and verify rows put each range in the workspace (ceil(max_context_len / SPLIT_BLOCK) splits, no
 MAX_SPLITS cap) and the combine merges them, longer rows walk their ranges in the block. A query's
-bits then depend only on its own keys. MLA keeps one split per row in this mode (the default rule
-reads the row's query length and context; keys past a query's causal limit are masked to exact
-zeros), at a cost where few long rows leave the GPU idle. What the kernels do not take (fp32,
+bits then depend only on its own keys. (MLA: pyengine/ops/cuda/mla.py, the same ranges.) What the
+kernels do not take (fp32,
 other head sizes) runs the reference: in this mode its per-query form
 (reference.attention.paged_attention_per_query, slow, eager only), since the padded one sums a
 token's keys in a layout that changes with the step.
@@ -34,8 +33,6 @@ _CONST = kernels.paged_attention_constants()
 SPLIT_BLOCK: int = _CONST["split_block"]  # keys per split unit; process-wide (benchmarks sweep it)
 MAX_SPLITS: int = _CONST["max_splits"]
 SPLIT_MAX_QUERY_LEN: int = _CONST["split_max_query_len"]
-# split_block of MLA under KernelConfig.batch_invariant: larger than any context, so no row splits
-NO_SPLIT_BLOCK = 1 << 30
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 _PLAN_KEY = "cuda_paged_attention"
 
@@ -70,8 +67,8 @@ def plan(meta: AttentionMetadata, device: torch.device) -> dict:
 
 
 def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                           scale: float, return_lse: bool, num_kv_heads: int, head_dim_v: int, mla: bool):
-    """out [T, Hq, head_dim_v] (and lse) of the GQA kernels, or of the MLA kernels when mla."""
+                           scale: float, return_lse: bool, num_kv_heads: int, head_dim_v: int):
+    """out [T, Hq, head_dim_v] (and lse) of the GQA kernels."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if return_lse else None
@@ -82,11 +79,8 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return (out, lse) if return_lse else out
     step = plan(meta, q.device)
     config = get_kernel_config()
-    fixed = config.batch_invariant and not mla  # MLA: one split per row in this mode
-    if config.batch_invariant:
-        max_splits = 1 if mla else step["max_splits_fixed"]
-    else:
-        max_splits = step["max_splits"]
+    fixed = bool(config.batch_invariant)
+    max_splits = step["max_splits_fixed"] if fixed else step["max_splits"]
     ws_key = (num_heads, head_dim_v, max_splits)
     ws = step["workspace"].get(ws_key)
     if ws is None:
@@ -104,13 +98,13 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         query_start_loc=step["qsl"].data_ptr(), context_lens=step["ctx"].data_ptr(), num_rows=meta.num_rows,
         num_q_heads=num_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_v=head_dim_v,
         block_size=meta.block_size, max_blocks_per_row=tables.shape[1], max_query_len=int(meta.max_query_len),
-        max_splits=max_splits, split_block=NO_SPLIT_BLOCK if config.batch_invariant and mla else SPLIT_BLOCK,
+        max_splits=max_splits, split_block=SPLIT_BLOCK,
         fixed_splits=fixed, scale=float(scale), dtype=DTYPE_CODE[q.dtype],
-        pdl=config.pdl and not mla, num_sms=num_sms(q.device), gqa_fma=config.gqa_fma,
-        gqa_pairs_per_block=config.gqa_pairs_per_block, mla_small_tile=config.mla_small_tile,
+        pdl=config.pdl, num_sms=num_sms(q.device), gqa_fma=config.gqa_fma,
+        gqa_pairs_per_block=config.gqa_pairs_per_block,
     )
     with torch.cuda.device(q.device):
-        (kernels.paged_attention_mla if mla else kernels.paged_attention)(p, stream(q.device))
+        kernels.paged_attention(p, stream(q.device))
     return (out, lse) if return_lse else out
 
 
@@ -121,4 +115,4 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if get_kernel_config().batch_invariant:  # the padded reference's sums change with the step
             return paged_attention_per_query(q, k_cache, v_cache, meta, scale, return_lse=return_lse)
         return reference.paged_attention(q, k_cache, v_cache, meta, scale, return_lse=return_lse)
-    return launch_paged_attention(q, k_cache, v_cache, meta, scale, return_lse, k_cache.shape[2], head_dim, mla=False)
+    return launch_paged_attention(q, k_cache, v_cache, meta, scale, return_lse, k_cache.shape[2], head_dim)
