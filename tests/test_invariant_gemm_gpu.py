@@ -33,8 +33,9 @@ FAMILIES = {"default": 0, "mma_sync": 1, "wgmma": 2}
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, split: int = 0,
          family: int = 0, tile: tuple[int, int] = (0, 0)) -> torch.Tensor:
-    """cuda_ops.invariant_gemm with the kernel family named (family 0 is what it runs) and, for
-    the mma.sync family, its output tile (rows, columns; 0 the default)."""
+    """cuda_ops.invariant_gemm with the kernel family named (family 0 is what it runs) and its
+    output tile (rows, columns; 0 the default): any mma.sync tile, or the wgmma family's width
+    (tile (0, 128) or (0, 256))."""
     if family == 0 and tile == (0, 0):
         return cuda_ops.invariant_gemm(x, w, bias, split=split)
     x = aligned_rows(x)
@@ -109,6 +110,27 @@ def test_the_families_give_the_same_bits(k: int, n: int, dtype: torch.dtype) -> 
             a = gemm(x[:m], w, bias, split=split, family=1)
             b = gemm(x[:m], w, bias, split=split, family=2)
             assert torch.equal(a, b), f"split {split}, M={m}: {(a != b).sum().item()} elements differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("k,n", [(4096, 28672), (576, 49152), (4096, 1024), (14336, 4096), (128, 968), (192, 200),
+                                 (640, 136), (64, 8)])
+def test_the_wide_wgmma_tiles_give_the_same_bits(k: int, n: int, dtype: torch.dtype) -> None:
+    """The wgmma family's 128 x 256 tile (one K range: split 1) and 128 x 192 tile (one range, or
+    a block walking them: splits 2 / 8, empty ranges where K is short), forced at every M from one
+    row to several row tiles, with bias and at column tails, give the bits of the 128-wide wgmma
+    tile and of mma.sync. (By default they run from 65 rows at split 1 and from 257 rows where
+    the 128-wide tile would walk the ranges: Llama-8B's projections in a prefill.)"""
+    x, w, bias = operands(k, n, 600, dtype, seed=k + n + 1)
+    for split in (1, 2, 8):
+        widths = (128, 192, 256) if split == 1 else (128, 192)
+        for m in (1, 17, 64, 65, 129, 300, 600):
+            ref = gemm(x[:m], w, bias, split=split, family=1)
+            for width in widths:
+                y = gemm(x[:m], w, bias, split=split, family=2, tile=(0, width))
+                assert torch.equal(y, ref), f"split {split}, {width}-wide, M={m}: {(y != ref).sum().item()} differ"
+        close_to_reference(y, x, w, bias)
+    assert torch.equal(gemm(x, w, split=1, family=2, tile=(0, 256)), gemm(x, w, split=1, family=1))
 
 
 @pytest.mark.parametrize("family", FAMILIES.values(), ids=FAMILIES.keys())

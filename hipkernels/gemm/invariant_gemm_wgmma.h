@@ -4,10 +4,11 @@
 //
 // Reduction order. y[m, n] is summed in an order fixed by (K, N, the device's multiprocessor count)
 // alone: K is cut into the same `split` ranges as invariant_gemm_split gives; inside a range the k
-// tiles of 64, and the four 16-deep wgmma m64n128k16 products of each, are accumulated in increasing
-// order into fp32 registers that start from zero; the ranges' partial sums are then added in
-// increasing order (inside a thread-block cluster for launches of few tiles, by one block walking
-// the ranges in turn for many tiles: the same fp32 operations), bias last, one rounding.
+// tiles of 64, and the four 16-deep wgmma products of each (m64n128k16, or n192 / n256 for the
+// wide tiles), are accumulated in increasing order into fp32 registers that start from zero; the
+// ranges' partial sums are then added in increasing order (inside a thread-block cluster for
+// launches of few tiles, by one block walking the ranges in turn for many tiles: the same fp32
+// operations), bias last, one rounding.
 // Every row lands in one 64-row wgmma whatever M is (TMA zero-fills rows past M), so a row's bits
 // are the same alone, in any batch, at any position; on the H100 they also equal the mma.sync
 // kernel's for the same ranges (measured; see invariant_gemm_wgmma_default_for).
@@ -41,3 +42,12 @@ inline bool invariant_gemm_wgmma_default_for(int m, int k, int n, int splits) {
 
 // Launch with the K split already chosen (1, 2, 4 or 8); the caller has checked the shape and M > 0.
 int launch_invariant_gemm_wgmma(const InvariantGemmParams& p, int splits, void* stream);
+
+// The 128 x 256 and 128 x 192 tiles (invariant_gemm_wgmma_wide.hip), 16-byte aligned output rows:
+// 256 for one K range (its 128 accumulator registers a thread leave no room for a running total);
+// 192 for one range or a block walking the ranges. wide_for gives the width launch_invariant_gemm_wgmma
+// takes above 64 rows, or 0: 256 at split 1 (Llama-8B's gate_up and lm_head), 192 at split > 1
+// unless its blocks are too few for the K chain (k tiles > 6 x blocks: Llama-8B's down at 65-128
+// rows). H100 figures: docs/kernels/invariant_gemm.md. The same bits as the other tiles.
+int invariant_gemm_wgmma_wide_for(const InvariantGemmParams& p, int splits);
+int launch_invariant_gemm_wgmma_wide(const InvariantGemmParams& p, int splits, int width, void* stream);

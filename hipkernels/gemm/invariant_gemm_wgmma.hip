@@ -202,33 +202,6 @@ __global__ void __launch_bounds__(WgTile<BM>::kThreads, BM == 64 ? 2 : 1)
 #endif
 }
 
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiled encoder() {
-  static const EncodeTiled fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      return (EncodeTiled) nullptr;
-    return reinterpret_cast<EncodeTiled>(f);
-  }();
-  return fn;
-}
-
-// A 2-D row-major map (inner dimension `cols`, rows `row_elems` elements apart), box [box_rows][64].
-bool encode(CUtensorMap* map, int dtype, const void* base, uint64_t cols, uint64_t rows, int64_t row_elems,
-            uint32_t box_rows) {
-  const cuuint64_t dims[2] = {cols, rows}, strides[1] = {(cuuint64_t)row_elems * 2};
-  const cuuint32_t box[2] = {64, box_rows}, elem_strides[2] = {1, 1};
-  return encoder()(map, dtype == PE_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-                   const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 template <typename T, int BM, bool kSequential>
 int launch(const InvariantGemmParams& p, int splits, cudaStream_t s) {
   using L = WgTile<BM>;
@@ -237,8 +210,8 @@ int launch(const InvariantGemmParams& p, int splits, cudaStream_t s) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::kSmemBytes);
   if (attr_rc != cudaSuccess) return (int)attr_rc;
   CUtensorMap map_x, map_w;
-  if (!encode(&map_x, p.dtype, p.x, (uint64_t)p.k, (uint64_t)p.m, p.x_stride, BM) ||
-      !encode(&map_w, p.dtype, p.w, (uint64_t)p.n, (uint64_t)p.k, p.n, kBK))
+  if (!pe_tma::encode(&map_x, p.dtype, p.x, (uint64_t)p.k, (uint64_t)p.m, p.x_stride, BM) ||
+      !pe_tma::encode(&map_w, p.dtype, p.w, (uint64_t)p.n, (uint64_t)p.k, p.n, kBK))
     return -1;
   const int64_t tiles = (int64_t)((p.m + BM - 1) / BM) * ((p.n + kBN - 1) / kBN) * (kSequential ? 1 : splits);
   if (tiles > 0x7fffffff) return -1;
@@ -268,9 +241,14 @@ int launch(const InvariantGemmParams& p, int splits, cudaStream_t s) {
 }
 
 // The row tile and the combine from M (a launch's efficiency only, never a row's arithmetic): 64
-// rows for decode; 128 above, the ranges in a cluster while the tiles are fewer than a wave.
+// rows for decode; 128 above, the ranges in a cluster while the tiles are fewer than a wave; 128 x
+// 256 or 192 (invariant_gemm_wgmma_wide.hip) where invariant_gemm_wgmma_wide_for says. family 2
+// with tile_n 128 / 192 / 256 forces the width (tests, benchmarks; 256 needs split 1).
 template <typename T>
 int launch_rows(const InvariantGemmParams& p, int splits, cudaStream_t s) {
+  const bool forced = p.family == 2 && p.tile_n != 0;
+  const int wide = forced ? (p.tile_n == kBN ? 0 : p.tile_n) : invariant_gemm_wgmma_wide_for(p, splits);
+  if (wide != 0) return launch_invariant_gemm_wgmma_wide(p, splits, wide, s);
   if (p.m <= 64) return launch<T, 64, false>(p, splits, s);
   const int64_t tiles = (int64_t)((p.m + 127) / 128) * ((p.n + kBN - 1) / kBN);
   if (splits > 1 && tiles < p.num_sms) return launch<T, 128, false>(p, splits, s);
@@ -279,7 +257,7 @@ int launch_rows(const InvariantGemmParams& p, int splits, cudaStream_t s) {
 
 }  // namespace
 
-bool invariant_gemm_wgmma_available() { return encoder() != nullptr; }
+bool invariant_gemm_wgmma_available() { return pe_tma::encoder() != nullptr; }
 
 int launch_invariant_gemm_wgmma(const InvariantGemmParams& p, int splits, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);

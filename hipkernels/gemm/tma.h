@@ -1,6 +1,6 @@
 // Hopper's bulk tensor copies (TMA) and the shared-memory barriers (mbarrier) they complete on, for
-// the wgmma GEMM (invariant_gemm_wgmma.hip). Device code of the sm_90a pass only (PE_TMA); nothing
-// here exists for other targets or under hipcc.
+// the wgmma GEMM (invariant_gemm_wgmma*.hip). Device code of the sm_90a pass only (PE_TMA), and the
+// host's tensor-map encoding (CUDA builds); nothing here exists under hipcc.
 //
 // A pipeline stage has a "full" barrier (one arrival: the producer's arrive.expect_tx with the
 // stage's bytes; the copies complete the transaction) and an "empty" barrier (one arrival per
@@ -11,6 +11,11 @@
 #include <cstdint>
 
 #include "common/hip_compat.h"
+
+#if defined(PE_CUDA)
+#include <cuda.h>
+#include <cuda_runtime.h>
+#endif
 
 #if defined(PE_CUDA) && defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define PE_TMA 1
@@ -72,6 +77,37 @@ PE_DEVICE void named_sync(int id, int threads) {
 template <int pending>
 PE_DEVICE void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(pending) : "memory");
+}
+#endif
+
+#if defined(PE_CUDA)
+// Host side: the driver's tensor-map encoder (no libcuda link: the runtime hands out the entry
+// point) and a 2-D map of a row-major matrix with the 128-byte swizzle the wgmma tiles read.
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+inline EncodeTiled encoder() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return (EncodeTiled) nullptr;
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// A 2-D row-major map (inner dimension `cols`, rows `row_elems` elements apart), box [box_rows][64].
+inline bool encode(CUtensorMap* map, int dtype, const void* base, uint64_t cols, uint64_t rows, int64_t row_elems,
+            uint32_t box_rows) {
+  const cuuint64_t dims[2] = {cols, rows}, strides[1] = {(cuuint64_t)row_elems * 2};
+  const cuuint32_t box[2] = {64, box_rows}, elem_strides[2] = {1, 1};
+  return encoder()(map, dtype == PE_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                   const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 #endif
 
