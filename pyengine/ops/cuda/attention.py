@@ -66,28 +66,45 @@ def plan(meta: AttentionMetadata, device: torch.device) -> dict:
     return step
 
 
+def new_outputs(q: torch.Tensor, head_dim_v: int, return_lse: bool, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """(out [T, Hq, head_dim_v], lse [T, Hq] or None, whether a kernel has work): a step without
+    tokens or rows gets zeros and lse +inf (no keys) here."""
+    num_tokens, num_heads = q.shape[:2]
+    out = torch.empty(num_tokens, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if return_lse else None
+    if num_tokens and meta.num_rows:
+        return out, lse, True
+    out.zero_()
+    if lse is not None:
+        lse.fill_(float("inf"))
+    return out, lse, False
+
+
+def split_workspace(step: dict, key: tuple, num_heads: int, head_dim_v: int, max_splits: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's fp32 split-KV partials (values, lse) for max_splits splits, made once per key."""
+    ws = step["workspace"].get(key)
+    if ws is None:
+        n = step["ws_tokens"] * num_heads * max_splits if max_splits > 1 else 0
+        ws = (torch.empty(max(n * head_dim_v, 1), dtype=torch.float32, device=device),
+              torch.empty(max(n, 1), dtype=torch.float32, device=device))
+        step["workspace"][key] = ws
+    return ws
+
+
 def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, return_lse: bool, num_kv_heads: int, head_dim_v: int):
     """out [T, Hq, head_dim_v] (and lse) of the GQA kernels."""
-    num_tokens, num_heads, head_dim = q.shape
-    out = torch.empty(num_tokens, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if return_lse else None
-    if num_tokens == 0 or meta.num_rows == 0:
-        out.zero_()
-        if lse is not None:
-            lse.fill_(float("inf"))
+    num_heads, head_dim = q.shape[1:]
+    out, lse, work = new_outputs(q, head_dim_v, return_lse, meta)
+    if not work:
         return (out, lse) if return_lse else out
     step = plan(meta, q.device)
     config = get_kernel_config()
     fixed = bool(config.batch_invariant)
     max_splits = step["max_splits_fixed"] if fixed else step["max_splits"]
-    ws_key = (num_heads, head_dim_v, max_splits)
-    ws = step["workspace"].get(ws_key)
-    if ws is None:
-        n = step["ws_tokens"] * num_heads * max_splits if max_splits > 1 else 0
-        ws = (torch.empty(max(n * head_dim_v, 1), dtype=torch.float32, device=q.device),
-              torch.empty(max(n, 1), dtype=torch.float32, device=q.device))
-        step["workspace"][ws_key] = ws
+    ws = split_workspace(step, (num_heads, head_dim_v, max_splits), num_heads, head_dim_v, max_splits, q.device)
     q = aligned_rows(q)
     tables = step["tables"]
     p = params(

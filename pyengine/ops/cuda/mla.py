@@ -17,7 +17,7 @@ import torch
 
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.ops import reference
-from pyengine.ops.cuda.attention import SPLIT_BLOCK, plan
+from pyengine.ops.cuda.attention import SPLIT_BLOCK, new_outputs, plan, split_workspace
 from pyengine.ops.cuda.launch import DTYPE_CODE, aligned_rows, kernels, num_sms, params, row_stride, slots, stream
 from pyengine.ops.kernel_config import get_kernel_config
 from pyengine.ops.reference.mla import KV_LORA_RANK, ROPE_DIM, paged_attention_mla_ranges
@@ -42,12 +42,6 @@ def accumulator_pool(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
                 torch.zeros(4 * n, dtype=torch.int32, device=device))
         _pools[index] = pool
     return pool
-
-
-def walks(meta: AttentionMetadata, num_heads: int, device: torch.device) -> bool:
-    """Whether every row of the step walks its ranges (a function of the step's shape, if anything:
-    the bits are the same either way)."""
-    return bool(force_walk)
 
 
 def reshape_and_cache_mla(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -81,25 +75,15 @@ def paged_attention_mla(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
             return paged_attention_mla_ranges(q, kv_cache, meta, scale, return_lse=return_lse,
                                               kv_lora_rank=kv_lora_rank, range_size=SPLIT_BLOCK)
         return reference.paged_attention_mla(q, kv_cache, meta, scale, return_lse=return_lse, kv_lora_rank=kv_lora_rank)
-    num_tokens, num_heads, head_dim = q.shape
-    out = torch.empty(num_tokens, num_heads, KV_LORA_RANK, dtype=q.dtype, device=q.device)
-    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if return_lse else None
-    if num_tokens == 0 or meta.num_rows == 0:
-        out.zero_()
-        if lse is not None:
-            lse.fill_(float("inf"))
+    num_heads, head_dim = q.shape[1:]
+    out, lse, work = new_outputs(q, KV_LORA_RANK, return_lse, meta)
+    if not work:
         return (out, lse) if return_lse else out
     step = plan(meta, q.device)
-    fixed = get_kernel_config().batch_invariant
-    walk = fixed and walks(meta, num_heads, q.device)
+    fixed = bool(get_kernel_config().batch_invariant)
+    walk = fixed and bool(force_walk)  # the bits are the same either way
     max_splits = 1 if walk else step["max_splits_fixed" if fixed else "max_splits"]
-    ws_key = ("mla", num_heads, max_splits)
-    ws = step["workspace"].get(ws_key)
-    if ws is None:
-        n = step["ws_tokens"] * num_heads * max_splits if max_splits > 1 else 0
-        ws = (torch.empty(max(n * KV_LORA_RANK, 1), dtype=torch.float32, device=q.device),
-              torch.empty(max(n, 1), dtype=torch.float32, device=q.device))
-        step["workspace"][ws_key] = ws
+    ws = split_workspace(step, ("mla", num_heads, max_splits), num_heads, KV_LORA_RANK, max_splits, q.device)
     acc, locks = accumulator_pool(q.device)
     q = aligned_rows(q)
     tables = step["tables"]

@@ -11,6 +11,7 @@ lse[t, h] = logsumexp_j score (natural log, fp32); a query with no keys gets out
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -29,6 +30,25 @@ def reshape_and_cache_mla(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torc
     flat.index_copy_(0, slot_mapping[valid], rows[valid])
 
 
+def _rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, compute: torch.dtype
+          ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per row with queries and keys: (first token, query length, its queries [q_len, Hq, R + P] and
+    keys [ctx, R + P] in `compute`, the causal mask [q_len, ctx]: query i sees keys < ctx - q_len + 1 + i)."""
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    bs = meta.block_size
+    qsl = meta.query_start_loc.tolist()
+    tables = meta.block_tables.to(device=kv_cache.device, dtype=torch.int64)
+    for r, ctx in enumerate(meta.context_lens.tolist()):
+        q0, q_len = qsl[r], qsl[r + 1] - qsl[r]
+        if q_len == 0 or ctx <= 0:
+            continue
+        pos = torch.arange(ctx, device=kv_cache.device)
+        k = flat.index_select(0, tables[r, pos // bs] * bs + pos % bs).to(compute)
+        qr = q[q0:q0 + q_len].to(device=kv_cache.device, dtype=compute)
+        limit = ctx - (q_len - 1 - torch.arange(q_len, device=kv_cache.device))
+        yield q0, q_len, qr, k, pos[None, :] < limit[:, None]
+
+
 def paged_attention_mla(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                         return_lse: bool = False, kv_lora_rank: int = KV_LORA_RANK
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -37,22 +57,8 @@ def paged_attention_mla(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(num_tokens, num_heads, kv_lora_rank, dtype=compute, device=q.device)
     lse = torch.full((num_tokens, num_heads), float("inf"), dtype=torch.float32, device=q.device)
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
-    bs = meta.block_size
-    qsl = meta.query_start_loc.tolist()
-    ctxs = meta.context_lens.tolist()
-    tables = meta.block_tables.to(device=kv_cache.device, dtype=torch.int64)
-    for r, ctx in enumerate(ctxs):
-        q0, q_len = qsl[r], qsl[r + 1] - qsl[r]
-        if q_len == 0 or ctx <= 0:
-            continue
-        pos = torch.arange(ctx, device=kv_cache.device)
-        slots = tables[r, pos // bs] * bs + pos % bs
-        k = flat.index_select(0, slots).to(compute)  # [ctx, 576]
-        qr = q[q0:q0 + q_len].to(device=kv_cache.device, dtype=compute)  # [q_len, Hq, 576]
+    for q0, q_len, qr, k, mask in _rows(q, kv_cache, meta, compute):
         scores = torch.einsum("qhd,kd->qhk", qr, k) * scale
-        limit = ctx - (q_len - 1 - torch.arange(q_len, device=kv_cache.device))  # [q_len]
-        mask = pos[None, :] < limit[:, None]  # [q_len, ctx]
         scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)  # [q_len, Hq]
         has_keys = mask.any(dim=-1)[:, None]
@@ -77,22 +83,11 @@ def paged_attention_mla_ranges(q: torch.Tensor, kv_cache: torch.Tensor, meta: At
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(num_tokens, num_heads, kv_lora_rank, dtype=compute, device=q.device)
     lse = torch.full((num_tokens, num_heads), float("inf"), dtype=torch.float32, device=q.device)
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
-    bs = meta.block_size
-    qsl = meta.query_start_loc.tolist()
-    ctxs = meta.context_lens.tolist()
-    tables = meta.block_tables.to(device=kv_cache.device, dtype=torch.int64)
     log2e = 1.4426950408889634
-    for r, ctx in enumerate(ctxs):
-        q0, q_len = qsl[r], qsl[r + 1] - qsl[r]
-        if q_len == 0 or ctx <= 0:
-            continue
-        pos = torch.arange(ctx, device=kv_cache.device)
-        k = flat.index_select(0, tables[r, pos // bs] * bs + pos % bs).to(compute)  # [ctx, 576]
-        qr = q[q0:q0 + q_len].to(device=kv_cache.device, dtype=compute)
+    for q0, q_len, qr, k, mask in _rows(q, kv_cache, meta, compute):
+        ctx = k.shape[0]
         s2 = torch.einsum("qhd,kd->qhk", qr, k) * (scale * log2e)  # base-2 scores
-        limit = ctx - (q_len - 1 - torch.arange(q_len, device=kv_cache.device))
-        s2 = s2.masked_fill(~(pos[None, :] < limit[:, None])[:, None, :], float("-inf"))
+        s2 = s2.masked_fill(~mask[:, None, :], float("-inf"))
         m = torch.full((q_len, num_heads), float("-inf"), dtype=compute, device=kv_cache.device)
         l_sum = torch.zeros_like(m)
         o = torch.zeros(q_len, num_heads, kv_lora_rank, dtype=compute, device=kv_cache.device)
