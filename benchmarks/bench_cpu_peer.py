@@ -144,6 +144,7 @@ def main() -> None:
     arith = args.arith or ["int8" if args.int8_dot else "default"]
     pyengines = {"pyengine": arith[0]} if len(arith) == 1 else {f"pyengine_{a}": a for a in arith}
     engines = [*pyengines, "llama.cpp"]
+    spec_ks = (0, args.spec_tokens) if args.spec_tokens else (0,)  # --spec-tokens 0: no speculation runs
     try:
         import llama_cpp
     except ImportError:
@@ -162,7 +163,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {}
     for r in range(args.rounds):
         for threads in args.threads:
-            for spec_k in (0, args.spec_tokens):
+            for spec_k in spec_ks:
                 for engine in engines:  # taking turns
                     res = run_engine("llama.cpp" if engine == "llama.cpp" else "pyengine", threads, spec_k, ids, args,
                                      pyengines.get(engine, "default"))
@@ -174,13 +175,13 @@ def main() -> None:
     for threads in args.threads:
         row: dict[str, Any] = {"threads": threads}
         for engine in engines:
-            for spec_k in (0, args.spec_tokens):
+            for spec_k in spec_ks:
                 for key, value in _medians(runs[f"{engine}|{threads}|{spec_k}"]).items():
                     if not spec_k or key.startswith("spec_"):  # load time and RSS: the plain process's
                         row[f"{engine}_{key}"] = value
         for engine in pyengines:
             tag = engine[len("pyengine"):]
-            for key in ("decode_tok_s", "pp_tok_s", "spec_tok_s", "plain_tok_s"):
+            for key in ("decode_tok_s", "pp_tok_s", "plain_tok_s") + (("spec_tok_s",) if args.spec_tokens else ()):
                 row[f"ratio{tag}_{key}"] = round(row[f"{engine}_{key}"] / row[f"llama.cpp_{key}"], 3)
             first = {e: runs[f"{e}|{threads}|0"][0] for e in (engine, "llama.cpp")}
             for key, name in (("decode_tokens", "decode"), ("plain_tokens", "grounded")):

@@ -1,12 +1,13 @@
-"""How far the CPU's int8-dot GGUF linears (csrc/cpu/cpu_gemm_qdot.h: llama.cpp's arithmetic) move the
-default model's logits from the fp32 products of its dequantised weights, with llama.cpp as the
-yardstick.
+"""How far the CPU's integer-dot GGUF linears (csrc/cpu/cpu_gemm_qdot.h: two int16 limbs, the default,
+and int8, llama.cpp's arithmetic) move the default model's logits from the fp32 products of its
+dequantised weights, with llama.cpp as the yardstick.
 
 Sequences: chat prompts from Spec-Bench's questions (one per category) followed by the fp32
 reference's own greedy answer, teacher-forced, so every position is a real context. Per position
-the logits of: `fp32` (pyengine, weights dequantised to fp32, exact products: the path before the
-int8 dots), `int8` (pyengine from the file's codes, the default), `llama.cpp` (llama-cpp-python,
-logits_all). Reported per pair: max and mean absolute difference and top-1 agreement.
+the logits of: `fp32` (pyengine, weights dequantised to fp32, exact products: the default before
+the int16 limbs), `int16` (pyengine from the file's codes, KernelConfig.cpu_int16_dot: the
+default), `int8` (from the codes, cpu_int8_dot), `llama.cpp` (llama-cpp-python, logits_all).
+Reported per pair: max and mean absolute difference and top-1 agreement.
 
     python benchmarks/quality_cpu_qdot.py [--prompts ../shared/data/spec_bench_questions.jsonl]
         [--per-category 1] [--answer-tokens 64] [--out benchmarks/results/cpu_qdot_quality.json]
@@ -72,8 +73,11 @@ def main() -> None:
 
     with use_kernel_config(KernelConfig(cpu_int8_dot=True)):  # llama.cpp's arithmetic (opt-in)
         new = load(path, from_codes=True)[0]
-    if not all(getattr(layer.qkv_proj, "int8_dot", False) for layer in new.layers):
-        raise SystemExit("this CPU does not run the int8-dot linears (AVX2 + F16C)")
+    with use_kernel_config(KernelConfig(cpu_int8_dot=False, cpu_int16_dot=True)):  # two int16 limbs
+        limbs = load(path, from_codes=True)[0]
+    if not all(getattr(layer.qkv_proj, "int8_dot", False) for layer in new.layers) or \
+            not all(getattr(layer.qkv_proj, "int16_dot", False) for layer in limbs.layers):
+        raise SystemExit("this CPU does not run the integer-dot linears (AVX2 + F16C)")
     seen: dict[str, int] = {}
     questions = []
     with open(args.prompts, encoding="utf-8") as f:
@@ -87,7 +91,7 @@ def main() -> None:
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
         answer = greedy_generate(ref, config, [prompt], args.answer_tokens)[0][0]
         sequences.append(prompt + answer)
-    logits = {"fp32": [], "int8": [], "llama.cpp": []}
+    logits = {"fp32": [], "int16": [], "int8": [], "llama.cpp": []}
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -96,14 +100,16 @@ def main() -> None:
     for ids in sequences:
         logits["fp32"].append(all_logits(ref, config, ids))
         logits["int8"].append(all_logits(new, config, ids))
+        logits["int16"].append(all_logits(limbs, config, ids))
         if cpp is not None:
             cpp.reset()
             cpp.eval(ids)
             logits["llama.cpp"].append(torch.from_numpy(np.array(cpp.scores[:len(ids)], dtype=np.float32)))
     cat = {k: torch.cat(v) for k, v in logits.items() if v}
-    pairs = [("int8", "fp32"), ("llama.cpp", "fp32"), ("int8", "llama.cpp")]
+    pairs = [("int16", "fp32"), ("int8", "fp32"), ("llama.cpp", "fp32"), ("int8", "llama.cpp"), ("int16", "llama.cpp")]
     result = {
-        "benchmark": "default model's logits: int8-dot GGUF linears vs fp32 products of the dequantised weights",
+        "benchmark": "default model's logits: integer-dot GGUF linears (int16 limbs, int8) vs fp32 products of "
+                     "the dequantised weights",
         "machine": machine(), "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "command": "python benchmarks/quality_cpu_qdot.py " + " ".join(sys.argv[1:]), "loadavg": loadavg(),
         "sequences": len(sequences), "positions": int(cat["fp32"].shape[0]),

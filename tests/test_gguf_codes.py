@@ -1,8 +1,8 @@
 """Packing GGUF Q4_0 / Q4_1 / Q8_0 weights straight from their blocks (loader/gguf_codes.py) holds the
 file's very weights: where the CPU runs the integer-dot GEMMs (csrc/cpu/cpu_gemm_qdot.h: two int16
-limbs by default, KernelConfig.cpu_int16_dot; int8 under cpu_int8_dot) every linear computes its
+limbs under KernelConfig.cpu_int16_dot, int8 under cpu_int8_dot) every linear computes its
 pure-PyTorch spec (pyengine/ops/reference/quant_dot.py) on the file's codes bit for bit, else
-(csrc/cpu/cpu_gguf_pack.h, and with both off) the products of the dequantised weights, as packing
+(csrc/cpu/cpu_gguf_pack.h, and by default) the products of the dequantised weights, as packing
 those does."""
 from __future__ import annotations
 
@@ -63,6 +63,10 @@ def test_from_gguf_computes_the_files_weights(ggml_type):
         assert torch.equal(packed(x), reference(x))
     exact = PackedLinear.from_gguf(ggml_type, addresses(raw, order), cols, int8_dot=False, int16_dot=False)
     assert not exact.int8_dot and not exact.int16_dot and torch.equal(exact(x), reference(x))
+    limbs = PackedLinear.from_gguf(ggml_type, addresses(raw, order), cols, int8_dot=False, int16_dot=True)
+    if limbs.int16_dot:  # where the CPU has AVX2 + F16C
+        blocks = decode(raw.reshape(-1), ggml_type, rows, cols).map_rows(lambda a: a[order])
+        assert torch.equal(limbs(x), quant_linear(x, *gguf_weight_codes(blocks), act_bits=32))
 
 
 def test_from_gguf_refuses_what_it_cannot_pack():
@@ -137,17 +141,20 @@ def dequantised_model(smollm2_path):
     return model
 
 
-@pytest.mark.parametrize("arith", ["default", "exact", "int8"])
+@pytest.mark.parametrize("arith", ["default", "int16", "exact", "int8"])
 def test_default_model_packed_from_codes_computes_the_reference(smollm2_path, dequantised_model, monkeypatch,
                                                                 arith):
     """Every linear and the lm_head, packed from the file's blocks through the model's own mapping
-    (q/k rows reordered, fused projections), computes bit for bit the two-int16-limb reference on
-    those blocks (the default), what the dequantised model's linear computes (cpu_int16_dot off),
-    or under KernelConfig.cpu_int8_dot the int8-dot reference; the token embeddings are the
-    dequantised model's."""
+    (q/k rows reordered, fused projections), computes bit for bit what the dequantised model's
+    linear computes (by default, and with both integer dots off), or the two-int16-limb reference
+    on those blocks (KernelConfig.cpu_int16_dot), or the int8-dot reference (cpu_int8_dot); the
+    token embeddings are the dequantised model's."""
     calls = _recording_from_gguf(monkeypatch)
-    int8_dot = arith == "int8"
-    config = KernelConfig() if arith == "default" else KernelConfig(cpu_int8_dot=int8_dot, cpu_int16_dot=False)
+    if arith == "default":
+        config = KernelConfig()
+        arith = "int8" if config.cpu_int8_dot else "int16" if config.cpu_int16_dot else "exact"
+    else:
+        config = KernelConfig(cpu_int8_dot=arith == "int8", cpu_int16_dot=arith == "int16")
     with use_kernel_config(config):
         model = _load(smollm2_path, from_codes=True)
     assert model[0].lm_head.numel() == 0 and model[0].cpu_stack is not None
@@ -163,7 +170,7 @@ def test_default_model_packed_from_codes_computes_the_reference(smollm2_path, de
         x = torch.randn(3, w.in_features, generator=gen)
         if arith == "int8":
             assert w.int8_dot and torch.equal(w(x), quant_linear(x, *codes[id(w)]))
-        elif arith == "default":
+        elif arith == "int16":
             assert w.int16_dot and torch.equal(w(x), quant_linear(x, *codes[id(w)], act_bits=32))
         else:
             assert not w.int8_dot and not w.int16_dot and torch.equal(w(x), dense(x))
