@@ -1,11 +1,12 @@
-"""How far the CPU's integer-dot GGUF linears (csrc/cpu/cpu_gemm_qdot.h: two int16 limbs
-and int8, llama.cpp's arithmetic; both opt-in) move the default model's logits from the fp32 products of its
+"""How far the CPU's integer-dot GGUF linears (csrc/cpu/cpu_gemm_qdot.h: two int16 limbs and int8,
+llama.cpp's arithmetic; both opt-in) move the default model's logits from the fp32 products of its
 dequantised weights, with llama.cpp as the yardstick.
 
 Sequences: chat prompts from Spec-Bench's questions (one per category) followed by the fp32
 reference's own greedy answer, teacher-forced, so every position is a real context. Per position
-the logits of: `fp32` (pyengine, weights dequantised to fp32, exact products: the default), `int16`
-(pyengine from the file's codes, KernelConfig.cpu_int16_dot), `int8` (from the codes, cpu_int8_dot), `llama.cpp` (llama-cpp-python, logits_all).
+the logits of: `fp32` (pyengine, weights dequantised to fp32, exact products: the default),
+`int16` (pyengine from the file's codes, KernelConfig.cpu_int16_dot), `int8` (from the codes,
+cpu_int8_dot), `llama.cpp` (llama-cpp-python, logits_all).
 Reported per pair: max and mean absolute difference and top-1 agreement.
 
     python benchmarks/quality_cpu_qdot.py [--prompts ../shared/data/spec_bench_questions.jsonl]
