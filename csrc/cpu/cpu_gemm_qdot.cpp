@@ -27,22 +27,11 @@ constexpr int64_t kQuantisePerJob = 1 << 16;  // inputs quantised by the caller 
 
 // One row: x [blocks * 32] -> q int8 [blocks * 32], d and sx [blocks] (cpu_gemm_qdot.h's rule).
 PE_QDOT void quantise_row(const float* x, int64_t blocks, uint8_t* q, float* d, float* sx) {
-  const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t b = 0; b < blocks; ++b, x += kRun, q += kRun) {
-    __m256 v[4], a[4];
-    int finite = 0xFF;
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + 8 * i);
-      a[i] = _mm256_andnot_ps(sign, v[i]);
-      finite &= _mm256_movemask_ps(_mm256_cmp_ps(a[i], inf, _CMP_LT_OQ));
-    }
-    const float amax = hmax(_mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3])));
-    if (finite != 0xFF || amax < kTinyBlock) {
-      std::memset(q, 0, kRun);
-      d[b] = sx[b] = finite != 0xFF ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
-      continue;
-    }
+    __m256 v[4];
+    float amax;
+    if (!load_block(x, v, &amax, q, kRun, d + b, sx + b)) continue;
     const float db = amax / 127.0f;
     const __m256 id = _mm256_set1_ps(127.0f / amax);
     __m256i c[4];

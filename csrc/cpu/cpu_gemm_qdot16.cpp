@@ -140,23 +140,12 @@ const Kernel* qdot16x2_kernels(int bits) { return bits == 4 ? kQ4 : kQ8; }
 // cpu_gemm_qdot.h's rule: p = x * (32767 / a), q1 = rne(p), q2 = rne((p - q1) * 2^15), stored as
 // int16 in (x0, x2, x1, x3) order per 4 inputs, limb 2 after limb 1; sx = d * (sum q1 + sum q2 * 2^-15).
 PE_QDOT void quantise_row16x2(const float* x, int64_t blocks, uint8_t* q, float* d, float* sx) {
-  const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256 limb = _mm256_set1_ps(kLimb);
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t b = 0; b < blocks; ++b, x += kRun, q += 128) {
-    __m256 v[4], a[4];
-    int finite = 0xFF;
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + 8 * i);
-      a[i] = _mm256_andnot_ps(sign, v[i]);
-      finite &= _mm256_movemask_ps(_mm256_cmp_ps(a[i], inf, _CMP_LT_OQ));
-    }
-    const float amax = hmax(_mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3])));
-    if (finite != 0xFF || amax < kTinyBlock) {
-      std::memset(q, 0, 128);
-      d[b] = sx[b] = finite != 0xFF ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
-      continue;
-    }
+    __m256 v[4];
+    float amax;
+    if (!load_block(x, v, &amax, q, 128, d + b, sx + b)) continue;
     const float db = amax / kLevels;
     const __m256 id = _mm256_set1_ps(kLevels / amax);
     __m256i c[4], c2[4];

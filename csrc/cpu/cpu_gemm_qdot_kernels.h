@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "cpu_gemm_affine.h"
 #include "cpu_gemm_qdot.h"
@@ -51,6 +52,26 @@ PE_QDOT_INLINE float hmax(__m256 v) {
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
   return _mm_cvtss_f32(m);
+}
+
+// One 32-input block of a row into v, for the quantisers: false when the block was settled here
+// (a non-finite input: codes 0, d = sx = NaN; below kTinyBlock: codes 0, d = sx = 0), else true
+// with amax = max |x|. q_bytes: the block's code bytes.
+PE_QDOT_INLINE bool load_block(const float* x, __m256 v[4], float* amax, uint8_t* q, int64_t q_bytes, float* d,
+                               float* sx) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 a[4];
+  int finite = 0xFF;
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    a[i] = _mm256_andnot_ps(sign, v[i]);
+    finite &= _mm256_movemask_ps(_mm256_cmp_ps(a[i], inf, _CMP_LT_OQ));
+  }
+  *amax = hmax(_mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3])));
+  if (finite == 0xFF && *amax >= kTinyBlock) return true;
+  std::memset(q, 0, q_bytes);
+  *d = *sx = finite != 0xFF ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+  return false;
 }
 
 PE_QDOT_INLINE int32_t hsum(__m256i v) {
