@@ -15,6 +15,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 PE_DEVICE float neg_inf() { return -__int_as_float(0x7f800000); }
 PE_DEVICE float pos_inf() { return __int_as_float(0x7f800000); }
+// 1 / L of a state's sum of weights (0: no key), the factor its values are normalised by.
+PE_DEVICE float inverse_sum(float L) { return L > 0.f ? 1.f / L : 0.f; }
+// A finished state's log-sum-exp as the output holds it (natural log; +inf: no key).
+PE_DEVICE float output_lse(float M, float L) { return L > 0.f ? (M + log2f(L)) * kLn2 : pos_inf(); }
 
 // Per-row split rule (see paged_attention.h); the Python wrapper sizes the workspace from it. It
 // reads only the row's own context and query length, so a row's result never depends on the batch.
@@ -85,7 +89,7 @@ PE_DEVICE void merge_parts(const float* ml, int ml_stride, const float* acc, int
       for (int j = 0; j < 8; ++j) o[j] += acc[w * acc_stride + j] * wt;
     }
   }
-  const float inv = L > 0.f ? 1.f / L : 0.f;
+  const float inv = inverse_sum(L);
 #pragma unroll
   for (int j = 0; j < 8; ++j) o[j] *= inv;
   *M_out = M;
@@ -113,12 +117,12 @@ PE_DEVICE void merge_range(float& m, float& l, float* o, float lse, const float*
 // out (8 values of pair (t, h)) and lse (natural log; +inf without keys) of a merged state.
 template <typename T>
 PE_DEVICE void store_merged(const PagedAttentionParams& p, int t, int h, int v, float m, float l, float* o) {
-  const float inv = l > 0.f ? 1.f / l : 0.f;
+  const float inv = inverse_sum(l);
 #pragma unroll
   for (int j = 0; j < 8; ++j) o[j] *= inv;
   T* dst = static_cast<T*>(p.out) + (int64_t)t * p.out_stride_token + (int64_t)h * p.out_stride_head + v * 8;
   store8<T>(dst, o);
-  if (v == 0 && p.lse != nullptr) p.lse[(int64_t)t * p.num_q_heads + h] = l > 0.f ? (m + log2f(l)) * kLn2 : pos_inf();
+  if (v == 0 && p.lse != nullptr) p.lse[(int64_t)t * p.num_q_heads + h] = output_lse(m, l);
 }
 
 // The end of a GQA block for one (token t = query_start_loc[row] + i_tok, head h) pair and its
@@ -134,7 +138,7 @@ PE_DEVICE void merge_and_store_pair(const PagedAttentionParams& p, const float* 
   if (direct) {
     T* dst = static_cast<T*>(p.out) + (int64_t)t * p.out_stride_token + (int64_t)h * p.out_stride_head + v * 8;
     store8<T>(dst, o);
-    if (v == 0 && p.lse != nullptr) p.lse[(int64_t)t * Hq + h] = L > 0.f ? (M + log2f(L)) * kLn2 : pos_inf();
+    if (v == 0 && p.lse != nullptr) p.lse[(int64_t)t * Hq + h] = output_lse(M, L);
   } else {
     const int64_t w = ((int64_t)(p.ws_start[row] + i_tok) * Hq + h) * p.max_splits + split;
     float4* dst = reinterpret_cast<float4*>(p.ws_out + w * p.head_dim_v + v * 8);

@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
       T* out = static_cast<T*>(p.out) + (int64_t)(w.q0 + i_tok) * p.out_stride_token + (int64_t)h * p.out_stride_head + col0;
       float* lse_out = p.lse != nullptr ? p.lse + (int64_t)(w.q0 + i_tok) * Hq + h : nullptr;
       if (valid)
-        fold_range_row<T, 32>(st[j], partial_lse(M[j], L[j]), L[j] > 0.f ? 1.f / L[j] : 0.f, o + 2 * j,
+        fold_range_row<T, 32>(st[j], partial_lse(M[j], L[j]), inverse_sum(L[j]), o + 2 * j,
                               slab != nullptr ? slab + r[j] * kDv + col0 : nullptr, out, lse_out, wg == 0 && q == 0,
                               last);
     }
@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
     if (m >= w.m_count) continue;
     const int i_tok = m / Hq;
     const int h = m - i_tok * Hq;
-    const float inv = L[j] > 0.f ? 1.f / L[j] : 0.f;
+    const float inv = inverse_sum(L[j]);
     const int64_t ws = ((int64_t)(p.ws_start[w.row] + i_tok) * Hq + h) * p.max_splits + w.split;
     float* dst = p.ws_out + ws * kDv + col0;
 #pragma unroll

@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) mla_small_kernel(PagedAttentio
       if (m >= w.m_count) continue;
       const int i_tok = m / Hq;
       const int h = m - i_tok * Hq;
-      const float inv = L[j] > 0.f ? 1.f / L[j] : 0.f;
+      const float inv = inverse_sum(L[j]);
       const int tok = w.q0 + i_tok;
       if (walk) {
         T* out = static_cast<T*>(p.out) + (int64_t)tok * p.out_stride_token + (int64_t)h * p.out_stride_head + col0;

@@ -127,7 +127,7 @@ PE_DEVICE void fold_range_row(MergedRow& st, float lse, float inv, const float* 
     l = st.l;
     merge_range(m, l, acc, lse, po);
     if (last) {
-      const float inv_l = l > 0.f ? 1.f / l : 0.f;
+      const float inv_l = pe_attn::inverse_sum(l);
 #pragma unroll
       for (int u = 0; u < 4; ++u)
         *reinterpret_cast<uint32_t*>(out + 8 * (4 * c + u)) = pe_attn::pack2<T>(acc[2 * u] * inv_l, acc[2 * u + 1] * inv_l);
@@ -138,7 +138,7 @@ PE_DEVICE void fold_range_row(MergedRow& st, float lse, float inv, const float* 
   }
   st.m = m;
   st.l = l;
-  if (last && write_lse && out_lse != nullptr) *out_lse = l > 0.f ? (m + log2f(l)) * pe_attn::kLn2 : pe_attn::pos_inf();
+  if (last && write_lse && out_lse != nullptr) *out_lse = pe_attn::output_lse(m, l);
 }
 
 }  // namespace pe_mla
