@@ -7,8 +7,9 @@ Recurrence, per value head hv (q/k head h = hv // (HV / H)), state S [K, V] fp32
     S = S * exp(g_t);  delta = beta_t * (v_t - S^T k_t);  S = S + outer(k_t, delta);  o_t = S^T q_t
 i.e. S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T. Both reads come from the state
 before the token (what the CUDA kernel computes, in one pass over the state):
-    delta = beta_t (v_t - e^{g_t} S_{t-1}^T k_t),   o_t = e^{g_t} S_{t-1}^T q_t + delta (k_t . q_t) g (log-decay, <= 0) and beta
-arrive precomputed in fp32: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b).
+    delta = beta_t (v_t - e^{g_t} S_{t-1}^T k_t),   o_t = e^{g_t} S_{t-1}^T q_t + delta (k_t . q_t).
+g (log-decay, <= 0) and beta arrive precomputed in fp32: g = -exp(A_log) * softplus(a + dt_bias),
+beta = sigmoid(b).
 
 Slots under speculative decoding: a base state and per-token records
     The pool is [L, HV, V, K] fp32: S transposed, one value row's K entries contiguous (the layout the
