@@ -3,111 +3,76 @@
 #include <algorithm>
 #include <utility>
 
-#include "mix64.h"
-
 namespace pyengine {
 
 namespace {
 
-// The key of a context of length d from the key of its suffix of length d - 1 and the token d back
-// from the end: contexts are hashed from their end, so lengths 1..D cost one step each. Never 0.
-inline uint64_t extend(uint64_t h, int32_t token, int64_t d) {
-  return mix64(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(token)) + 0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(d))) | 1;
-}
+// The most frequent continuation among the candidates matching best_len tokens (the newest
+// occurrence's token among equally frequent ones), with its count and the number of such candidates.
+struct Choice {
+  int32_t token = -1, count = 0, total = 0;
+};
 
-constexpr uint64_t kSeed = 0x2545f4914f6cdd1dULL;
+Choice most_frequent(const SuffixHistory& history, const std::vector<SuffixHistory::Candidate>& found,
+                     int32_t best_len) {
+  std::vector<std::pair<int32_t, int32_t>> next;  // (token, rank: 0 = newest)
+  for (const auto& c : found)
+    if (c.match == best_len) next.push_back({history.token(c.pos), static_cast<int32_t>(next.size())});
+  std::sort(next.begin(), next.end());
+  Choice best;
+  best.total = static_cast<int32_t>(next.size());
+  int32_t best_rank = 0;
+  for (size_t i = 0; i < next.size();) {
+    size_t j = i;
+    while (j < next.size() && next[j].first == next[i].first) ++j;
+    const auto count = static_cast<int32_t>(j - i);
+    if (count > best.count || (count == best.count && next[i].second < best_rank)) {
+      best.token = next[i].first;
+      best.count = count;
+      best_rank = next[i].second;  // the run's first entry has its smallest rank
+    }
+    i = j;
+  }
+  return best;
+}
 
 }  // namespace
-
-SuffixIndex::Entry& SuffixIndex::slot(uint64_t key) {
-  if (2 * (used_ + 1) > table_.size()) {  // grow: at most half full
-    std::vector<Entry> old = std::move(table_);
-    table_.assign(std::max<size_t>(1024, 2 * old.size()), Entry{});
-    const size_t mask = table_.size() - 1;
-    for (const Entry& e : old) {
-      if (e.key == 0) continue;
-      size_t i = e.key & mask;
-      while (table_[i].key != 0) i = (i + 1) & mask;
-      table_[i] = e;
-    }
-  }
-  const size_t mask = table_.size() - 1;
-  size_t i = key & mask;
-  while (table_[i].key != 0 && table_[i].key != key) i = (i + 1) & mask;
-  if (table_[i].key == 0) {
-    table_[i].key = key;
-    ++used_;
-  }
-  return table_[i];
-}
-
-const SuffixIndex::Entry* SuffixIndex::find(uint64_t key) const {
-  if (table_.empty()) return nullptr;
-  const size_t mask = table_.size() - 1;
-  for (size_t i = key & mask;; i = (i + 1) & mask) {
-    if (table_[i].key == key) return &table_[i];
-    if (table_[i].key == 0) return nullptr;
-  }
-}
-
-void SuffixIndex::add(const int32_t* tokens, int64_t p, int32_t max_depth) {
-  const int32_t next = tokens[p];
-  uint64_t h = kSeed;
-  for (int64_t d = 1; d <= std::min<int64_t>(max_depth, p); ++d) {
-    h = extend(h, tokens[p - d], d);
-    Entry& e = slot(h);
-    ++e.total;
-    if (e.token[0] == next) {
-      ++e.count[0];
-    } else if (e.token[1] == next) {
-      ++e.count[1];
-    } else if (e.count[0] == 0) {
-      e.token[0] = next;
-      e.count[0] = 1;
-    } else if (e.count[1] <= 1) {  // the second candidate gives way to a new one
-      e.token[1] = next;
-      e.count[1] = 1;
-    }
-    if (e.count[1] > e.count[0]) {
-      std::swap(e.token[0], e.token[1]);
-      std::swap(e.count[0], e.count[1]);
-    }
-  }
-}
 
 int32_t SuffixProposer::propose(int64_t seq_id, const int32_t* tokens, int64_t n, int64_t prompt_len, int32_t k,
                                 int32_t* out) {
   Request& r = requests_[seq_id];
-  if (r.tokens.empty()) r.prompt_len = prompt_len;
-  for (int64_t p = static_cast<int64_t>(r.tokens.size()); p < n; ++p) {
-    r.tokens.push_back(tokens[p]);
-    r.index.add(r.tokens.data(), p, config_.max_depth);
-  }
-  const int64_t depth = config_.max_depth;
-  std::vector<int32_t> ctx(r.tokens.end() - std::min<int64_t>(n, depth), r.tokens.end());
-  const SuffixIndex* indexes[3] = {&r.index, &recent_, &older_};
+  if (r.history.size() == 0) r.prompt_len = prompt_len;
+  for (int64_t p = r.history.size(); p < n; ++p) r.history.append(tokens[p], true);
+  if (k <= 0 || n == 0) return 0;
+  const int32_t depth = config_.max_depth;
+  std::vector<int32_t> ctx(tokens + n - std::min<int64_t>(n, depth), tokens + n);
+  const SuffixHistory* sources[3] = {&r.history, &recent_, &older_};
+  for (int s = 0; s < 3; ++s) sources[s]->search(ctx.data(), static_cast<int64_t>(ctx.size()), depth, found_[s]);
   int32_t num = 0, cap = k;
   while (num < cap) {
-    // The longest context any index has seen (the request's own first on equal length): a
-    // context never seen has no longer extension seen either, so the search stops at a miss.
-    const SuffixIndex::Entry* best = nullptr;
-    int64_t best_len = 0;
-    uint64_t h = kSeed;
-    const int64_t size = static_cast<int64_t>(ctx.size());
-    for (int64_t d = 1; d <= std::min(depth, size); ++d) {
-      h = extend(h, ctx[size - d], d);
-      const SuffixIndex::Entry* found = nullptr;
-      for (const SuffixIndex* index : indexes)
-        if ((found = index->find(h)) != nullptr) break;
-      if (found == nullptr) break;
-      best = found;
-      best_len = d;
-    }
-    if (best == nullptr) break;
+    int32_t best_len = 0, best_src = -1;  // the longest match; the earlier source on a tie
+    for (int s = 0; s < 3; ++s)
+      for (const auto& c : found_[s])
+        if (c.match > best_len) best_len = c.match, best_src = s;
+    if (best_src < 0) break;
     if (num == 0) cap = std::min<int32_t>(k, std::max<int32_t>(1, static_cast<int32_t>(config_.max_spec_factor * best_len)));
-    if (static_cast<float>(best->count[0]) < config_.min_token_prob * static_cast<float>(best->total)) break;
-    out[num++] = best->token[0];
-    ctx.push_back(best->token[0]);
+    const Choice choice = most_frequent(*sources[best_src], found_[best_src], best_len);
+    if (static_cast<float>(choice.count) < config_.min_token_prob * static_cast<float>(choice.total)) break;
+    out[num++] = choice.token;
+    ctx.push_back(choice.token);
+    // The extended context's matches are the successors of the occurrences that continued with the
+    // drafted token, one token longer; where none has a successor, search again.
+    bool any = false;
+    for (int s = 0; s < 3; ++s) {
+      next_.clear();
+      for (const auto& c : found_[s])
+        if (sources[s]->token(c.pos) == choice.token && sources[s]->is_occurrence(c.pos + int64_t{1}))
+          next_.push_back({c.pos + 1, std::min(c.match + 1, depth)});
+      std::swap(found_[s], next_);
+      any = any || !found_[s].empty();
+    }
+    if (!any && num < cap)
+      for (int s = 0; s < 3; ++s) sources[s]->search(ctx.data(), static_cast<int64_t>(ctx.size()), depth, found_[s]);
   }
   return num;
 }
@@ -117,10 +82,12 @@ void SuffixProposer::forget(int64_t seq_id, bool finished) {
   if (it == requests_.end() || !finished) return;
   const Request r = std::move(it->second);
   requests_.erase(it);
-  const int64_t n = static_cast<int64_t>(r.tokens.size());
+  const int64_t n = r.history.size();
   if (config_.max_cached_tokens <= 0 || n <= r.prompt_len) return;
-  // Its output, each token under contexts that reach back into the prompt.
-  for (int64_t p = std::max<int64_t>(1, r.prompt_len); p < n; ++p) recent_.add(r.tokens.data(), p, config_.max_depth);
+  // A separator, the prompt's last max_depth tokens (contexts only), then the output.
+  recent_.append(SuffixHistory::kSeparator, false);
+  for (int64_t p = std::max<int64_t>(0, r.prompt_len - config_.max_depth); p < n; ++p)
+    recent_.append(r.history.token(static_cast<int32_t>(p)), p >= r.prompt_len);
   recent_tokens_ += n - r.prompt_len;
   if (recent_tokens_ > config_.max_cached_tokens / 2) {  // the recent generation becomes the older one
     std::swap(older_, recent_);
