@@ -1,6 +1,7 @@
 """The batch-invariant GEMMs (hipkernels/gemm/invariant_gemm.hip, fp16/bf16: the wgmma family
 invariant_gemm_wgmma.hip that invariant_gemm runs on sm_90a builds for large weights above 16 or 64
-rows, and the mma.sync family that runs the rest and the grouped GEMM, reached with family=1;
+rows and for every weight above 256, and the mma.sync family that runs the rest and the grouped
+GEMM, reached with family=1;
 invariant_gemm_f32.hip, fp32) on the GPU: every row's bits are the same for any number of rows and
 any order of rows (M 1..300 and 4096 cross the families, the output tiles, the cluster / one-block
 combines and the fp32 kernel's workspace / one-block paths; every tile forced), at every shape
@@ -26,7 +27,8 @@ SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152), (4096,
           (4096, 28672), (14336, 4096)]
 ROW_COUNTS = [1, 2, 7, 16, 17, 63, 64, 65, 200, 257, 300]
 # InvariantGemmParams.family: 0 the default (wgmma on sm_90a builds for weights of >= 2^23 elements
-# above 16 or 64 rows, invariant_gemm_wgmma_default_for; else mma.sync: the two give the same bits),
+# above 16 or 64 rows and for smaller ones above 256, invariant_gemm_wgmma_default_for; else
+# mma.sync: the two give the same bits),
 # 1 mma.sync, 2 wgmma wherever built
 FAMILIES = {"default": 0, "mma_sync": 1, "wgmma": 2}
 
@@ -89,18 +91,32 @@ def test_rows_are_batch_invariant(k: int, n: int, family: int) -> None:
 @pytest.mark.parametrize("k,n", [(576, 960), (4096, 6144)])
 def test_every_m_up_to_300(k: int, n: int, family: int) -> None:
     """M = 1..300 one by one (every tail of the row tiles; the default crosses from mma.sync to
-    wgmma at 65 rows on Llama-8B's qkv)."""
+    wgmma at 65 rows on Llama-8B's qkv, at 257 on SmolLM2's)."""
     x, w, _ = operands(k, n, 300, torch.bfloat16, seed=2)
     full = gemm(x, w, family=family)
     for m in range(1, 301):
         assert torch.equal(gemm(x[:m], w, family=family), full[:m]), f"M={m}"
 
 
+@pytest.mark.parametrize("k,n", SHAPES[:4])
+def test_small_weights_at_prefill_sizes(k: int, n: int) -> None:
+    """SmolLM2's qkv / o / gate_up / down: mma.sync up to 256 rows, wgmma above, its width (128,
+    192, 256) from the waves of blocks at that M (invariant_gemm_wgmma_wide_for). Rows of M = 256,
+    257, 512, 1024 and 2048, first and last, give the bits of M = 4096, which equal mma.sync's."""
+    x, w, bias = operands(k, n, 4096, torch.bfloat16, seed=k + n + 3)
+    full = gemm(x, w, bias)
+    assert torch.equal(full, gemm(x, w, bias, family=1))
+    close_to_reference(full, x, w, bias)
+    for m in (256, 257, 512, 1024, 2048):
+        assert torch.equal(gemm(x[:m], w, bias), full[:m]), f"M={m}"
+        assert torch.equal(gemm(x[4096 - m:], w, bias), full[4096 - m:]), f"last {m} rows"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_the_families_give_the_same_bits(k: int, n: int, dtype: torch.dtype) -> None:
-    """The default picks mma.sync up to 16 rows and, for large weights, wgmma above 16 or 64 rows: a
-    row keeps its bits across those lines only because both families give the same bits for the
+    """The default picks mma.sync up to 16 rows and wgmma above 16 or 64 rows for large weights, above
+    256 for small ones: a row keeps its bits across those lines only because both families give the same bits for the
     same K ranges (the same tensor-core sums per 16-wide k step, the same order after). Measured
     here, not documented: every shape, split and row-tile path, rows from a decode step to a
     prefill chunk."""

@@ -224,6 +224,18 @@ int launch_width(const InvariantGemmParams& p, int splits, int width, cudaStream
 
 int invariant_gemm_wgmma_wide_for(const InvariantGemmParams& p, int splits) {
   if (p.m <= 64 || reinterpret_cast<uintptr_t>(p.y) % 16 != 0 || p.y_stride % 8 != 0) return 0;
+  if (splits == 1 && (int64_t)p.k * p.n < (int64_t{1} << 23) && p.num_sms > 0) {
+    // Small weights (SmolLM2's qkv / o / gate_up, from kWgmmaSmallWeightRows rows): few blocks,
+    // each short, so the waves of blocks times the width decide (the wider on a tie).
+    const auto cost = [&](int width) {
+      const int64_t blocks = (int64_t)((p.m + 127) / 128) * ((p.n + width - 1) / width);
+      return (blocks + p.num_sms - 1) / p.num_sms * width;
+    };
+    int best = 256;
+    for (const int width : {192, 128})
+      if (cost(width) < cost(best)) best = width;
+    return best == 128 ? 0 : best;
+  }
   if (splits == 1) return 256;
   // A 192-wide block walks all k tiles; it beats the 128-wide cluster combine and walk unless its
   // blocks are too few for the chain (Llama-8B's down at 128 rows: 22 blocks of 224 k tiles).
