@@ -1,4 +1,4 @@
-"""GPU recurrent-state kernels (hipkernels/ssm/ssm_state.hip via the pyengine.ops facade) against the PyTorch
+"""GPU recurrent-state kernels (hipkernels/ssm/causal_conv1d.hip and ssm_state.hip via the pyengine.ops facade) against the PyTorch
 references on random mixed batches (verify rows with random acceptance, T = 1 rows, PAD rows, slot
 pools with unowned slots), and Mamba2 spec == plain end to end on the GPU. Skipped without a GPU."""
 from __future__ import annotations
