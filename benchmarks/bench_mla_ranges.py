@@ -3,7 +3,8 @@ which block computes a range (pyengine/ops/cuda/mla.py: one block per range + co
 verify rows, or every row walked by one block); both give the same bits. Times, in one run,
 DeepSeek-V3 MLA (128 heads, 576 / 512, block 64, bf16, CUDA-graph timing) at each batch and context: the default
 mode (per-row split rule), KernelConfig.batch_invariant (fixed ranges), and under it each assignment
-forced (walk / split); bandwidth = latent
+forced (walk / split), and as a floor the walk over one range per row (one_range: no merges, not
+the fixed ranges' bits); bandwidth = latent
 bytes read (each row's context once) / time, against the device copy bandwidth of the same run.
 
     python3 benchmarks/bench_mla_ranges.py --out benchmarks/results/mla_ranges_h100.json
@@ -35,14 +36,18 @@ def main() -> None:
     nblocks = args.max_tokens // bs + 1
     kv = torch.randn(nblocks, bs, 576, device="cuda", dtype=torch.bfloat16)
     rows = []
+    split_block = cuda_mla.SPLIT_BLOCK
 
-    def timed(meta, q, walk, invariant=False) -> float:
+    def timed(meta, q, walk, invariant=False, unit=None) -> float:
         cuda_mla.force_walk = walk
+        if unit is not None:
+            cuda_mla.SPLIT_BLOCK = unit
         try:
             with use_kernel_config(KernelConfig(batch_invariant=invariant)):
                 return time_ms_graph(lambda: cuda_ops.paged_attention_mla(q, kv, meta, 192 ** -0.5))
         finally:
             cuda_mla.force_walk = None
+            cuda_mla.SPLIT_BLOCK = split_block
 
     points = [(b, c, 1) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))]
     points += [(64, 4096, q_len) for q_len in (2, 3, 5)]  # verify steps
@@ -60,7 +65,8 @@ def main() -> None:
         except RuntimeError:
             captured = False
         ms = {"default": timed(meta, q, None), "invariant": timed(meta, q, None, invariant=True),
-              "walk": timed(meta, q, True, invariant=True), "split": timed(meta, q, False, invariant=True)}
+              "walk": timed(meta, q, True, invariant=True), "split": timed(meta, q, False, invariant=True),
+              "one_range": timed(meta, q, True, invariant=True, unit=-(-ctx // 64) * 64)}
         row = {"batch": batch, "context": ctx, "q_len": q_len, "graph_captured": captured,
                **{f"{k}_ms": v for k, v in ms.items()},
                **{f"{k}_fraction_of_copy": gbytes / (v / 1e3) / copy_bw for k, v in ms.items()}}

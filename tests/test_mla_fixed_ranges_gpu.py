@@ -1,7 +1,7 @@
 """MLA attention on fixed key ranges (hipkernels/attention/mla_ranges.h, KernelConfig.batch_invariant):
 a query's keys are summed in ranges of SPLIT_BLOCK keys, each from a fresh state, merged in range
 order; the step only chooses which block computes a range (one block per range + the combine, or one
-block walking the row's ranges: pyengine/ops/cuda/mla.py force_walk). Checked: every assignment gives the same bits;
+block walking the row's ranges: pyengine/ops/cuda/mla.py walk_pays, force_walk). Checked: every assignment gives the same bits;
 a query's output and lse are bit-identical however it arrives (decoded alone, in verify rows of 2..16
 tokens, in prefill chunks of 17 / 100 tokens, in a mixed batch, replayed from a CUDA graph), for
 contexts around range boundaries, block sizes 1 / 16 / 64, 128 and 16 heads, both tiles; and the
@@ -10,7 +10,11 @@ ranges) is checked against the plain softmax on the CPU.
 """
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -206,3 +210,53 @@ def test_range_reference_equals_the_plain_softmax(range_size):
     ref, ref_lse = reference.paged_attention_mla(q, kv, meta, 0.1, return_lse=True)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
+
+
+@gpu
+def test_the_walk_is_chosen_where_it_fills_the_device():
+    """walk_pays (the speed, never the bits): batch 64 at context 4096 walks (128 blocks, one wave,
+    against 1024 per-range blocks in 8 waves on 132 SMs), and so do its verify rows; batch 1, 8 and
+    32 keep a block per range."""
+    dev = torch.device("cuda")
+
+    def meta(batch: int, ctx: int, q_len: int = 1) -> AttentionMetadata:
+        return step_meta([(ctx, q_len)] * batch, [0] * (ctx // 64), 64, dev)
+
+    full = cuda_mla.num_sms(dev) // 2  # 2 pair tiles of 128 heads per row: one block per SM (64 on an H100)
+    assert cuda_mla.walk_pays(meta(full, 8 * U), 128, 8, dev)
+    assert cuda_mla.walk_pays(meta(full, 8 * U, 5), 128, 8, dev)  # verify rows: 5 waves of walkers
+    assert not cuda_mla.walk_pays(meta(full // 2, 8 * U), 128, 8, dev)  # half the SMs would idle
+    assert not cuda_mla.walk_pays(meta(1, 8 * U), 128, 8, dev)
+    assert not cuda_mla.walk_pays(meta(8, 8 * U), 128, 8, dev)
+    assert not cuda_mla.walk_pays(meta(full, U), 128, 1, dev)  # one range: nothing to walk
+
+
+SANITIZER = shutil.which("compute-sanitizer")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@gpu
+@pytest.mark.skipif(SANITIZER is None, reason="needs compute-sanitizer on PATH")
+@pytest.mark.parametrize("walk", [True, False], ids=["walk", "split"])
+def test_fixed_ranges_memcheck_clean(walk):
+    """compute-sanitizer memcheck over both assignments of the fast tile (the walking blocks' slab
+    accesses, L2 hints and discards; more walking blocks than slabs in the second step)."""
+    program = f"""
+import torch
+from pyengine import ops
+from pyengine.ops.cuda import mla as cuda_mla
+from pyengine.ops.kernel_config import use_kernel_config
+from test_mla_fixed_ranges_gpu import Sequence, SEQ, U
+cuda_mla.force_walk = {walk}
+seq = Sequence(64, 128)
+with use_kernel_config(batch_invariant=True):
+    for rows in ([(SEQ, 1), (U + 1, 3), (7, 7), (1500, 17), (2 * U, 2)], [(SEQ - 7 * i, 1 + i % 4) for i in range(40)]):
+        meta, q, _ = seq.inputs(rows)
+        ops.paged_attention_mla(q, seq.kv, meta, 192 ** -0.5, return_lse=True)
+torch.cuda.synchronize()
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([SANITIZER, "--tool", "memcheck", "--print-limit", "5", sys.executable, "-c", program],
+                          capture_output=True, text=True, timeout=600, cwd=TESTS, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "ERROR SUMMARY: 0 errors" in out, out[-3000:]

@@ -19,14 +19,15 @@
 // (compute-sanitizer synccheck reports divergent lanes there); same speed.
 // A walking block ends each range but its last in the loop: warpgroup 0 publishes the range's row
 // sums and maxima with P of its last tile, each warpgroup folds its half of O into the slab
-// (fold_range_row) after that tile's products, and restarts from the fresh state; the next range's
-// first tiles are already in flight.
+// (fold_fast_row, mla_slab.h: a per-thread layout kept in L2) after that tile's products, and
+// restarts from the fresh state; the next range's first tiles are already in flight.
 #include "common/hip_compat.h"
 
 #if !defined(PE_HIP)
 #include "attention/attention_common.h"
 #include "attention/mla_kernels.h"
 #include "attention/mla_ranges.h"
+#include "attention/mla_slab.h"
 #include "attention/mla_tile.h"
 #include "common/wgmma_tile.h"
 
@@ -147,6 +148,8 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
   const int col0 = 256 * wg + 2 * q;
   const int slot = use_slab ? s_slot : 0;
   float* slab = use_slab ? p.mla_acc + (int64_t)slot * kM * kDv : nullptr;
+  float* mine = use_slab ? slab + 4 * tid : nullptr;  // this thread's vectors (mla_slab.h)
+  const uint64_t pol = use_slab ? slab_policy() : 0;
   MergedRow st[2];
   float o[128];
 #pragma unroll
@@ -154,19 +157,24 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
   float mx[2] = {neg_inf(), neg_inf()}, ls[2] = {0.f, 0.f};
   // Folds this warpgroup's half of O for a range (row sums L, maxima M) into the merged state.
   auto fold = [&](const float (&L)[2], const float (&M)[2], bool last) {
+    T* out[2];
+    float* lse_out[2];
+    bool valid[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int m = w.m_begin + r[j];
-      const bool valid = m < w.m_count;
-      const int i_tok = valid ? m / Hq : 0;
+      valid[j] = m < w.m_count;
+      const int i_tok = valid[j] ? m / Hq : 0;
       const int h = m - i_tok * Hq;
-      T* out = static_cast<T*>(p.out) + (int64_t)(w.q0 + i_tok) * p.out_stride_token + (int64_t)h * p.out_stride_head + col0;
-      float* lse_out = p.lse != nullptr ? p.lse + (int64_t)(w.q0 + i_tok) * Hq + h : nullptr;
-      if (valid)
-        fold_range_row<T, 32>(st[j], partial_lse(M[j], L[j]), inverse_sum(L[j]), o + 2 * j,
-                              slab != nullptr ? slab + r[j] * kDv + col0 : nullptr, out, lse_out, wg == 0 && q == 0,
-                              last);
+      out[j] = static_cast<T*>(p.out) + (int64_t)(w.q0 + i_tok) * p.out_stride_token + (int64_t)h * p.out_stride_head + col0;
+      lse_out[j] = p.lse != nullptr ? p.lse + (int64_t)(w.q0 + i_tok) * Hq + h : nullptr;
     }
+    if (valid[0])
+      fold_fast_row<T, 0>(st[0], partial_lse(M[0], L[0]), inverse_sum(L[0]), o, mine, out[0], lse_out[0],
+                          wg == 0 && q == 0, last, pol);
+    if (valid[1])
+      fold_fast_row<T, 1>(st[1], partial_lse(M[1], L[1]), inverse_sum(L[1]), o, mine, out[1], lse_out[1],
+                          wg == 0 && q == 0, last, pol);
   };
 
   if (wg == 0) {
@@ -325,7 +333,10 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
   if (walk) {
     fold(L, M, true);
     if (use_slab) {
-      __syncthreads();  // every slab access of the block is done
+      __syncthreads();  // every slab read of the block is done: drop the lines, then free the slab
+      discard_slab(slab, tid);
+      __threadfence();
+      __syncthreads();
       if (tid == 0) release_slab(p, slot);
     }
     return;

@@ -84,9 +84,9 @@ PE_DEVICE void release_slab(const PagedAttentionParams& p, int s) {
   atomicExch(p.mla_locks + s, 0);
 }
 
-// Slab accesses: plain loads and stores. Tried: L2 cache-policy hints (createpolicy evict_last on
-// the slabs, evict_first on the key copies): the cp.async form with both a source size and a cache
-// policy raised "illegal instruction" on the H100 (docs/kernels/attention.md).
+// Slab accesses of the small tile: plain loads and stores (the fast tile has its own layout and L2
+// hints, mla_slab.h). The key copies take no cache policy: the cp.async form with both a source size
+// and a cache policy raised "illegal instruction" on the H100 (docs/kernels/attention.md).
 PE_DEVICE float2 load_slab(const float* a) { return *reinterpret_cast<const float2*>(a); }
 
 PE_DEVICE void store_slab(float* a, float x, float y) { *reinterpret_cast<float2*>(a) = make_float2(x, y); }

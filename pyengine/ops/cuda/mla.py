@@ -7,9 +7,10 @@ keys, each from a fresh state, merged in range order (hipkernels/attention/mla_r
 reference.mla.paged_attention_mla_ranges); which block computes a range does not change the bits:
 decode and verify rows give each range a block (partials in the workspace, merged by the combine
 kernel), longer rows and rows of one range are walked by one block (ranges in turn, merged state in
-a slab of the accumulator pool), and force_walk makes every row walk. The default mode keeps the
-per-row split rule (at most MAX_SPLITS splits per row, larger as the context grows: fewer partials
-at long contexts; a token's bits depend on its row's context and query length there).
+a slab of the accumulator pool); every row walks when that fills the device about as well
+(walk_pays: batch 64 at context 4096), or when force_walk asks. The default mode keeps the per-row
+split rule (at most MAX_SPLITS splits per row, larger as the context grows: fewer partials at long
+contexts; a token's bits depend on its row's context and query length there).
 benchmarks/results/mla_ranges_h100.json compares them."""
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pyengine.ops.reference.mla import KV_LORA_RANK, ROPE_DIM, paged_attention_m
 
 PAIR_TILE = 64  # query-head pairs per block of the fast tile (hipkernels/attention/mla_tile.h)
 # batch_invariant only. True: every row of a step walks its ranges (the same bits; tests and
-# benchmarks force it); None / False: only the rows the combine does not take.
+# benchmarks force it); False: only the rows the combine does not take; None: walk_pays decides.
 force_walk: bool | None = None
 
 _pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -42,6 +43,21 @@ def accumulator_pool(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
                 torch.zeros(4 * n, dtype=torch.int32, device=device))
         _pools[index] = pool
     return pool
+
+
+def walk_pays(meta: AttentionMetadata, num_heads: int, max_ranges: int, device: torch.device) -> bool:
+    """Whether every row should walk its ranges (batch_invariant; the same bits as a block per
+    range). Counted in waves of the fast tile's one block per SM, the walk may take up to 1.25x the
+    waves of a block per range and still win, as it skips the partials' round trip through HBM and
+    the combine (benchmarks/results/mla_ranges_h100.json, H100: batch 64 at context 4096 one wave
+    against 8, walk 0.246 vs split 0.294 ms; verify q = 5 40 range-waves against 39, 1.09 vs 1.33;
+    batch 8: 16 walking blocks leave most SMs idle, 5x slower). The small tile (more blocks per SM,
+    16 pairs) keeps the per-range blocks."""
+    if max_ranges <= 1 or get_kernel_config().mla_small_tile or torch.version.hip is not None:
+        return False
+    walkers = meta.num_rows * -(-int(meta.max_query_len) * num_heads // PAIR_TILE)
+    sms = num_sms(device)
+    return 4 * -(-walkers // sms) * max_ranges <= 5 * -(-walkers * max_ranges // sms)
 
 
 def reshape_and_cache_mla(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -81,7 +97,9 @@ def paged_attention_mla(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         return (out, lse) if return_lse else out
     step = plan(meta, q.device)
     fixed = bool(get_kernel_config().batch_invariant)
-    walk = fixed and bool(force_walk)  # the bits are the same either way
+    # The bits are the same either way: only the speed follows the batch.
+    walk = fixed and (walk_pays(meta, num_heads, step["max_splits_fixed"], q.device) if force_walk is None
+                      else force_walk)
     max_splits = 1 if walk else step["max_splits_fixed" if fixed else "max_splits"]
     ws = split_workspace(step, ("mla", num_heads, max_splits), num_heads, KV_LORA_RANK, max_splits, q.device)
     acc, locks = accumulator_pool(q.device)
