@@ -16,8 +16,8 @@
 // with no workspace. NVIDIA only; launch returns -1 elsewhere. The description above is the
 // mma.sync family's (invariant_gemm_kernel.h); on sm_90a builds launch_invariant_gemm runs the wgmma
 // family (invariant_gemm_wgmma.h: the same ranges and order, m64n128k16 products, the same bits)
-// for shapes whose weight has at least 2^23 elements above 16 or 64 rows
-// (invariant_gemm_wgmma_default_for).
+// for shapes whose weight has at least 2^23 elements above 16 or 64 rows, and for smaller ones
+// above 256 rows (invariant_gemm_wgmma_default_for).
 #pragma once
 
 #include <cstdint>
@@ -38,7 +38,7 @@ struct InvariantGemmParams {
                                // columns (under 128 with 16 or 64 rows only); 0 the default for the
                                // shape and M. Benchmarks sweep them; no tile changes a bit.
   int family = 0;              // 0: the wgmma family (invariant_gemm_wgmma.h) where the build has it,
-                               // the weight is large and M > 256 (invariant_gemm_wgmma_default_for),
+                               // M and the weight say (invariant_gemm_wgmma_default_for),
                                // else mma.sync; 1: mma.sync (the grouped GEMM's); 2: wgmma wherever
                                // built (tests, benchmarks). Both give a row the same bits.
 };

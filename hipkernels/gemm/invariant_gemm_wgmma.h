@@ -14,8 +14,8 @@
 // kernel's for the same ranges (measured; see invariant_gemm_wgmma_default_for).
 //
 // Which family runs depends on the build (sm_90a CUDA with the driver's tensor-map encoder), the
-// weight (at least 2^23 elements: below that a launch's fixed cost, 5-13 us on an H100 against
-// mma.sync's 3-5 us at SmolLM2's widths, would dominate), M and the K ranges' length
+// weight (under 2^23 elements only above 256 rows: below that a launch's fixed cost, 5-13 us on an
+// H100 against mma.sync's 3-5 us at SmolLM2's widths, would dominate), M and the K ranges' length
 // (invariant_gemm_wgmma_default_for).
 #pragma once
 
@@ -50,8 +50,9 @@ int launch_invariant_gemm_wgmma(const InvariantGemmParams& p, int splits, void* 
 // The 128 x 256 and 128 x 192 tiles (invariant_gemm_wgmma_wide.hip), 16-byte aligned output rows:
 // 256 for one K range (its 128 accumulator registers a thread leave no room for a running total);
 // 192 for one range or a block walking the ranges. wide_for gives the width launch_invariant_gemm_wgmma
-// takes above 64 rows, or 0: 256 at split 1 (Llama-8B's gate_up and lm_head), 192 at split > 1
-// unless its blocks are too few for the K chain (k tiles > 6 x blocks: Llama-8B's down at 65-128
-// rows). H100 figures: docs/kernels/invariant_gemm.md. The same bits as the other tiles.
+// takes above 64 rows, or 0: 256 at split 1 (Llama-8B's gate_up and lm_head; for weights under
+// 2^23 elements the width of fewest waves x width, 0 meaning 128), 192 at split > 1 unless its
+// blocks are too few for the K chain (k tiles > 6 x blocks: Llama-8B's down at 65-128 rows).
+// H100 figures: docs/kernels/invariant_gemm.md. The same bits as the other tiles.
 int invariant_gemm_wgmma_wide_for(const InvariantGemmParams& p, int splits);
 int launch_invariant_gemm_wgmma_wide(const InvariantGemmParams& p, int splits, int width, void* stream);
