@@ -178,8 +178,10 @@ void register_cpu_ops(py::module_& m) {
       .def("forward", [](const LlamaStack& self, uintptr_t h, uintptr_t residual, int32_t num_tokens, uintptr_t cos,
                          uintptr_t sin, uintptr_t slot_mapping, uintptr_t block_tables, int64_t block_table_stride,
                          uintptr_t query_start_loc, uintptr_t context_lens, int32_t num_rows, const py::list& k_caches,
-                         const py::list& v_caches, int32_t block_size, int64_t num_blocks, bool use_pool) {
+                         const py::list& v_caches, int32_t block_size, int64_t num_blocks, bool use_pool,
+                         uintptr_t positions, int64_t num_positions, uintptr_t final_norm) {
         LlamaStepParams p;
+        p.positions = ptr<const int64_t>(positions), p.num_positions = num_positions, p.final_norm = ptr(final_norm);
         p.h = ptr(h), p.residual = ptr(residual), p.num_tokens = num_tokens, p.cos = ptr(cos), p.sin = ptr(sin);
         p.slot_mapping = ptr<const int64_t>(slot_mapping), p.block_tables = ptr<const int32_t>(block_tables);
         p.block_table_stride = block_table_stride, p.query_start_loc = ptr<const int32_t>(query_start_loc);
@@ -189,7 +191,15 @@ void register_cpu_ops(py::module_& m) {
         p.block_size = block_size, p.num_blocks = num_blocks, p.use_pool = use_pool;
         py::gil_scoped_release release;
         return self.forward(p);
-      });
+      }, py::arg("h"), py::arg("residual"), py::arg("num_tokens"), py::arg("cos"), py::arg("sin"),
+      py::arg("slot_mapping"), py::arg("block_tables"), py::arg("block_table_stride"), py::arg("query_start_loc"),
+      py::arg("context_lens"), py::arg("num_rows"), py::arg("k_caches"), py::arg("v_caches"), py::arg("block_size"),
+      py::arg("num_blocks"), py::arg("use_pool"), py::arg("positions") = 0, py::arg("num_positions") = 0,
+      py::arg("final_norm") = 0);
+  cpu.def("argmax_rows", [](uintptr_t x, int64_t rows, int64_t cols, int64_t row_stride, uintptr_t tok,
+                            uintptr_t finite) {
+    argmax_rows(ptr<const float>(x), rows, cols, row_stride, ptr<int64_t>(tok), ptr<bool>(finite));
+  }, "per row of fp32 x: tok (int64) = NumPy's argmax, finite (bool) = no NaN / inf (cpu_ops.h)");
   cpu.def("silu_and_mul", [](uintptr_t x, uintptr_t out, int32_t num_tokens, int32_t inter, int32_t dtype,
                              bool use_pool) {
     silu_and_mul(ptr(x), ptr(out), num_tokens, inter, static_cast<DType>(dtype), use_pool);

@@ -77,8 +77,9 @@ PE_INLINE void rope_and_cache_impl(const RopeAndCacheParams& p, int32_t t_begin,
   for (int32_t t = t_begin; t < t_end; ++t) {
     T* row = qk + t * p.qk_row_stride;
     if (cos) {
-      const T* c = cos + static_cast<int64_t>(t) * D;
-      const T* s = sin + static_cast<int64_t>(t) * D;
+      const int64_t at = p.positions ? p.positions[t] : t;
+      const T* c = cos + at * D;
+      const T* s = sin + at * D;
       for (int32_t hd = 0; hd < heads; ++hd) {
         T* x = row + static_cast<int64_t>(hd) * D;
 #pragma omp simd
@@ -141,9 +142,12 @@ void silu_and_mul(const void* x, void* out, int32_t num_tokens, int32_t inter, D
 
 std::string rope_and_cache(const RopeAndCacheParams& p) {
   if (p.head_dim % 2 != 0) return concat("rope_and_cache: head_dim must be even, got ", p.head_dim);
-  for (int32_t t = 0; t < p.num_tokens; ++t)  // before anything is written
+  for (int32_t t = 0; t < p.num_tokens; ++t) {  // before anything is written
     if (p.slot_mapping[t] >= p.num_slots)
       return concat("slot_mapping[", t, "] = ", p.slot_mapping[t], " is outside the cache's ", p.num_slots, " slots");
+    if (p.positions && p.cos && (p.positions[t] < 0 || p.positions[t] >= p.num_positions))
+      return concat("positions[", t, "] = ", p.positions[t], " is outside the rotary tables' ", p.num_positions, " rows");
+  }
   const int64_t elements = static_cast<int64_t>(p.num_tokens) * (p.num_heads + 2 * p.num_kv_heads) * p.head_dim;
   split_over_pool(p.num_tokens, elements, p.use_pool, [&](int64_t begin, int64_t end) {
     const auto b = static_cast<int32_t>(begin), e = static_cast<int32_t>(end);

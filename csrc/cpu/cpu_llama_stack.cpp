@@ -74,7 +74,7 @@ std::string LlamaStack::forward(const LlamaStepParams& p) const {
   RmsNormParams norm;
   norm.num_tokens = p.num_tokens, norm.hidden = hidden_, norm.eps = eps_, norm.dtype = dtype_;
   RopeAndCacheParams rope;
-  rope.qk = s.qkv, rope.qk_row_stride = qkv_width;
+  rope.qk = s.qkv, rope.qk_row_stride = qkv_width, rope.positions = p.positions, rope.num_positions = p.num_positions;
   rope.v = s.qkv + static_cast<size_t>(q_width + static_cast<int64_t>(num_kv_heads_) * head_dim_) * elem;
   rope.v_row_stride = qkv_width, rope.cos = p.cos, rope.sin = p.sin, rope.slot_mapping = p.slot_mapping;
   rope.num_slots = p.num_blocks * p.block_size, rope.num_tokens = p.num_tokens, rope.num_heads = num_heads_;
@@ -108,6 +108,10 @@ std::string LlamaStack::forward(const LlamaStepParams& p) const {
     w.gate_up->matmul(s.o, hidden_, t, nullptr, s.gate_up);
     silu_and_mul(s.gate_up, s.act, p.num_tokens, intermediate_, dtype_, p.use_pool);
     w.down->matmul(s.act, intermediate_, t, nullptr, p.h);
+  }
+  if (p.final_norm) {
+    norm.x = p.h, norm.residual = p.residual, norm.out = nullptr, norm.weight = p.final_norm;
+    return rms_norm(norm);
   }
   return {};
 }

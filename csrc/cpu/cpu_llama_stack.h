@@ -11,7 +11,7 @@
 //   qkv = x @ Wqkv; RoPE on q, k and the K/V cache write (rope_and_cache)
 //   a = paged_attention(q); o = a @ Wo; residual += o, o = rms_norm(residual)
 //   h = (silu(o @ Wgate) * (o @ Wup)) @ Wdown
-// The caller applies the final norm (residual += h, norm(residual)).
+// The caller applies the final norm (residual += h, norm(residual)), or the stack does (final_norm).
 // Llama without qkv bias or q/k norms; the caller keeps other layers on the op-by-op path.
 #pragma once
 
@@ -40,6 +40,11 @@ struct LlamaStepParams {
   int32_t num_tokens = 0;
   const void* cos = nullptr;  // [T, D] (sin's first half holds -sin), see RopeAndCacheParams
   const void* sin = nullptr;
+  const int64_t* positions = nullptr;  // or null; else cos / sin are [num_positions, D] tables
+  int64_t num_positions = 0;
+  // Or null: the final norm's weight [hidden]; then after the last layer residual += h and
+  // h = rms_norm(residual) (the caller's fused_add_rms_norm, the same C++ op) - one Python op fewer.
+  const void* final_norm = nullptr;
   const int64_t* slot_mapping = nullptr;  // [T]
   const int32_t* block_tables = nullptr;  // [R, block_table_stride]
   int64_t block_table_stride = 0;

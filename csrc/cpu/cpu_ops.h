@@ -45,6 +45,10 @@ struct RopeAndCacheParams {
   int64_t v_row_stride = 0;
   const void* cos = nullptr;  // [T, D] or null (no rotation); sin's first half holds -sin
   const void* sin = nullptr;
+  // Or null: cos / sin are tables [num_positions, D] and token t takes row positions[t] (the
+  // rotary embedding's index_select, done here: one Python op fewer per step).
+  const int64_t* positions = nullptr;
+  int64_t num_positions = 0;
   void* k_cache = nullptr;  // [num_blocks, block_size, Hkv, D]
   void* v_cache = nullptr;
   const int64_t* slot_mapping = nullptr;  // [T], < 0 = do not write
@@ -71,5 +75,9 @@ std::string rms_norm(const RmsNormParams& p);
 // out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] contiguous. use_pool: as in
 // PagedAttentionParams (element-wise: the result does not depend on it).
 void silu_and_mul(const void* x, void* out, int32_t num_tokens, int32_t inter, DType dtype, bool use_pool = false);
+
+// Per row of x [rows, cols] fp32 (rows row_stride apart): tok[r] = NumPy's argmax (the first
+// maximum; the first NaN where the row has one), finite[r] = no NaN or +-inf in the row.
+void argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t row_stride, int64_t* tok, bool* finite);
 
 }  // namespace pyengine::cpu

@@ -16,6 +16,11 @@ import torch
 from pyengine.engine.sampler import finite_rows
 from pyengine.spec_decode.rejection_sampler import greedy_argmax
 
+try:  # both reductions in one C++ call on CPU logits (the same values as the NumPy path below)
+    from pyengine.ops.cpu.sampling import argmax_finite
+except ImportError:  # no extension with the CPU ops
+    argmax_finite = None
+
 
 class GreedySampler:
     def __init__(self, min_rows: int) -> None:
@@ -29,6 +34,9 @@ class GreedySampler:
         are ready). The host tensors are reused by the next call."""
         n = logits.shape[0]
         if not logits.is_cuda:
+            both = None if argmax_finite is None else argmax_finite(logits)
+            if both is not None:
+                return both[0], both[0], both[1], None
             tok = greedy_argmax(logits)
             return tok, tok, finite_rows(logits, tok), None
         if self._tok_dev is None or self._tok_dev.shape[0] < n:

@@ -139,5 +139,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta, self.kv_caches, state=state)
         if self.keep_hidden:
             self._keep(batch, hidden)
-        index = self._tensor(batch.logits_indices, torch.int64)
+        rows = batch.logits_indices
+        if len(rows) == hidden.shape[0] and (len(rows) == 0 or rows[-1] == len(rows) - 1):
+            return self.model.compute_logits(hidden)  # every row in order (increasing indices): no gather
+        index = self._tensor(rows, torch.int64)
         return self.model.compute_logits(hidden.index_select(0, index))

@@ -71,10 +71,18 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T] int64 -> final-norm hidden states [T, hidden]. With aux layers
         set (set_aux_layers), the residual streams at their inputs go to last_aux as well."""
         h = self.embed(input_ids)
-        cos, sin = self.rotary_emb(positions)  # [T, D], shared by all heads and layers
         aux: dict[int, torch.Tensor] | None = None if self.aux_layers is None else {}
         stack = self.cpu_stack
-        if stack is not None and get_kernel_config().cpu_layer_stack and stack.applies(meta, kv_caches):
+        config = get_kernel_config()
+        rotary = self.rotary_emb
+        if (stack is not None and aux is None and config.cpu_layer_stack and config.cpu_kernels
+                and rotary.cos_table is not None and rotary.cos_table.dtype == stack.dtype
+                and stack.applies(meta, kv_caches)):
+            # The whole step in one C++ call: the rotary rows looked up and the final fused add +
+            # norm applied there (the same C++ ops and bits as below, fewer Python ops per step).
+            return stack(h, rotary.cos_table, rotary.sin_table, meta, kv_caches, positions, self.norm)[0]
+        cos, sin = rotary(positions)  # [T, D], shared by all heads and layers
+        if stack is not None and config.cpu_layer_stack and stack.applies(meta, kv_caches):
             if aux is None:
                 h, residual = stack(h, cos, sin, meta, kv_caches)
             else:

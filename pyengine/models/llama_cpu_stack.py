@@ -34,6 +34,7 @@ class CpuLlamaStack:
         self._stack = kernels.LlamaStack(weights, config.hidden_size, config.num_attention_heads,
                                          config.num_key_value_heads, config.head_dim, config.intermediate_size,
                                          config.rms_norm_eps, layers[0].scale, DTYPE_CODE[dtype])
+        self._kv_seen: tuple[list[KVCache], tuple[list[int], list[int], int, int]] | None = None
 
     @staticmethod
     def build(layers: nn.ModuleList, config: ModelConfig, dtype: torch.dtype) -> CpuLlamaStack | None:
@@ -52,24 +53,43 @@ class CpuLlamaStack:
         """Whether the C++ attention takes this step (else the op-by-op path runs it)."""
         return meta.num_tokens > 0 and runs_kernel(self.dtype, kv_caches[0][0].dtype, self.head_dim)
 
-    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                 kv_caches: list[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embeddings h [T, hidden] -> (last layer's MLP output, residual stream), as the layer loop
-        of LlamaForCausalLM.forward returns them."""
+    def _cache_pointers(self, kv_caches: list[KVCache]) -> tuple[list[int], list[int], int, int]:
+        """The K and V caches' data pointers, block size and block count, checked once per set of
+        cache tensors (the runner keeps the same list of (K, V) tuples step after step)."""
+        seen = self._kv_seen
+        if seen is not None and len(seen[0]) == len(kv_caches) and all(a is b for a, b in zip(seen[0], kv_caches)):
+            return seen[1]
         if len(kv_caches) != self._stack.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {self._stack.num_layers} layers")
         k0 = kv_caches[0][0]
         for k, v in kv_caches:
             if k.shape != k0.shape or v.shape != k0.shape or not (k.is_contiguous() and v.is_contiguous()):
                 raise ValueError(f"every layer's K/V cache must be contiguous {tuple(k0.shape)}")
+        pointers = ([k.data_ptr() for k, _ in kv_caches], [v.data_ptr() for _, v in kv_caches], k0.shape[1], k0.shape[0])
+        self._kv_seen = (list(kv_caches), pointers)
+        return pointers
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, meta: AttentionMetadata,
+                 kv_caches: list[KVCache], positions: torch.Tensor | None = None,
+                 final_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings h [T, hidden] -> (last layer's MLP output, residual stream), as the layer loop
+        of LlamaForCausalLM.forward returns them. With positions, cos and sin are the rotary
+        tables [max_positions, D] and token t takes row positions[t] (RotaryEmbedding's
+        index_select, in C++). With final_norm [hidden], the model's final fused add + norm runs
+        here too: h comes back as norm(residual + h), the op-by-op path's bits."""
+        k_ptrs, v_ptrs, block_size, num_blocks = self._cache_pointers(kv_caches)
         bt, qsl, ctx, _ = step_tables(meta)
         h = h.contiguous()
         residual = torch.empty_like(h)
+        num_positions = 0
+        if positions is not None:
+            positions = positions.to(torch.int64).contiguous()
+            num_positions = cos.shape[0]
         cos, sin = cos.to(self.dtype).contiguous(), sin.to(self.dtype).contiguous()
         slots = meta.slot_mapping.contiguous()
         raise_error(self._stack.forward(
             h.data_ptr(), residual.data_ptr(), h.shape[0], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-            bt.data_ptr(), bt.shape[1], qsl.data_ptr(), ctx.data_ptr(), ctx.shape[0],
-            [k.data_ptr() for k, _ in kv_caches], [v.data_ptr() for _, v in kv_caches], k0.shape[1], k0.shape[0],
-            pool_threads()))
+            bt.data_ptr(), bt.shape[1], qsl.data_ptr(), ctx.data_ptr(), ctx.shape[0], k_ptrs, v_ptrs, block_size,
+            num_blocks, pool_threads(), 0 if positions is None else positions.data_ptr(), num_positions,
+            0 if final_norm is None else final_norm.contiguous().data_ptr()))
         return h, residual

@@ -83,7 +83,7 @@ def use_kernel_config(config: KernelConfig | None = None, **overrides: Any) -> I
     """Run a block under `config` (default: the current one) with `overrides` applied."""
     global _current
     saved = _current
-    _current = dataclasses.replace(config or saved, **overrides)
+    _current = dataclasses.replace(config or saved, **overrides) if overrides else config or saved  # frozen: no copy needed
     try:
         yield _current
     finally:

@@ -24,7 +24,8 @@ def step_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, to
         qsl = meta.query_start_loc.to(torch.int32).contiguous()
         ctx = meta.context_lens.to(torch.int32).contiguous()
         bt = meta.block_tables.to(torch.int32).contiguous()
-        pairs = int(((qsl[1:] - qsl[:-1]).to(torch.int64) * ctx.to(torch.int64)).sum())
+        starts, lens = qsl.tolist(), ctx.tolist()  # plain ints: a decode step's torch ops cost more
+        pairs = sum((b - a) * c for a, b, c in zip(starts, starts[1:], lens))
         tables = (bt, qsl, ctx, pairs)
         meta.cache[_META_KEY] = tables
     return tables
