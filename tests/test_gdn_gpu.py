@@ -163,6 +163,40 @@ def test_persistent_grid_equals_rows_alone(slots: int) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 24])
+def test_grids_agree_bitwise(rows: int, monkeypatch) -> None:
+    """The same step under each grid the kernel has for K <= 128 (PYENGINE_GDN_GRID): one block per
+    item, every load of a staging round in flight at once, and the persistent grid, a token or record
+    at a time with the next item's base prefetched. Verify rows of 1..16 tokens (two rounds of tokens
+    and of records), every acceptance length, a PAD row; prefill rows (final state only) and
+    materialised states: outputs and every slot, bit for bit. The kernel picks the grid by the step's
+    size, so this is what lets it: a row's arithmetic is the same under both."""
+    h, hv, dk, dv, slots = 16, 32, 128, 128, 16
+    lengths = [1 + (7 * n + 3) % slots for n in range(rows)]
+    idx = [[slots * n + j for j in range(slots)] for n in range(rows)]
+    if rows > 1:
+        idx[rows // 2] = [-1] * slots
+    acc = [1 + (5 * n + 2) % slots for n in range(rows)]
+    pool = torch.randn(slots * rows + 1, hv, dv, dk, device="cuda") * 0.3
+    prev = inputs(slots * rows, h, hv, dk, dv, torch.bfloat16, seed=11)
+    run_update(cuda_ops.gated_delta_rule_update, prev, pool, [slots] * rows, idx, [1] * rows)  # records to replay
+    x = inputs(sum(lengths), h, hv, dk, dv, torch.bfloat16, seed=12)
+    init = torch.tensor([n % 3 != 1 for n in range(rows)], device="cuda")
+    results = {}
+    for grid in ("direct", "persistent"):
+        monkeypatch.setenv("PYENGINE_GDN_GRID", grid)
+        verify, prefill, mat = pool.clone(), pool.clone(), pool.clone()
+        out = run_update(cuda_ops.gated_delta_rule_update, x, verify, lengths, idx, acc)
+        pout = cuda_ops.gated_delta_rule_chunked(x["q"], x["k"], x["v"], x["g"], x["beta"], qsl(lengths), prefill,
+                                                 i32(idx), i32(acc), init)
+        cuda_ops.gated_delta_rule_materialise(mat, i32(idx), i32(acc), i32([slots * rows] + [-1] * (rows - 1)))
+        results[grid] = (out, verify, pout, prefill, mat)
+    for got, want in zip(results["direct"], results["persistent"]):
+        assert torch.equal(got, want)
+    assert not torch.equal(results["direct"][1], pool)  # the step wrote its slots
+
+
+@needs_kernels
 def test_persistent_prefill_equals_rows_alone() -> None:
     """Prefill rows (final state only, some longer than a shared-memory round of tokens, some from
     base + records, some from zeros) on the persistent grid against each row alone, bit for bit."""

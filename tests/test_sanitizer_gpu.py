@@ -114,20 +114,32 @@ with use_kernel_config(gqa_fma=sys.argv[1] == "fma", batch_invariant=True):
     gqa_case({ROWS} + [(1100, 20)], 1, 2, 8, torch.float16, head_dim=256)
 torch.cuda.synchronize()
 """,
-    # The Gated DeltaNet kernel: verify rows of every length, a PAD row, a row starting from a PAD slot,
-    # grouped heads, K below one warp's 128, and prefill rows (final state only).
+    # The Gated DeltaNet kernel under both of its grids (PYENGINE_GDN_GRID; argv: direct, persistent or
+    # default for both): verify rows of every length, a PAD row, a row starting from a PAD slot,
+    # grouped heads, K below one warp's 128, prefill rows (final state only), and a step of more
+    # items than the device holds (blocks walking several items, the next base prefetched).
     "gdn": """
+import os, sys
 import torch
 from test_gdn_gpu import inputs, run_update, i32, qsl
 from pyengine.ops import cuda as cuda_ops
-for h, hv, dk, dv in [(2, 4, 16, 24), (16, 32, 128, 128), (1, 2, 256, 8)]:
-    x = inputs(11, h, hv, dk, dv, torch.bfloat16)
-    state = torch.randn(16, hv, dv, dk, device="cuda")
-    run_update(cuda_ops.gated_delta_rule_update, x, state, [1, 4, 2, 3, 1], [[0, 1, 2, 3], [4, 5, 6, 7],
-               [-1, -1, -1, -1], [8, 9, 10, 11], [12, -1, 13, 14]], [1, 4, 2, 3, 2])
-    cuda_ops.gated_delta_rule_chunked(x["q"], x["k"], x["v"], x["g"], x["beta"], qsl([7, 0, 4]), state,
-                                      i32([[0, 1], [2, 3], [4, 5]]), i32([2, 1, 1]),
-                                      torch.tensor([True, False, False], device="cuda"))
+for grid in (["direct", "persistent"] if sys.argv[1] == "default" else [sys.argv[1]]):
+    os.environ["PYENGINE_GDN_GRID"] = grid
+    for h, hv, dk, dv in [(2, 4, 16, 24), (16, 32, 128, 128), (1, 2, 256, 8)]:
+        x = inputs(11, h, hv, dk, dv, torch.bfloat16)
+        state = torch.randn(16, hv, dv, dk, device="cuda")
+        run_update(cuda_ops.gated_delta_rule_update, x, state, [1, 4, 2, 3, 1], [[0, 1, 2, 3], [4, 5, 6, 7],
+                   [-1, -1, -1, -1], [8, 9, 10, 11], [12, -1, 13, 14]], [1, 4, 2, 3, 2])
+        cuda_ops.gated_delta_rule_chunked(x["q"], x["k"], x["v"], x["g"], x["beta"], qsl([7, 0, 4]), state,
+                                          i32([[0, 1], [2, 3], [4, 5]]), i32([2, 1, 1]),
+                                          torch.tensor([True, False, False], device="cuda"))
+    rows = 12
+    lengths = [1 + n % 5 for n in range(rows)]
+    x = inputs(sum(lengths), 16, 32, 128, 128, torch.bfloat16, seed=1)
+    state = torch.randn(5 * rows, 32, 128, 128, device="cuda")
+    idx = [[5 * n + j for j in range(5)] for n in range(rows)]
+    run_update(cuda_ops.gated_delta_rule_update, x, state, lengths, idx, [1] * rows)
+    run_update(cuda_ops.gated_delta_rule_update, x, state, lengths, idx, [1 + n % 5 for n in range(rows)])
 torch.cuda.synchronize()
 """,
     # DeepSeek-V3 with MTP speculation end to end: every kernel of the model (MLA, latent cache
@@ -201,6 +213,16 @@ def test_invariant_gemm_shared_memory_clean(tool):
     """The invariant GEMMs' pipelines (cp.async stages; TMA stages on full / empty mbarriers) and
     their reuse of the stages as the cluster's exchange buffer (the split-K combine)."""
     out = run_under(tool, PROGRAMS["gemm"], "default")
+    clean = "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
+    assert clean in out, out[-3000:]
+
+
+@pytest.mark.parametrize("tool", ["racecheck", "synccheck"])
+def test_gdn_shared_memory_clean(tool):
+    """The Gated DeltaNet kernel under both grids: staged tokens and records read by every warp between
+    barriers, outputs and records written from shared memory after them, and on the persistent grid
+    the next item's base copied (cp.async) into the one buffer each thread reads back its own chunks of."""
+    out = run_under(tool, PROGRAMS["gdn"], "default")
     clean = "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
     assert clean in out, out[-3000:]
 

@@ -16,14 +16,16 @@
 //   S = S decay + k delta^T
 // so the token's critical path holds one reduction, not two. The base (token 0) or the token's
 // record (tokens >= 1) is stored.
-// Two launches of the same item code. When the items outnumber what the device holds at once
-// (K <= 128), a persistent grid: each block walks a contiguous range of items, copies the next
-// item's base into shared memory (cp.async; each thread reads back only its own copies, so one
-// buffer serves) while it computes this one, and keeps q / k across the items of one key head (the
-// per-item and per-token overhead, not the arithmetic per state entry, is what a verify step's
-// instructions were mostly spent on: docs/kernels/gdn.md). Otherwise one block per item, the base
-// loaded straight into registers (batch 1 latency). 96 registers, 32 KB of shared memory: 5 blocks
-// (20 warps) per SM.
+// Two launches of the same item code. When the items outnumber what the device holds at once of
+// the direct kernel (K <= 128), a persistent grid: each block walks a contiguous range of items,
+// copies the next item's base into shared memory (cp.async; each thread reads back only its own
+// copies, so one buffer serves) while it computes this one, and keeps q / k across the items of one
+// key head (the per-item and per-token overhead, not the arithmetic per state entry, is what a
+// verify step's instructions were mostly spent on: docs/kernels/gdn.md); 94 registers, 32 KB of
+// shared memory: 5 blocks (20 warps) per SM. Otherwise (batch <= 4 at Qwen3-Next's widths) one
+// block per item, built for latency: the row's metadata loaded first, then the base (cp.async into
+// shared memory, K <= 128; else straight into registers), the tokens and the records all in flight
+// at once, 128 registers. PYENGINE_GDN_GRID forces either (tests, benchmarks).
 // A row's arithmetic never depends on the other rows or on how many tokens share its step: token t
 // of a verify row gets the bits the same token gets decoded alone, and a replayed record the bits
 // its token computed (the same device functions, explicit __fmul_rn / fmaf, no contraction left to
@@ -31,7 +33,10 @@
 #include "common/hip_compat.h"
 #include "ssm/gated_delta_rule.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 
 #include "common/async_copy.h"
 #include "ssm/gated_delta_rule_device.h"
@@ -40,7 +45,9 @@ namespace {
 
 using namespace pe_gdn;
 
-constexpr int kMinBlocks = 5;  // blocks per SM the K <= 128 kernel is built for (96 registers, no spills)
+// Blocks per SM the K <= 128 kernels are built for: the persistent grid 5 (96 registers, no spills);
+// one block per item 4 (128 registers: its staging keeps every load of a round in flight).
+constexpr int kMinBlocks = 5, kMinBlocksDirect = 4;
 
 // The next item's base, copied by each thread into its own 16-byte chunks ([row][chunk][thread]):
 // only the thread that copies a chunk reads it, so one buffer serves (the copy of the next item's
@@ -134,8 +141,8 @@ PE_DEVICE void write_tokens(const GatedDeltaRuleParams& p, const Staged<KC>& st,
 // group in flight), or null to load it here. prefetch_next() is called once on every path, after
 // this thread has read buf (behind a barrier): it issues and commits the next item's copy.
 // staged_qk: the (row, key head) whose q and k the shared memory holds (-1: none), updated.
-template <typename T, int KC, typename Next>
-PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, const float4 (*buf)[KC][kThreads], const Item& x,
+template <typename T, int KC, bool kTogether, bool kCopyBase, typename Next>
+PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4 (*buf)[KC][kThreads], const Item& x,
                         int& staged_qk, Next prefetch_next) {
   const int lane = threadIdx.x % kLanes, warp = threadIdx.x / kLanes, sub = lane % kGroup;
   const int tile_row = warp * kRows + lane / kGroup * kRowsPerLane;  // the lane's first row in the tile
@@ -144,23 +151,27 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, const flo
   const int vr = tile * kGdnRecordRows + tile_row;  // the lane's first value row
   const bool ok0 = vr < V, ok1 = vr + 1 < V;  // lanes past V compute zeros (and still meet the barriers)
   const bool materialise = p.replay_dst != nullptr;
+  const int32_t* idx = p.state_idx + (int64_t)n * p.slots_per_row;
+  // The row's metadata, every load issued before any is used (then one more latency for the data):
+  // nothing branches on it before the data loads are issued (a PAD row stages its tokens too and
+  // leaves after), else the compiler sinks the loads used past the branch behind it.
+  const int slot0 = idx[0];
   const int s0 = materialise ? 0 : p.query_start_loc[n];
   const int num = materialise ? 0 : p.query_start_loc[n + 1] - s0;
-  const int32_t* idx = p.state_idx + (int64_t)n * p.slots_per_row;
-  if (idx[0] < 0) {  // the whole block skips the item
-    prefetch_next();
-    if (sub == 0)
-      for (int t = 0; t < num; ++t)
-        for (int r = 0; r < kRowsPerLane; ++r)
-          if (vr + r < V) Io<T>::st(static_cast<T*>(p.out) + ((int64_t)(s0 + t) * HV + hv) * V + vr + r, 0.f);
-    return;
-  }
-  const bool init = !p.final_state_only || p.has_initial_state == nullptr || p.has_initial_state[n];
-  const int replays = init ? min(max(p.num_accepted[n], 1), p.slots_per_row) - 1 : 0;  // records idx[1..a-1]
+  const int accepted = p.num_accepted[n];
+  const bool pad = slot0 < 0;  // the whole block skips the item
+  const bool init = !pad && (!p.final_state_only || p.has_initial_state == nullptr || p.has_initial_state[n]);
+  StageRegs<KC> sr;
+  record_slots(sr, idx, 0, min(p.slots_per_row - 1, kRecords), warp);  // the first round's, if replayed
+  const int replays = init ? min(max(accepted, 1), p.slots_per_row) - 1 : 0;  // records idx[1..a-1]
   const int64_t slot_elems = (int64_t)HV * V * K;
   const int64_t rec_off = (int64_t)hv * V * K + (int64_t)tile * (K + kGdnRecordRows + kGdnRecordPad);
-  float* base = p.state + idx[0] * slot_elems + ((int64_t)hv * V + vr) * K;  // the lane's first row of the base
+  float* base = p.state + (pad ? 0 : slot0) * slot_elems + ((int64_t)hv * V + vr) * K;  // the lane's first base row
   RowPair<KC> s;
+  if constexpr (kCopyBase) {  // the base into shared memory, issued before the tokens' and records' loads
+    prefetch_base(*reinterpret_cast<float4(*)[kRowsPerLane][KC][kThreads]>(buf), p, x, init ? slot0 : -1);
+    pe_copy::copy_commit();
+  }
   if (buf == nullptr) {  // the base: every load issued before any is used
 #pragma unroll
     for (int r = 0; r < kRowsPerLane; ++r)
@@ -177,12 +188,24 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, const flo
   const T* q = static_cast<const T*>(p.q) + (int64_t)x.hk * K;
   const T* k = static_cast<const T*>(p.k) + (int64_t)x.hk * K;
   const T* v = static_cast<const T*>(p.v) + (int64_t)hv * V;
-  if (num > 0) {
-    const int qk = n * p.num_k_heads + x.hk;
-    stage_tokens(st, p, q, k, v, s0, min(num, kTokens), hv, tile, lane, warp, qk != staged_qk || num > kTokens);
-    staged_qk = num > kTokens ? -1 : qk;  // a longer row restages its later tokens over these
+  // The first round of tokens and records: all their loads in flight together (with the base's).
+  const int qk = n * p.num_k_heads + x.hk;
+  const bool with_qk = qk != staged_qk || num > kTokens;
+  const int nr = min(replays, kRecords);
+#pragma unroll
+  for (int u = 0; u < StageRegs<KC>::kRec; ++u)
+    if (record_of(warp, u) >= nr) sr.rslot[u] = -1;
+  stage_round<kTogether>(st, sr, p, q, k, v, s0, min(num, kTokens), nr, hv, tile, slot_elems, rec_off, lane, warp,
+                         with_qk);
+  if (num > 0) staged_qk = num > kTokens ? -1 : qk;  // a longer row restages its later tokens over these
+  if (pad) {
+    prefetch_next();
+    if (sub == 0)
+      for (int t = 0; t < num; ++t)
+        for (int r = 0; r < kRowsPerLane; ++r)
+          if (vr + r < V) Io<T>::st(static_cast<T*>(p.out) + ((int64_t)(s0 + t) * HV + hv) * V + vr + r, 0.f);
+    return;
   }
-  if (replays > 0) stage_records(st, p, idx, slot_elems, rec_off, 0, min(replays, kRecords), lane, warp);
   if (buf != nullptr) {  // the base this thread copied
     pe_copy::copy_wait<0>();
 #pragma unroll
@@ -199,13 +222,15 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, const flo
   __syncthreads();
   prefetch_next();
   for (int r0 = 0; r0 < replays; r0 += kRecords) {
+    const int nr0 = min(replays - r0, kRecords);
     if (r0 > 0) {  // more records than shared memory holds: the next ones
       __syncthreads();
-      stage_records(st, p, idx, slot_elems, rec_off, r0, min(replays - r0, kRecords), lane, warp);
+      record_slots(sr, idx, r0, nr0, warp);
+      stage_round<kTogether>(st, sr, p, q, k, v, 0, 0, nr0, hv, tile, slot_elems, rec_off, lane, warp, false);
       __syncthreads();
     }
-    for (int r = 0; r < min(replays - r0, kRecords); ++r)
-      if (idx[1 + r0 + r] >= 0) replay_record(s, st, r, sub, tile_row, ok0, ok1);
+    for (int r = 0; r < nr0; ++r)
+      if (st.rlive[r]) replay_record(s, st, r, sub, tile_row, ok0, ok1);
   }
   if (materialise) {
     if (p.replay_dst[n] >= 0)
@@ -217,7 +242,9 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, const flo
     const int nt = min(num - c0, kTokens);
     if (c0 > 0) {  // the row's next tokens: restage once every warp is done with these
       __syncthreads();
-      stage_tokens(st, p, q, k, v, s0 + c0, nt, hv, tile, lane, warp, true);
+#pragma unroll
+      for (int u = 0; u < StageRegs<KC>::kRec; ++u) sr.rslot[u] = -1;
+      stage_round<kTogether>(st, sr, p, q, k, v, s0 + c0, nt, 0, hv, tile, slot_elems, rec_off, lane, warp, true);
       __syncthreads();
     }
     for (int tt = 0; tt < nt; ++tt) {
@@ -249,14 +276,19 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, const flo
 // other buffer) while this one computes; the slot it reads is looked up one item earlier still, so
 // that issuing the copy never waits on a load.
 template <typename T, int KC, bool kPrefetch>
-__global__ void __launch_bounds__(kThreads, KC <= 4 ? kMinBlocks : 1) gated_delta_rule_kernel(GatedDeltaRuleParams p) {
+__global__ void __launch_bounds__(kThreads, KC > 4 ? 1 : kPrefetch ? kMinBlocks : kMinBlocksDirect)
+    gated_delta_rule_kernel(GatedDeltaRuleParams p) {
   __shared__ __align__(16) Staged<KC> st;
-  __shared__ __align__(16) BaseBuffers<KC, kPrefetch> bb;
+  __shared__ __align__(16) BaseBuffers<KC, kPrefetch || KC <= 4> bb;  // direct K <= 128: its one base copied
   const int tiles = (p.value_dim + kGdnRecordRows - 1) / kGdnRecordRows, HV = p.num_v_heads;
   const int group = HV / p.num_k_heads;
   int staged_qk = -1;
   if constexpr (!kPrefetch) {  // one item per block
-    run_item<T, KC>(p, st, nullptr, item_at(blockIdx.x, tiles, HV, group), staged_qk, [] {});
+    const Item x = item_at(blockIdx.x, tiles, HV, group);
+    if constexpr (KC <= 4)
+      run_item<T, KC, true, true>(p, st, bb.f, x, staged_qk, [] {});
+    else
+      run_item<T, KC, true, false>(p, st, nullptr, x, staged_qk, [] {});
   } else {
     const int items = tiles * HV * p.num_rows, share = items / gridDim.x, extra = items % gridDim.x;
     const int begin = blockIdx.x * share + min((int)blockIdx.x, extra), end = begin + share + ((int)blockIdx.x < extra);
@@ -270,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, KC <= 4 ? kMinBlocks : 1) gated_delt
       next_item(after, tiles, HV, group);
       const bool more = it + 1 < end;
       const int after_slot = it + 2 < end ? base_slot(p, after.n) : -1;  // loaded an item before it is used
-      run_item<T, KC>(p, st, bb.f, x, staged_qk, [&] {
+      run_item<T, KC, false, false>(p, st, bb.f, x, staged_qk, [&] {
         if (more) prefetch_base(bb.f, p, next, next_slot);
         pe_copy::copy_commit();  // a group per item, empty or not
       });
@@ -283,8 +315,8 @@ __global__ void __launch_bounds__(kThreads, KC <= 4 ? kMinBlocks : 1) gated_delt
 
 // Blocks of `kernel` the device holds at once (multiprocessors x resident blocks), per device; 0 if
 // unknown.
-template <typename Kernel>
-int device_blocks(Kernel kernel) {
+template <auto kernel>  // one cache per kernel (their pointer types are all the same)
+int device_blocks() {
   constexpr int kDevices = 64;
   static std::atomic<int> cache[kDevices];
   int dev = 0, sms = 0, per_sm = 0;
@@ -305,14 +337,26 @@ int device_blocks(Kernel kernel) {
   return sms * per_sm;
 }
 
+// PYENGINE_GDN_GRID=direct|persistent forces a grid for K <= 128 (tests: a row's bits do not depend
+// on it; benchmarks); otherwise the persistent grid when the items outnumber what the device holds
+// of the direct kernel at once.
+int forced_grid() {
+  const char* v = std::getenv("PYENGINE_GDN_GRID");
+  if (v == nullptr) return 0;
+  return std::strcmp(v, "direct") == 0 ? 1 : std::strcmp(v, "persistent") == 0 ? 2 : 0;
+}
+
 template <typename T>
 int launch(const GatedDeltaRuleParams& p, peStream_t stream) {
   const int64_t items = (int64_t)(p.value_dim + kGdnRecordRows - 1) / kGdnRecordRows * p.num_v_heads * p.num_rows;
   if (items > INT32_MAX) return -1;
   if (p.key_dim <= 4 * kGroup * 4) {  // K <= 128: half the registers
-    const int resident = device_blocks(gated_delta_rule_kernel<T, 4, true>);
-    if (resident > 0 && items > resident)
-      gated_delta_rule_kernel<T, 4, true><<<resident, kThreads, 0, stream>>>(p);
+    const int forced = forced_grid();
+    const int direct = device_blocks<gated_delta_rule_kernel<T, 4, false>>();
+    const int resident = device_blocks<gated_delta_rule_kernel<T, 4, true>>();
+    const bool persistent = resident > 0 && (forced == 2 || (forced == 0 && items > direct));
+    if (persistent)
+      gated_delta_rule_kernel<T, 4, true><<<(int)std::min<int64_t>(resident, items), kThreads, 0, stream>>>(p);
     else
       gated_delta_rule_kernel<T, 4, false><<<(int)items, kThreads, 0, stream>>>(p);
   } else {

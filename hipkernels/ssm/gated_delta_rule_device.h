@@ -101,98 +101,207 @@ struct Staged {
   float rdelta[kRecords][kGdnRecordRows];
   float4 tok[kTokens];  // decay = exp(g), beta, k . q (of the scaled vectors), unused: one load per token
   float rdecay[kRecords];
+  int rlive[kRecords];  // 0: a PAD record slot, not replayed
 };
 
-// Three sums over the warp at once (one reduction's latency).
-PE_DEVICE void warp_sum3(float& a, float& b, float& c) {
+// Sums over the warp of N values at once (one reduction's latency for all of them); xor
+// butterflies, so each value gets the bits it gets reduced alone.
+template <int N>
+PE_DEVICE void warp_sum(float (&x)[N]) {
 #pragma unroll
   for (int m = kLanes / 2; m > 0; m /= 2) {
-    const float x = pe_shfl_xor(a, m), y = pe_shfl_xor(b, m), z = pe_shfl_xor(c, m);
-    a = __fadd_rn(a, x), b = __fadd_rn(b, y), c = __fadd_rn(c, z);
+    float y[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) y[i] = pe_shfl_xor(x[i], m);
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = __fadd_rn(x[i], y[i]);
   }
 }
 
-// Warp w prepares tokens w, w + kWarps, ...: v, decay, beta (every load of the warp in flight before
-// the first is stored) and, with_qk, q and k (a lane holds 4 entries per 128 of K; the norms and
-// k . q, of the raw vectors then scaled by both norms, are warp reductions, the same lanes and order
-// whichever warp it is). q and k depend on the row and key head alone, so consecutive items of one
-// key head keep them.
+// A warp's share of one staging round, held in registers between its loads and its stores to
+// shared memory, so that every global load of the round (v, g, beta, q, k of the warp's tokens, its
+// records) is in flight before the first is used: one memory latency per round, not one per token
+// and record (at batch 1 the step is a chain of such latencies).
+template <int KC>
+struct StageRegs {
+  static constexpr int kc = Staged<KC>::kMaxK / (kLanes * 4);  // 4-float pieces per lane of a q / k row
+  static constexpr int kTok = kTokens / kWarps;                // tokens per warp and round
+  static constexpr int kRec = (kRecords + kWarps - 1) / kWarps;  // records per warp and round
+  static_assert(kTok * kWarps == kTokens, "tokens split evenly over the warps");
+  float v[kTok], g[kTok], b[kTok], q[kTok][kc][4], k[kTok][kc][4];
+  float rk[kRec][kc][4], rdelta[kRec], rdecay[kRec];
+  int rslot[kRec];  // the record's slot (-1: PAD, or not this round's)
+};
+
+// Token tt of a round is the warp's u-th for tt = warp + u kWarps; record r is warp
+// kWarps - 1 - r % kWarps's (the first warps take the extra tokens, the last the records).
+PE_DEVICE int token_of(int warp, int u) { return warp + u * kWarps; }
+PE_DEVICE int record_of(int warp, int u) { return kWarps - 1 - warp + u * kWarps; }
+
+// The loads of tokens t0 .. t0 + nt - 1 (with_qk: q and k too; a lane holds 4 entries per 128 of K).
+// q and k depend on the row and key head alone, so consecutive items of one key head keep them.
 template <typename T, int KC>
-PE_DEVICE void stage_tokens(Staged<KC>& st, const GatedDeltaRuleParams& p, const T* q, const T* k, const T* v,
-                            int64_t t0, int nt, int hv, int tile, int lane, int warp, bool with_qk) {
-  constexpr int kc = Staged<KC>::kMaxK / (kLanes * 4);
-  constexpr int kPer = kTokens / kWarps;
-  static_assert(kPer * kWarps == kTokens, "tokens split evenly over the warps");
+PE_DEVICE void load_tokens(StageRegs<KC>& r, const GatedDeltaRuleParams& p, const T* q, const T* k, const T* v,
+                           int64_t t0, int nt, int hv, int tile, int lane, int warp, bool with_qk, int u0, int u1) {
   const int K = p.key_dim, vr = tile * kGdnRecordRows + lane;
-  float vv[kPer], gg[kPer], bb[kPer];
 #pragma unroll
-  for (int u = 0; u < kPer; ++u) {
-    const int tt = warp + u * kWarps;
+  for (int u = u0; u < u1; ++u) {
+    const int tt = token_of(warp, u);
     const int64_t tok = t0 + tt;
-    vv[u] = tt < nt && vr < p.value_dim ? Io<T>::ld(v + tok * p.v_stride_token + vr) : 0.f;
-    gg[u] = tt < nt && lane == 0 ? p.g[tok * p.num_v_heads + hv] : 0.f;
-    bb[u] = tt < nt && lane == 0 ? p.beta[tok * p.num_v_heads + hv] : 0.f;
-  }
+    const bool live = tt < nt;
+    r.v[u] = live && vr < p.value_dim ? Io<T>::ld(v + tok * p.v_stride_token + vr) : 0.f;
+    r.g[u] = live && lane == 0 ? p.g[tok * p.num_v_heads + hv] : 0.f;
+    r.b[u] = live && lane == 0 ? p.beta[tok * p.num_v_heads + hv] : 0.f;
 #pragma unroll
-  for (int u = 0; u < kPer; ++u) {
-    const int tt = warp + u * kWarps;
-    if (tt >= nt) continue;
-    st.v[tt][lane] = vv[u];
-    if (lane == 0) st.tok[tt].x = expf(gg[u]), st.tok[tt].y = bb[u];
-  }
-  if (!with_qk) return;
-  for (int tt = warp; tt < nt; tt += kWarps) {
-    const int64_t tok = t0 + tt;
-    float qv[kc][4], kv[kc][4], qs = 0.f, ks = 0.f, kq = 0.f;
-#pragma unroll
-    for (int j = 0; j < kc; ++j) {
+    for (int j = 0; j < StageRegs<KC>::kc; ++j) {
       const int k0 = (lane + j * kLanes) * 4;
-      if (k0 < K) {
-        load4(q + tok * p.q_stride_token + k0, qv[j]);
-        load4(k + tok * p.k_stride_token + k0, kv[j]);
+      if (live && with_qk && k0 < K) {
+        load4(q + tok * p.q_stride_token + k0, r.q[u][j]);
+        load4(k + tok * p.k_stride_token + k0, r.k[u][j]);
       } else {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) qv[j][i] = kv[j][i] = 0.f;
+        for (int i = 0; i < 4; ++i) r.q[u][j][i] = r.k[u][j][i] = 0.f;
       }
+    }
+  }
+}
+
+// The loaded tokens into shared memory: v, decay = exp(g), beta and, with_qk, q and k l2-normalised
+// (q times scale; zeros past K) and k . q of the scaled vectors. The norms and k . q are warp
+// reductions over the raw vectors, the same lanes and order whichever warp and round it is.
+template <int KC>
+PE_DEVICE void store_tokens(Staged<KC>& st, const StageRegs<KC>& r, const GatedDeltaRuleParams& p, int nt, int lane,
+                            int warp, bool with_qk, int u0, int u1) {
+  constexpr int kc = StageRegs<KC>::kc, kTok = StageRegs<KC>::kTok;
+  float sums[3 * kTok];  // |q|^2, |k|^2, k . q of the tokens u0 .. u1 - 1, reduced together
+#pragma unroll
+  for (int u = 0; u < kTok; ++u) {
+    float qs = 0.f, ks = 0.f, kq = 0.f;
+    if (u < u0 || u >= u1) {
+      sums[3 * u] = sums[3 * u + 1] = sums[3 * u + 2] = 0.f;
+      continue;
+    }
+#pragma unroll
+    for (int j = 0; j < kc; ++j)
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        qs = fmaf(qv[j][i], qv[j][i], qs), ks = fmaf(kv[j][i], kv[j][i], ks), kq = fmaf(kv[j][i], qv[j][i], kq);
+        qs = fmaf(r.q[u][j][i], r.q[u][j][i], qs), ks = fmaf(r.k[u][j][i], r.k[u][j][i], ks),
+        kq = fmaf(r.k[u][j][i], r.q[u][j][i], kq);
+    sums[3 * u] = qs, sums[3 * u + 1] = ks, sums[3 * u + 2] = kq;
+  }
+  if (with_qk) {
+    if (u1 - u0 == kTok) {
+      warp_sum(sums);
+    } else {
+#pragma unroll
+      for (int u = 0; u < kTok; ++u) {
+        if (u < u0 || u >= u1) continue;
+        float one[3] = {sums[3 * u], sums[3 * u + 1], sums[3 * u + 2]};
+        warp_sum(one);
+        sums[3 * u] = one[0], sums[3 * u + 1] = one[1], sums[3 * u + 2] = one[2];
+      }
     }
-    warp_sum3(qs, ks, kq);
+  }
+#pragma unroll
+  for (int u = u0; u < u1; ++u) {
+    const int tt = token_of(warp, u);
+    if (tt >= nt) continue;
+    st.v[tt][lane] = r.v[u];
+    if (lane == 0) st.tok[tt].x = expf(r.g[u]), st.tok[tt].y = r.b[u];
+    if (!with_qk) continue;
+    const float qs = sums[3 * u], ks = sums[3 * u + 1], kq = sums[3 * u + 2];
     const float qn = p.l2norm ? __fmul_rn(rsqrtf(qs + 1e-6f), p.scale) : p.scale;
     const float kn = p.l2norm ? rsqrtf(ks + 1e-6f) : 1.f;
 #pragma unroll
     for (int j = 0; j < kc; ++j) {
       const int k0 = (lane + j * kLanes) * 4;  // zeros past K
-      *reinterpret_cast<float4*>(&st.q[tt][k0]) = make_float4(__fmul_rn(qv[j][0], qn), __fmul_rn(qv[j][1], qn),
-                                                              __fmul_rn(qv[j][2], qn), __fmul_rn(qv[j][3], qn));
-      *reinterpret_cast<float4*>(&st.k[tt][k0]) = make_float4(__fmul_rn(kv[j][0], kn), __fmul_rn(kv[j][1], kn),
-                                                              __fmul_rn(kv[j][2], kn), __fmul_rn(kv[j][3], kn));
+      *reinterpret_cast<float4*>(&st.q[tt][k0]) = make_float4(__fmul_rn(r.q[u][j][0], qn), __fmul_rn(r.q[u][j][1], qn),
+                                                              __fmul_rn(r.q[u][j][2], qn), __fmul_rn(r.q[u][j][3], qn));
+      *reinterpret_cast<float4*>(&st.k[tt][k0]) = make_float4(__fmul_rn(r.k[u][j][0], kn), __fmul_rn(r.k[u][j][1], kn),
+                                                              __fmul_rn(r.k[u][j][2], kn), __fmul_rn(r.k[u][j][3], kn));
     }
     if (lane == 0) st.tok[tt].z = __fmul_rn(__fmul_rn(kq, kn), qn);
   }
 }
 
-// Records idx[1 + r0 .. r0 + nr] of this tile (rec_off inside a slot) into shared memory, record r
-// by warp kWarps - 1 - r % kWarps (the first warps stage the tokens first). A PAD slot is neither
-// staged nor replayed.
+// The slots of records idx[1 + r0 .. r0 + nr] this warp stages (with the row's other metadata, one
+// latency before the records themselves); -1 for PAD and for those past nr.
 template <int KC>
-PE_DEVICE void stage_records(Staged<KC>& st, const GatedDeltaRuleParams& p, const int32_t* idx, int64_t slot_elems,
-                             int64_t rec_off, int r0, int nr, int lane, int warp) {
-  constexpr int kc = Staged<KC>::kMaxK / (kLanes * 4);
-  const int K = p.key_dim;
-  for (int r = kWarps - 1 - warp; r < nr; r += kWarps) {
-    const int slot = idx[1 + r0 + r];
-    if (slot < 0) continue;
-    const float* rec = p.state + slot * slot_elems + rec_off;
+PE_DEVICE void record_slots(StageRegs<KC>& r, const int32_t* idx, int r0, int nr, int warp) {
 #pragma unroll
-    for (int j = 0; j < kc; ++j) {
+  for (int u = 0; u < StageRegs<KC>::kRec; ++u) {
+    const int rr = record_of(warp, u);
+    r.rslot[u] = rr < nr ? idx[1 + r0 + rr] : -1;
+  }
+}
+
+// The loads of this tile's part of those records (rec_off inside a slot).
+template <int KC>
+PE_DEVICE void load_records(StageRegs<KC>& r, const GatedDeltaRuleParams& p, int64_t slot_elems, int64_t rec_off,
+                            int lane, int u0, int u1) {
+  const int K = p.key_dim;
+#pragma unroll
+  for (int u = u0; u < u1; ++u) {
+    const bool live = r.rslot[u] >= 0;
+    const float* rec = p.state + (live ? r.rslot[u] : 0) * slot_elems + rec_off;
+#pragma unroll
+    for (int j = 0; j < StageRegs<KC>::kc; ++j) {
       const int k0 = (lane + j * kLanes) * 4;
-      *reinterpret_cast<float4*>(&st.rk[r][k0]) =
-          k0 < K ? *reinterpret_cast<const float4*>(rec + k0) : make_float4(0.f, 0.f, 0.f, 0.f);
+      if (live && k0 < K) {
+        load4(rec + k0, r.rk[u][j]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r.rk[u][j][i] = 0.f;
+      }
     }
-    st.rdelta[r][lane] = rec[K + lane];
-    if (lane == 0) st.rdecay[r] = rec[K + kGdnRecordRows];
+    r.rdelta[u] = live ? rec[K + lane] : 0.f;
+    r.rdecay[u] = live && lane == 0 ? rec[K + kGdnRecordRows] : 0.f;
+  }
+}
+
+// The loaded records into shared memory; a PAD record is marked (rlive), to be skipped by the replay.
+template <int KC>
+PE_DEVICE void store_records(Staged<KC>& st, const StageRegs<KC>& r, int nr, int lane, int warp, int u0, int u1) {
+#pragma unroll
+  for (int u = u0; u < u1; ++u) {
+    const int rr = record_of(warp, u);
+    if (rr >= nr) continue;
+    if (lane == 0) st.rlive[rr] = r.rslot[u] >= 0;
+    if (r.rslot[u] < 0) continue;
+#pragma unroll
+    for (int j = 0; j < StageRegs<KC>::kc; ++j)
+      *reinterpret_cast<float4*>(&st.rk[rr][(lane + j * kLanes) * 4]) =
+          make_float4(r.rk[u][j][0], r.rk[u][j][1], r.rk[u][j][2], r.rk[u][j][3]);
+    st.rdelta[rr][lane] = r.rdelta[u];
+    if (lane == 0) st.rdecay[rr] = r.rdecay[u];
+  }
+}
+
+// A staging round: tokens t0 .. t0 + nt - 1 (none when nt is 0) and records with the slots in sr
+// (record_slots). kTogether: every load of the warp in flight before the first store (the latency
+// path: one block per item); else a token or record at a time (the persistent grid, where other
+// blocks hide the latency and the registers of all of them at once would spill at 5 blocks per SM).
+template <bool kTogether, typename T, int KC>
+PE_DEVICE void stage_round(Staged<KC>& st, StageRegs<KC>& sr, const GatedDeltaRuleParams& p, const T* q, const T* k,
+                           const T* v, int64_t t0, int nt, int nr, int hv, int tile, int64_t slot_elems,
+                           int64_t rec_off, int lane, int warp, bool with_qk) {
+  constexpr int kTok = StageRegs<KC>::kTok, kRec = StageRegs<KC>::kRec;
+  if constexpr (kTogether) {
+    load_tokens(sr, p, q, k, v, t0, nt, hv, tile, lane, warp, with_qk, 0, kTok);
+    load_records(sr, p, slot_elems, rec_off, lane, 0, kRec);
+    store_tokens(st, sr, p, nt, lane, warp, with_qk, 0, kTok);
+    store_records(st, sr, nr, lane, warp, 0, kRec);
+  } else {
+#pragma unroll
+    for (int u = 0; u < kTok; ++u) {
+      load_tokens(sr, p, q, k, v, t0, nt, hv, tile, lane, warp, with_qk, u, u + 1);
+      store_tokens(st, sr, p, nt, lane, warp, with_qk, u, u + 1);
+    }
+#pragma unroll
+    for (int u = 0; u < kRec; ++u) {
+      load_records(sr, p, slot_elems, rec_off, lane, u, u + 1);
+      store_records(st, sr, nr, lane, warp, u, u + 1);
+    }
   }
 }
 
