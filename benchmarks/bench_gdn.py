@@ -19,7 +19,7 @@ call on one pool (the old figures): at batch <= 16 the whole state then sits in 
 H100. q, k, v, g and beta are shared by the pools in both modes (a layer's inputs come from the
 projection just before it). Both in one run: --l2 cold,hot.
 
---grid direct|persistent forces the kernel's grid (PYENGINE_GDN_GRID; default: the kernel's choice).
+--grid direct|persistent forces the kernel's grid (ops.cuda.gdn.force_grid; default: the kernel's choice).
 
     python3 benchmarks/bench_gdn.py --l2 cold,hot --out benchmarks/results/gdn_h100.json
 """
@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gpu_timing import copy_bandwidth_gbps, graph_ms, run_header, time_ms_graph, write_result  # noqa: E402
 from pyengine.ops import cuda as cuda_ops  # noqa: E402
+from pyengine.ops.cuda import gdn as cuda_gdn  # noqa: E402
 
 H, HV, DK, DV = 16, 32, 128, 128
 RECORD_ROWS = 32
@@ -87,7 +88,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.grid != "auto":
-        os.environ["PYENGINE_GDN_GRID"] = args.grid
+        cuda_gdn.force_grid = args.grid
     copy = copy_bandwidth_gbps()
     modes = args.l2.split(",")
     result = dict(run_header(), copy_bandwidth_gbps=copy, l2_bytes=l2_bytes(), replayed=args.replayed, grid=args.grid,

@@ -15,6 +15,7 @@ import torch
 
 from pyengine import LLM, SamplingParams
 from pyengine.ops import reference
+from pyengine.ops.cuda import gdn as cuda_gdn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -165,7 +166,7 @@ def test_persistent_grid_equals_rows_alone(slots: int) -> None:
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 5, 24])
 def test_grids_agree_bitwise(rows: int, monkeypatch) -> None:
-    """The same step under each grid the kernel has for K <= 128 (PYENGINE_GDN_GRID): one block per
+    """The same step under each grid the kernel has for K <= 128 (ops.cuda.gdn.force_grid): one block per
     item, every load of a staging round in flight at once, and the persistent grid, a token or record
     at a time with the next item's base prefetched. Verify rows of 1..16 tokens (two rounds of tokens
     and of records), every acceptance length, a PAD row; prefill rows (final state only) and
@@ -184,7 +185,7 @@ def test_grids_agree_bitwise(rows: int, monkeypatch) -> None:
     init = torch.tensor([n % 3 != 1 for n in range(rows)], device="cuda")
     results = {}
     for grid in ("direct", "persistent"):
-        monkeypatch.setenv("PYENGINE_GDN_GRID", grid)
+        monkeypatch.setattr(cuda_gdn, "force_grid", grid)
         verify, prefill, mat = pool.clone(), pool.clone(), pool.clone()
         out = run_update(cuda_ops.gated_delta_rule_update, x, verify, lengths, idx, acc)
         pout = cuda_ops.gated_delta_rule_chunked(x["q"], x["k"], x["v"], x["g"], x["beta"], qsl(lengths), prefill,

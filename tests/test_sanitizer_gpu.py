@@ -114,7 +114,7 @@ with use_kernel_config(gqa_fma=sys.argv[1] == "fma", batch_invariant=True):
     gqa_case({ROWS} + [(1100, 20)], 1, 2, 8, torch.float16, head_dim=256)
 torch.cuda.synchronize()
 """,
-    # The Gated DeltaNet kernel under both of its grids (PYENGINE_GDN_GRID; argv: direct, persistent or
+    # The Gated DeltaNet kernel under both of its grids (ops.cuda.gdn.force_grid; argv: direct, persistent or
     # default for both): verify rows of every length, a PAD row, a row starting from a PAD slot,
     # grouped heads, K below one warp's 128, prefill rows (final state only), and a step of more
     # items than the device holds (blocks walking several items, the next base prefetched).
@@ -123,8 +123,9 @@ import os, sys
 import torch
 from test_gdn_gpu import inputs, run_update, i32, qsl
 from pyengine.ops import cuda as cuda_ops
+from pyengine.ops.cuda import gdn as cuda_gdn
 for grid in (["direct", "persistent"] if sys.argv[1] == "default" else [sys.argv[1]]):
-    os.environ["PYENGINE_GDN_GRID"] = grid
+    cuda_gdn.force_grid = grid
     for h, hv, dk, dv in [(2, 4, 16, 24), (16, 32, 128, 128), (1, 2, 256, 8)]:
         x = inputs(11, h, hv, dk, dv, torch.bfloat16)
         state = torch.randn(16, hv, dv, dk, device="cuda")

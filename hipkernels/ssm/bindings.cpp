@@ -36,7 +36,7 @@ void register_ssm_kernels(py::module_& k) {
       .PE_FIELD(G, query_start_loc).PE_FIELD(G, state_idx).PE_FIELD(G, num_accepted).PE_FIELD(G, has_initial_state)
       .PE_FIELD(G, replay_dst).PE_FIELD(G, num_rows).PE_FIELD(G, num_k_heads).PE_FIELD(G, num_v_heads).PE_FIELD(G, key_dim)
       .PE_FIELD(G, value_dim).PE_FIELD(G, slots_per_row).PE_FIELD(G, q_stride_token).PE_FIELD(G, k_stride_token)
-      .PE_FIELD(G, v_stride_token).PE_FIELD(G, scale).PE_FIELD(G, l2norm).PE_FIELD(G, dtype);
+      .PE_FIELD(G, v_stride_token).PE_FIELD(G, scale).PE_FIELD(G, l2norm).PE_FIELD(G, dtype).PE_FIELD(G, grid);
   def_launch(k, "gated_delta_rule_update", &launch_gated_delta_rule_update);
   def_launch(k, "gated_delta_rule_prefill", &launch_gated_delta_rule_prefill);
   def_launch(k, "gated_delta_rule_materialise", &launch_gated_delta_rule_materialise);

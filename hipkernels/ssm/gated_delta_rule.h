@@ -72,6 +72,9 @@ struct GatedDeltaRuleParams {
   float scale = 1.f;
   bool l2norm = true;
   bool final_state_only = false;  // set by launch_gated_delta_rule_prefill
+  // K <= 128: 0 picks the grid by the step's size; 1 one block per item, 2 the persistent grid (tests,
+  // benchmarks: a row's bits are the same under both)
+  int grid = 0;
   int dtype = 0;                  // PeDType
 };
 

@@ -25,7 +25,7 @@
 // shared memory: 5 blocks (20 warps) per SM. Otherwise (batch <= 4 at Qwen3-Next's widths) one
 // block per item, built for latency: the row's metadata loaded first, then the base (cp.async into
 // shared memory, K <= 128; else straight into registers), the tokens and the records all in flight
-// at once, 128 registers. PYENGINE_GDN_GRID forces either (tests, benchmarks).
+// at once, 128 registers. GatedDeltaRuleParams.grid forces either (tests, benchmarks).
 // A row's arithmetic never depends on the other rows or on how many tokens share its step: token t
 // of a verify row gets the bits the same token gets decoded alone, and a replayed record the bits
 // its token computed (the same device functions, explicit __fmul_rn / fmaf, no contraction left to
@@ -35,8 +35,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 #include "common/async_copy.h"
 #include "ssm/gated_delta_rule_device.h"
@@ -337,24 +335,15 @@ int device_blocks() {
   return sms * per_sm;
 }
 
-// PYENGINE_GDN_GRID=direct|persistent forces a grid for K <= 128 (tests: a row's bits do not depend
-// on it; benchmarks); otherwise the persistent grid when the items outnumber what the device holds
-// of the direct kernel at once.
-int forced_grid() {
-  const char* v = std::getenv("PYENGINE_GDN_GRID");
-  if (v == nullptr) return 0;
-  return std::strcmp(v, "direct") == 0 ? 1 : std::strcmp(v, "persistent") == 0 ? 2 : 0;
-}
-
 template <typename T>
 int launch(const GatedDeltaRuleParams& p, peStream_t stream) {
   const int64_t items = (int64_t)(p.value_dim + kGdnRecordRows - 1) / kGdnRecordRows * p.num_v_heads * p.num_rows;
   if (items > INT32_MAX) return -1;
   if (p.key_dim <= 4 * kGroup * 4) {  // K <= 128: half the registers
-    const int forced = forced_grid();
     const int direct = device_blocks<gated_delta_rule_kernel<T, 4, false>>();
     const int resident = device_blocks<gated_delta_rule_kernel<T, 4, true>>();
-    const bool persistent = resident > 0 && (forced == 2 || (forced == 0 && items > direct));
+    // the persistent grid where the items outnumber what the device holds of the direct kernel at once
+    const bool persistent = resident > 0 && (p.grid == 2 || (p.grid == 0 && items > direct));
     if (persistent)
       gated_delta_rule_kernel<T, 4, true><<<(int)std::min<int64_t>(resident, items), kThreads, 0, stream>>>(p);
     else

@@ -17,6 +17,10 @@ from pyengine.ops.cuda.launch import DTYPE_CODE, kernels, params, ptr, stream
 
 MAX_KEY_DIM = 256
 MAX_TOKENS_PER_ROW = 16
+# Tests and benchmarks: "direct" or "persistent" forces the kernel's grid (K <= 128); None lets the
+# kernel pick by the step's size. A row's bits are the same under both (test_grids_agree_bitwise).
+force_grid: str | None = None
+GRIDS = {None: 0, "direct": 1, "persistent": 2}
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +55,7 @@ def _launch(launch: Any, q, k, v, g, beta, state, query_start_loc, state_idx, nu
                has_initial_state=ptr(init), num_rows=idx.shape[0], num_k_heads=q.shape[1], num_v_heads=v.shape[1],
                key_dim=q.shape[2], value_dim=v.shape[2], slots_per_row=idx.shape[1], q_stride_token=q.stride(0),
                k_stride_token=k.stride(0), v_stride_token=v.stride(0), scale=q.shape[2] ** -0.5, l2norm=True,
-               dtype=DTYPE_CODE[q.dtype])
+               dtype=DTYPE_CODE[q.dtype], grid=GRIDS[force_grid])
     launch(p, stream(q.device))
     return out
 
@@ -79,5 +83,5 @@ def gated_delta_rule_materialise(state, state_idx, num_accepted, dst) -> None:
     hv, dv, dk = state.shape[1:]
     p = params(kernels.GatedDeltaRuleParams, state=ptr(state), state_idx=ptr(idx), num_accepted=ptr(acc),
                replay_dst=ptr(dst32), num_rows=idx.shape[0], num_k_heads=1, num_v_heads=hv, key_dim=dk, value_dim=dv,
-               slots_per_row=idx.shape[1], dtype=DTYPE_CODE[torch.float32])
+               slots_per_row=idx.shape[1], dtype=DTYPE_CODE[torch.float32], grid=GRIDS[force_grid])
     kernels.gated_delta_rule_materialise(p, stream(state.device))
