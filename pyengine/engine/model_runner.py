@@ -74,7 +74,7 @@ class ModelRunner:
         t = torch.from_numpy(np.ascontiguousarray(array))
         if dtype is not None:
             t = t.to(dtype)
-        return t.to(self.device, non_blocking=True)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
     def build_metadata(self, batch) -> AttentionMetadata:  # batch: pyengine._C.ScheduledBatch
         return AttentionMetadata(

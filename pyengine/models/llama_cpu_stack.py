@@ -83,9 +83,12 @@ class CpuLlamaStack:
         residual = torch.empty_like(h)
         num_positions = 0
         if positions is not None:
-            positions = positions.to(torch.int64).contiguous()
+            positions = positions if positions.dtype == torch.int64 else positions.to(torch.int64)
+            positions = positions.contiguous()
             num_positions = cos.shape[0]
-        cos, sin = cos.to(self.dtype).contiguous(), sin.to(self.dtype).contiguous()
+        if cos.dtype != self.dtype or sin.dtype != self.dtype:
+            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        cos, sin = cos.contiguous(), sin.contiguous()
         slots = meta.slot_mapping.contiguous()
         raise_error(self._stack.forward(
             h.data_ptr(), residual.data_ptr(), h.shape[0], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),

@@ -21,14 +21,18 @@ def step_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, to
     query-key pairs; built once per step and shared by every layer."""
     tables = meta.cache.get(_META_KEY)
     if tables is None:
-        qsl = meta.query_start_loc.to(torch.int32).contiguous()
-        ctx = meta.context_lens.to(torch.int32).contiguous()
-        bt = meta.block_tables.to(torch.int32).contiguous()
+        qsl, ctx, bt = (_int32(t) for t in (meta.query_start_loc, meta.context_lens, meta.block_tables))
         starts, lens = qsl.tolist(), ctx.tolist()  # plain ints: a decode step's torch ops cost more
         pairs = sum((b - a) * c for a, b, c in zip(starts, starts[1:], lens))
         tables = (bt, qsl, ctx, pairs)
         meta.cache[_META_KEY] = tables
     return tables
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """t as int32 contiguous; the scheduler's arrays already are (no op called: each costs a few
+    microseconds in a decode step whose caches the weights have just flushed)."""
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
 def runs_kernel(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:

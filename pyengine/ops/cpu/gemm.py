@@ -99,7 +99,7 @@ class PackedLinear:
         GEMM's fma(s, q, m). None for a dense format; IndexError for an id outside [0, out_features)."""
         if self.dtype != torch.float32 or self.bits_per_weight not in (4, 8):
             return None
-        ids = ids.to(torch.int64).contiguous()
+        ids = (ids if ids.dtype == torch.int64 else ids.to(torch.int64)).contiguous()
         out = torch.empty(ids.numel(), self.in_features, dtype=torch.float32)
         if not self.packed.columns(ids.data_ptr(), ids.numel(), out.data_ptr()):
             raise IndexError(f"column ids must lie in [0, {self.out_features})")
