@@ -176,68 +176,9 @@ __global__ void __launch_bounds__((Tile<BM, BN>::kThreads))
   };
   for_each_acc([&](int i, int j, int e) { acc[i][j][e] = 0.f; });
   int range = 0, range_end = kSequential ? range_begin(1) : kt_count;
-
-  if (resident) {
-    // Every x tile (and the last weight tile) requested, one wait and one barrier, then the mma
-    // chain with stage t holding tile t: fixed shared offsets, no ring arithmetic, no barrier
-    // between tiles. A decode launch has one warp per scheduler, so its time is its instruction
-    // count (ncu, SmolLM2's qkv at M = 16: ~2000 a warp at 3.9 cycles each, against cuBLAS's
-    // ~340). The same products in the same order as the ring below.
-    if (kt_count == kStages) load_w(kStages - 1, kt_begin + kStages - 1);
-#pragma unroll
-    for (int s = 0; s < kStages; ++s)
-      if (s < kt_count) load_x(s, kt_begin + s);
-    pe_copy::copy_commit();
-    pe_copy::copy_wait<0>();
-    __syncthreads();
-#pragma unroll
-    for (int t = 0; t < kStages; ++t) {
-      if (t >= kt_count) break;
-      const uint16_t* sa = stage_a(t);
-      const uint16_t* sb = stage_b(t);
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        uint32_t a[L::kMT][4];
-#pragma unroll
-        for (int i = 0; i < L::kMT; ++i) {
-          const int r = wm0 + i * 16 + lane % 16;
-          pe_mma::ldsm_x4<false>(a[i], sa + r * kBK + swizzle<8>(r, kk * 2 + lane / 16) * 8);
-        }
-        uint32_t bf[L::kNT][2];
-#pragma unroll
-        for (int j = 0; j < L::kNT; j += 2) {
-          const int r = kk * 16 + lane % 8 + (lane / 8) % 2 * 8;
-          uint32_t frag[4];
-          pe_mma::ldsm_x4<true>(frag, sb + r * BN + swizzle<BN / 8>(r, (wn0 + j * 8) / 8 + lane / 16) * 8);
-          bf[j][0] = frag[0], bf[j][1] = frag[1], bf[j + 1][0] = frag[2], bf[j + 1][1] = frag[3];
-        }
-#pragma unroll
-        for (int i = 0; i < L::kMT; ++i)
-#pragma unroll
-          for (int j = 0; j < L::kNT; ++j) pe_mma::mma16816<T>(acc[i][j], a[i], bf[j][0], bf[j][1]);
-      }
-    }
-  }
-  for (int t = 0; t < (resident ? 0 : kt_count); ++t) {
-    if constexpr (kSequential) {
-      while (t == range_end) {  // range `range` is complete (an empty one too): into the total, in order
-        if (range == 0)
-          for_each_acc([&](int i, int j, int e) { total[i][j][e] = acc[i][j][e], acc[i][j][e] = 0.f; });
-        else
-          for_each_acc([&](int i, int j, int e) { total[i][j][e] += acc[i][j][e], acc[i][j][e] = 0.f; });
-        range_end = range_begin(++range + 1);
-      }
-    }
-    pe_copy::copy_wait<kStages - 2>();
-    __syncthreads();  // tile t landed for every thread; stage (t - 1) % kStages is free again
-    const int next = t + kStages - 1;
-    if (next < kt_count) {
-      load_w(next % kStages, kt_begin + next);
-      load_x(next % kStages, kt_begin + next);
-    }
-    pe_copy::copy_commit();
-    const uint16_t* sa = stage_a(t % kStages);
-    const uint16_t* sb = stage_b(t % kStages);
+  // One k tile's products into acc, from its stage in shared memory (both paths below: the same
+  // products in the same order).
+  const auto mma_tile = [&](const uint16_t* sa, const uint16_t* sb) {
 #pragma unroll
     for (int kk = 0; kk < kBK / 16; ++kk) {
       uint32_t a[L::kMT][4];
@@ -259,6 +200,46 @@ __global__ void __launch_bounds__((Tile<BM, BN>::kThreads))
 #pragma unroll
         for (int j = 0; j < L::kNT; ++j) pe_mma::mma16816<T>(acc[i][j], a[i], bf[j][0], bf[j][1]);
     }
+  };
+
+  if (resident) {
+    // Every x tile (and the last weight tile) requested, one wait and one barrier, then the mma
+    // chain with stage t holding tile t: fixed shared offsets, no ring arithmetic, no barrier
+    // between tiles. A decode launch has one warp per scheduler, so its time is its instruction
+    // count (ncu, SmolLM2's qkv at M = 16: ~2000 a warp at 3.9 cycles each, against cuBLAS's
+    // ~340). The same products in the same order as the ring below.
+    if (kt_count == kStages) load_w(kStages - 1, kt_begin + kStages - 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s)
+      if (s < kt_count) load_x(s, kt_begin + s);
+    pe_copy::copy_commit();
+    pe_copy::copy_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int t = 0; t < kStages; ++t) {
+      if (t >= kt_count) break;
+      mma_tile(stage_a(t), stage_b(t));
+    }
+  }
+  for (int t = 0; t < (resident ? 0 : kt_count); ++t) {
+    if constexpr (kSequential) {
+      while (t == range_end) {  // range `range` is complete (an empty one too): into the total, in order
+        if (range == 0)
+          for_each_acc([&](int i, int j, int e) { total[i][j][e] = acc[i][j][e], acc[i][j][e] = 0.f; });
+        else
+          for_each_acc([&](int i, int j, int e) { total[i][j][e] += acc[i][j][e], acc[i][j][e] = 0.f; });
+        range_end = range_begin(++range + 1);
+      }
+    }
+    pe_copy::copy_wait<kStages - 2>();
+    __syncthreads();  // tile t landed for every thread; stage (t - 1) % kStages is free again
+    const int next = t + kStages - 1;
+    if (next < kt_count) {
+      load_w(next % kStages, kt_begin + next);
+      load_x(next % kStages, kt_begin + next);
+    }
+    pe_copy::copy_commit();
+    mma_tile(stage_a(t % kStages), stage_b(t % kStages));
   }
   pe_copy::copy_wait<0>();
   __syncthreads();  // the pipeline's shared memory becomes the ranges' exchange buffer
