@@ -131,8 +131,7 @@ def main() -> None:
             conversations = [[{"role": "user", "content": q}] for q in prompts]
             # warm-up: the graphs the timed run needs, captured on first use as the engine does: the
             # timed prompts with their words reversed (same lengths, nothing a prefix or suffix cache
-            # could reuse). Not capture_prefill_graphs: with every prefill graph captured up front,
-            # outputs differ from eager ones (see its docstring)
+            # could reuse)
             mirrored = [[{"role": "user", "content": " ".join(q.split()[::-1])}] for q in prompts]
             g = llm.engine.runner.graph_runner
             llm.chat(mirrored, params, use_tqdm=False)

@@ -7,11 +7,13 @@ whose head size (8) no attention kernel takes. Skips without CUDA."""
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from pyengine import LLM, SamplingParams
+from pyengine.ops.kernel_config import get_kernel_config, use_kernel_config
 from tests.test_gpu_e2e import gguf  # noqa: F401  (the SmolLM2 GGUF fixture)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -28,11 +30,14 @@ LAST_STATS: dict = {}  # the stats of the last run()
 LONG = "The history of the city is long and full of events. " * 70  # ~770 tokens: > 512 keys, chunked
 
 
-def run(gguf: str, prompts: list[str], max_tokens: int = 48, **kw) -> list[tuple[list[int], torch.Tensor]]:
+def run(gguf: str, prompts: list[str], max_tokens: int = 48, setup: Callable[[LLM], None] | None = None,
+        **kw) -> list[tuple[list[int], torch.Tensor]]:
     llm = LLM(model=gguf, device="cuda", dtype=kw.pop("dtype", "bfloat16"), batch_invariant=kw.pop("batch_invariant", True),
               num_kv_blocks=kw.pop("num_kv_blocks", 4096), max_model_len=2048,
               max_num_batched_tokens=kw.pop("max_num_batched_tokens", 512), **kw)
     llm.engine.cfg.record_logits = True
+    if setup is not None:
+        setup(llm)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     reqs = llm.run_requests([(p, llm.tokenizer.encode(p)) for p in prompts], [params] * len(prompts))
     out = [(r.output_token_ids, torch.stack(r.logits)) for r in reqs]
@@ -70,6 +75,42 @@ def test_draft_model_equals_plain_bits(gguf, plain):
 
 def test_eager_equals_graphs(gguf, plain):
     assert_identical(run(gguf, PROMPTS, enforce_eager=True), plain, "eager")
+
+
+def test_graphs_captured_outside_a_step(gguf, plain):
+    """Every prefill graph captured up front, by a caller whose kernel config is not the engine's:
+    the captures still record the engine's (invariant) kernels, so the steps that replay them give
+    the bits of lazily captured graphs. Before the runner pinned its config, these graphs ran
+    cuBLAS and 15 of 48 Spec-Bench rows changed tokens at batch 16."""
+    seen: list[bool] = []
+    replayed: list[int] = []
+
+    def capture_up_front(llm: LLM) -> None:
+        g, model = llm.engine.runner.graph_runner, llm.engine.runner.model
+        forward = model.forward
+
+        def spy(*args, **kwargs):
+            seen.append(bool(get_kernel_config().batch_invariant))
+            return forward(*args, **kwargs)
+
+        model.forward = spy
+        with use_kernel_config(batch_invariant=False):
+            assert g.capture_prefill_graphs() > 0
+        del model.forward
+        replayed.append(0)
+        orig = g.execute_mixed
+
+        def count(*args, **kwargs):
+            out = orig(*args, **kwargs)
+            replayed[0] += out is not None
+            return out
+
+        g.execute_mixed = count
+
+    got = run(gguf, PROMPTS, setup=capture_up_front)
+    assert seen and all(seen), "a capture ran under the caller's kernel config"
+    assert replayed[0] > 0, "no step replayed a prefill graph"
+    assert_identical(got, plain, "prefill graphs captured up front")
 
 
 @pytest.mark.parametrize("block_size", [1, 64])

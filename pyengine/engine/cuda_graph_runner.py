@@ -31,6 +31,11 @@ Graph safety:
   the step's argmax (after the staging copy, which carries stale ids), then replayed, all before
   the host has seen the tokens. The engine uses its logits only if the scheduler's next batch
   equals the prediction (PendingStep.matches).
+- Captures run under the kernel config current when the runner was made (the LLM's: its __init__
+  sets it), which is the config every engine step runs under. A capture started outside a step
+  (capture_prefill_graphs, a benchmark's warm-up) would otherwise record the kernels of whatever
+  config the caller has (the process default: cuBLAS GEMMs, non-invariant attention splits), and
+  its replays give other bits than the eager steps they stand for.
 - Hybrid models (a StateCache): only steps whose rows are all decode/verify rows qualify (a prefill
   row reads and writes state differently). Each row's state slots and accepted count live in a
   static int32 buffer; padding rows get PAD slots, so the state kernels write nothing for them.
@@ -45,7 +50,7 @@ import torch
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.state_cache import StateMetadata
 from pyengine.engine.prefill_graphs import PrefillGraphs
-from pyengine.ops.kernel_config import get_kernel_config
+from pyengine.ops.kernel_config import get_kernel_config, use_kernel_config
 
 _PLAN_KEY = "cuda_paged_attention"
 
@@ -146,6 +151,7 @@ class CudaGraphRunner(PrefillGraphs):
         # On a CPU device nothing is captured: the same padded static-buffer path runs eagerly (so the
         # padding and async-decode logic run in the CPU tests).
         self.use_graphs = device.type == "cuda"
+        self.kernel_config = get_kernel_config()  # every capture runs under it (see the module docstring)
         # prefill graphs (steps with prefill rows, see execute_mixed): token capacities 16, 32, ... up to
         # prefill_tokens (0: none)
         self.prefill_buckets = default_token_buckets(prefill_tokens)
@@ -295,17 +301,18 @@ class CudaGraphRunner(PrefillGraphs):
             self.dev_state.copy_(self.host_state)  # PAD slots: live state stays untouched
 
     def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor]]:
-        self._stage_padding(key)  # the warm-up and the capture run on padding inputs
-        s = torch.cuda.Stream(self.device)
-        s.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(s):
-            for _ in range(2):  # warm-up: cuBLAS handles and workspaces, lazy module init
-                self._forward(key)
-        torch.cuda.current_stream(self.device).wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(key)
-        torch.cuda.synchronize(self.device)
+        with use_kernel_config(self.kernel_config):  # the engine's kernels, whoever calls
+            self._stage_padding(key)  # the warm-up and the capture run on padding inputs
+            s = torch.cuda.Stream(self.device)
+            s.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(s):
+                for _ in range(2):  # warm-up: cuBLAS handles and workspaces, lazy module init
+                    self._forward(key)
+            torch.cuda.current_stream(self.device).wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._forward(key)
+            torch.cuda.synchronize(self.device)
         return graph, out
 
     def _fill_padding(self, rows: int, n: int, key: tuple[int, int]) -> None:

@@ -36,10 +36,8 @@ class PrefillGraphs:
     @torch.inference_mode()
     def capture_prefill_graphs(self) -> int:
         """Capture every prefill graph not captured yet (a warm-up: otherwise each is captured on
-        first use, mid-run, costing a few eager forwards). Returns how many were captured.
-        Known bug, not found yet: after this, steps replaying these graphs give different tokens
-        than eager steps or graphs captured on first use (SmolLM2, bf16, batch 16, invariant mode);
-        nothing in the engine calls it."""
+        first use, mid-run, costing a few eager forwards). Returns how many were captured. May be
+        called outside a step: captures run under the engine's kernel config (CudaGraphRunner._capture)."""
         if not self.use_graphs:
             return 0
         self.copy_done.synchronize()
