@@ -86,6 +86,8 @@ def main() -> None:
                     help="N prompts of each Spec-Bench category, interleaved (0: the first --num-prompts)")
     ap.add_argument("--eagle3", help="an EAGLE-3 head directory: adds method eagle3_adaptive")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--capture", default="all", choices=["all", "lazy"],
+                    help="all: every CUDA graph captured before the warm-up; lazy: on first use")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = args.device == "cuda"
@@ -129,13 +131,17 @@ def main() -> None:
                       max_model_len=2048,
                       speculative_config=spec, kernel_config={"graph_ragged_verify": ragged})
             conversations = [[{"role": "user", "content": q}] for q in prompts]
-            # warm-up: the graphs the timed run needs, captured on first use as the engine does: the
-            # timed prompts with their words reversed (same lengths, nothing a prefix or suffix cache
-            # could reuse)
+            # warm-up: --capture all: every graph captured first (CudaGraphRunner.capture_all), else the
+            # ones the run needs on first use; then the timed prompts with their words reversed (same
+            # lengths, nothing a prefix or suffix cache could reuse)
             mirrored = [[{"role": "user", "content": " ".join(q.split()[::-1])}] for q in prompts]
             g = llm.engine.runner.graph_runner
+            capture_s = time.perf_counter()
+            captured = g.capture_all() if g is not None and args.capture == "all" else 0
+            capture_s = time.perf_counter() - capture_s
             llm.chat(mirrored, params, use_tqdm=False)
             replays0, steps0, async0 = g.num_replays if g else 0, llm.stats()["num_steps"], llm.engine.num_async_steps
+            graphs0 = len(g.graphs) if g else 0
             per_request: dict = {}
             kinds = time_steps(llm, per_request)
             sync()
@@ -154,7 +160,9 @@ def main() -> None:
                                             for b, v in (g.replay_seconds.items() if g else ())},
                          "step_kinds": {k: {"steps": v["steps"], "ms": round(1e3 * v["seconds"], 1)}
                                         for k, v in sorted(kinds.items())},
-                         "identical_to_plain": tokens == reference}
+                         "identical_to_plain": tokens == reference,
+                         "graphs_captured_up_front": captured, "capture_s": round(capture_s, 2),
+                         "graphs_captured_in_timed_run": (len(g.graphs) if g else 0) - graphs0}
             if batch == 1 and args.per_category:  # one request at a time: its own seconds
                 cat_tokens: dict = {}
                 for o, cat in zip(outs, categories):

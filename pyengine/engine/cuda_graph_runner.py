@@ -33,7 +33,7 @@ Graph safety:
   equals the prediction (PendingStep.matches).
 - Captures run under the kernel config current when the runner was made (the LLM's: its __init__
   sets it), which is the config every engine step runs under. A capture started outside a step
-  (capture_prefill_graphs, a benchmark's warm-up) would otherwise record the kernels of whatever
+  (capture_all at start-up, a benchmark's warm-up) would otherwise record the kernels of whatever
   config the caller has (the process default: cuBLAS GEMMs, non-invariant attention splits), and
   its replays give other bits than the eager steps they stand for.
 - Hybrid models (a StateCache): only steps whose rows are all decode/verify rows qualify (a prefill
@@ -231,6 +231,24 @@ class CudaGraphRunner(PrefillGraphs):
         if rows < 1 or rows > self.max_rows:
             return None
         return self.replay_seconds.get(next(x for x in self.buckets if x >= rows))
+
+    def graph_keys(self) -> list[tuple[int, int]]:
+        """Every key a step may replay: decode/verify (b, q) for each bucket and q = 1..max_q, then
+        the prefill keys."""
+        return [(b, q) for b in self.buckets for q in range(1, self.max_q + 1)] + self.prefill_keys()
+
+    @torch.inference_mode()
+    def capture_all(self) -> int:
+        """Capture every graph of graph_keys() not captured yet (start-up: otherwise each is
+        captured on first use, a few eager forwards inside the step that needs it). Returns how
+        many were captured."""
+        if not self.use_graphs:
+            return 0
+        self.copy_done.synchronize()
+        missing = [key for key in self.graph_keys() if key not in self.graphs]
+        for key in missing:
+            self.graphs[key] = self._capture(key)
+        return len(missing)
 
     @torch.inference_mode()
     def measure_step_costs(self, replays: int = 5) -> None:

@@ -17,7 +17,7 @@ import torch
 from pyengine.engine.step_parts import StepPart, rows_of
 
 # prefill rows in one prefill graph: more (a first wave of admissions) run eagerly; the cap keeps the
-# graphs (buckets x token capacities) few enough to capture up front
+# graphs (buckets x token capacities) few enough to capture at start-up (CudaGraphRunner.capture_all)
 PREFILL_GRAPH_ROWS = 8
 
 
@@ -30,21 +30,10 @@ class PrefillGraphs:
 
     def prefill_keys(self) -> list[tuple[int, int]]:
         """Every prefill graph key: row buckets up to prefill_rows, token capacities up to
-        prefill_tokens, no more rows than tokens."""
+        prefill_tokens, no more rows than tokens (none for recurrent-state models)."""
+        if self.state_cache is not None:
+            return []
         return [(b, -t) for b in self.buckets if b <= self.prefill_rows for t in self.prefill_buckets if b <= t]
-
-    @torch.inference_mode()
-    def capture_prefill_graphs(self) -> int:
-        """Capture every prefill graph not captured yet (a warm-up: otherwise each is captured on
-        first use, mid-run, costing a few eager forwards). Returns how many were captured. May be
-        called outside a step: captures run under the engine's kernel config (CudaGraphRunner._capture)."""
-        if not self.use_graphs:
-            return 0
-        self.copy_done.synchronize()
-        missing = [key for key in self.prefill_keys() if key not in self.graphs]
-        for key in missing:
-            self.graphs[key] = self._capture(key)
-        return len(missing)
 
     def prefill_key_for(self, part: StepPart) -> tuple[int, int] | None:
         """(bucket rows, -token capacity) when prefill rows can replay a prefill graph: at most
