@@ -15,8 +15,8 @@ one's on the stream). Outputs are therefore identical with or without it: a pred
 step the scheduler asks for, computed by the same graph on the same inputs. A discarded step writes
 K/V only at the next position of its rows, in blocks those rows hold alone and that carry no hash
 (the position is not yet computed), so nothing any request can read is touched. Sampled
-(non-greedy) rows, recurrent-state models and steps with prefill rows or waiting requests never
-launch ahead.
+(non-greedy) rows, recurrent-state models, steps with prefill rows and steps after which a waiting
+request could be admitted (a free sequence slot) never launch ahead.
 
 Under speculation a step launches ahead only with the draft-length policy, when it plans no drafts
 for the next step, or only for rows whose proposers have seldom found any lately (_plan_next): the
@@ -316,9 +316,9 @@ class LLMEngine:
 
     def _may_launch_next(self, batch, key: tuple[int, int]) -> bool:
         """Launch the next decode step now? Only where it is likely to be the step the scheduler
-        asks for: a graph step of decode rows only (q = 1), no recurrent state, nobody waiting for
-        admission, no row that this step's token finishes by length, and under speculation a plan
-        without drafts for the next step (_plan_next)."""
+        asks for: a graph step of decode rows only (q = 1), no recurrent state, no request that can
+        be admitted (none waits, or every sequence slot is taken), no row that this step's token
+        finishes by length, and under speculation a plan without drafts for the next step (_plan_next)."""
         g = self.runner.graph_runner
         # record_logits reads this step's logits after sampling: the next replay would overwrite them
         if (not self.async_decode or self.cfg.record_logits or self.num_logprob_requests
@@ -327,7 +327,9 @@ class LLMEngine:
         if self.proposer is not None and (self.draft_length is None or self.runner.keep_hidden):
             return False
         rows = batch.num_rows
-        if key[1] != 1 or batch.num_decode_rows != rows or self.scheduler.num_waiting:
+        # a waiting request is admitted only into a free sequence slot
+        admits = self.scheduler.num_waiting and self.scheduler.num_running < self.cfg.max_num_seqs
+        if key[1] != 1 or batch.num_decode_rows != rows or admits:
             return False
         # this step's token is a row's last one when it has one token left
         if not (batch.tokens_left > 1).all():

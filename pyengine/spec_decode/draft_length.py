@@ -41,8 +41,8 @@ class DraftLengthPolicy:
     well is offered longer drafts again. A row that gets no drafts keeps its evidence; a row whose
     next position has gone unverified for `probe_every` steps (longer in large batches: about k
     probe drafts per `probe_every` steps over the batch) gets a probe there, and an accepted probe
-    wipes the row's evidence from that position on (its acceptance has changed). A probe the
-    proposer cannot fill costs nothing and is repeated next step. A plan whose drafts the proposer
+    wipes the row's evidence from that position on (its acceptance has changed). On eager steps a
+    probe the proposer cannot fill costs nothing and is repeated next step. A plan whose drafts the proposer
     found none of (or that has none) is repeated as it is, without planning afresh, until the rows
     change, a draft is found or another row's probe falls due (_still_quiet).
 
@@ -60,8 +60,10 @@ class DraftLengthPolicy:
     proposer finds drafts (else the step is a decode step), every eligible row drafting d, and none
     (d = 0, the next step launched ahead) unless that beats d = 0 by `margin`. Where no request
     waits (can_finish_last given), a draft position counts only if every row that can finish last
-    accepts it: a closed batch runs as long as its longest request, padded steps included. Probes come in groups there: a step with drafts or a stale row
-    probes every row unverified for half the interval, so probes share the steps that pay for them.
+    accepts it: a closed batch runs as long as its longest request, padded steps included. Probes
+    come in groups there, since one filled probe makes the whole step a padded verify step: at most
+    one probe step per interval (unless the step drafts anyway), in which every row unverified for
+    half the interval probes, and a probe the proposer cannot fill waits an interval.
     """
 
     WARMUP_STEPS = 4  # first steps: probes on a few rows only (the batch's estimate starts optimistic)
@@ -100,6 +102,7 @@ class DraftLengthPolicy:
         self._plan_rows = np.zeros(0, dtype=np.int64)  # the slots the last plan was for
         # seconds of host work a step launched ahead hides (expects_no_drafts); for_runner sets it
         self.launch_overhead = 0.0
+        self.last_probe_step = -probe_every  # graph steps: the last step that probed (at most one per interval)
 
     @classmethod
     def for_runner(cls, k: int, runner: Any, step_cost: StepCost | None = None, drafter: Any = None,
@@ -159,9 +162,17 @@ class DraftLengthPolicy:
             can_grow = np.nonzero(eligible & (lengths < self.k))[0]
             idle = self.idle[rows[can_grow], lengths[can_grow]]
             stale = can_grow[idle >= interval]
-            if table is not None and (len(stale) or lengths.any()):  # probes share the step that pays
-                interval /= 2
-                stale = can_grow[idle >= interval]
+            if table is not None:
+                # A probe makes the whole batch's step a padded verify step: at most one probe step
+                # per interval, in which every row unverified for half the interval probes, unless
+                # the step drafts anyway (then the probes ride along).
+                if lengths.any() or (len(stale) and self.steps - self.last_probe_step >= interval):
+                    interval /= 2
+                    stale = can_grow[idle >= interval]
+                else:
+                    stale = stale[:0]
+                if len(stale):
+                    self.last_probe_step = self.steps
             self.probes[rows[stale]] = lengths[stale]
             lengths[stale] = np.minimum(lengths[stale] + probe, self.k)
             # Repeat this plan until another row's next position goes stale: at once if it drafts
@@ -169,8 +180,10 @@ class DraftLengthPolicy:
             waiting = np.setdiff1d(can_grow, stale, assume_unique=True)
             idle_max = int(self.idle[rows[waiting], lengths[waiting]].max(initial=0))
             last = None if can_finish_last is None else np.array(can_finish_last, dtype=bool)
-            plan = (rows.copy(), np.array(seq_ids, dtype=np.int64), last, self.steps + interval - idle_max,
-                    lengths.astype(np.int32))
+            due = self.steps + interval - idle_max
+            if table is not None:
+                due = max(due, self.last_probe_step + self.probe_every)
+            plan = (rows.copy(), np.array(seq_ids, dtype=np.int64), last, due, lengths.astype(np.int32))
             if lengths.any():
                 self._unfilled = plan
             else:
@@ -306,9 +319,15 @@ class DraftLengthPolicy:
         rows = slots[asked]
         drafts = np.asarray(num_drafts)[asked]
         self.asked[rows] = self.decay * self.asked[rows] + 1.0
+        unfilled_probes = rows[(self.probes[rows] >= 0) & (drafts == 0)]
+        if self.graph_costs is not None and len(unfilled_probes):
+            # graph steps: an unfilled probe is not repeated at once (another row's filled probe would
+            # make the next step a padded verify step too): the row was asked, it waits an interval
+            self.idle[unfilled_probes, self.probes[unfilled_probes]] = 0
         if not drafts.any():  # nothing was found: no evidence but that
             self.found[rows] *= self.decay
-            self._quiet, self._unfilled = self._unfilled or self._quiet, None
+            repeat = self._unfilled if self.graph_costs is None or not len(unfilled_probes) else None
+            self._quiet, self._unfilled = repeat or self._quiet, None
             return
         self._quiet = self._unfilled = None
         accepted = np.asarray(num_committed)[asked] - 1
