@@ -129,10 +129,11 @@ def expected_output(sid: int, prompt: list[int], max_tokens: int, stop: bool, ma
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31), block_size=st.sampled_from([1, 2, 4, 16]), k=st.integers(0, 6),
        budget=st.integers(8, 64), max_seqs=st.integers(1, 12), prefix=st.booleans(),
-       accept_prob=st.sampled_from([0.0, 0.5, 0.9, 1.0]), spare_blocks=st.integers(0, 12))
+       accept_prob=st.sampled_from([0.0, 0.5, 0.9, 1.0]), spare_blocks=st.integers(0, 12),
+       lookahead=st.booleans())
 def test_every_request_finishes_with_exactly_its_tokens(seed: int, block_size: int, k: int, budget: int,
                                                        max_seqs: int, prefix: bool, accept_prob: float,
-                                                       spare_blocks: int) -> None:
+                                                       spare_blocks: int, lookahead: bool) -> None:
     rng = np.random.default_rng(seed)
     max_model_len = 64
     # The pool fits the largest single request plus a little: others get preempted.
@@ -140,7 +141,7 @@ def test_every_request_finishes_with_exactly_its_tokens(seed: int, block_size: i
     num_blocks = worst + spare_blocks
     sched = make_scheduler(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
                            block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=prefix,
-                           num_spec_tokens=k)
+                           num_spec_tokens=k, decode_lookahead=lookahead)
     eng = FakeEngine(sched, block_size, num_blocks, rng, k, accept_prob)
     shared_prefix = [int(t) for t in rng.integers(0, VOCAB - 1, size=20)]
     requests = {}
@@ -164,6 +165,30 @@ def test_every_request_finishes_with_exactly_its_tokens(seed: int, block_size: i
         got = eng.tokens[sid][len(prompt):]
         assert got == expected_output(sid, prompt, max_tokens, stop, max_model_len), f"request {sid}"
     assert sched.num_free_blocks == num_blocks, "blocks leaked"
+
+
+def test_decode_lookahead_reserves_the_next_block() -> None:
+    """SchedulerConfig.decode_lookahead (async decode): after each decode step without drafts a
+    request also holds the block of its next position (the step launched ahead writes there), when
+    a block is free; with none free it runs on without it, and no request is preempted for it."""
+    B = 4
+    for blocks, lookahead in ((12, True), (12, False), (5, True)):
+        sched = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64, block_size=B,
+                               num_kv_blocks=blocks, enable_prefix_caching=False, decode_lookahead=lookahead)
+        eng = FakeEngine(sched, B, blocks, np.random.default_rng(0), 0, 0.0)
+        eng.add(0, [1, 2, 3, 4, 5, 6, 7], 13, False)  # 7 + 13 = 20 positions: 5 blocks
+        covered = []
+        while sched.has_unfinished():
+            eng.step(64, 1)
+            if sched.has_unfinished():
+                held = int((sched.block_tables(np.array([0]))[0] >= 0).sum())
+                covered.append(held * B > sched.num_computed(0))  # the next position's block is held
+        assert eng.tokens[0][7:] == expected_output(0, [1, 2, 3, 4, 5, 6, 7], 13, False, 64)
+        assert sched.stats()["num_preemptions"] == 0
+        if lookahead:
+            assert all(covered), covered
+        else:
+            assert not all(covered), "without lookahead a step that fills its last block holds no next one"
 
 
 def test_preemption_happens_and_loses_nothing() -> None:

@@ -84,7 +84,7 @@ PYBIND11_MODULE(_C, m) {
 #define PE_FIELD(name) .def_readwrite(#name, &SchedulerConfig::name)
       PE_FIELD(max_num_seqs) PE_FIELD(max_num_batched_tokens) PE_FIELD(max_model_len) PE_FIELD(block_size)
       PE_FIELD(num_kv_blocks) PE_FIELD(enable_prefix_caching) PE_FIELD(enable_chunked_prefill)
-      PE_FIELD(num_spec_tokens) PE_FIELD(drafter_lookahead) PE_FIELD(num_state_slots)
+      PE_FIELD(num_spec_tokens) PE_FIELD(drafter_lookahead) PE_FIELD(decode_lookahead) PE_FIELD(num_state_slots)
       PE_FIELD(num_state_checkpoints) PE_FIELD(state_checkpoint_interval);
 #undef PE_FIELD
 

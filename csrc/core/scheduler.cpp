@@ -191,8 +191,14 @@ std::shared_ptr<ScheduledBatch> Scheduler::schedule() {
     if (!seq->is_decode()) continue;
     if (budget < 1) break;
     int64_t drafts = std::min<int64_t>(seq->num_drafts, draft_budget);
+    int64_t ahead = config_.decode_lookahead && config_.drafter_lookahead == 0 && drafts == 0 &&
+                    tokens_left(*seq) > 1;  // the next step's position (async decode), if free
     bool self_preempted = false;
-    while (!block_manager_.can_append(seq->kv, seq->num_computed, 1 + drafts + config_.drafter_lookahead)) {
+    while (!block_manager_.can_append(seq->kv, seq->num_computed, 1 + drafts + config_.drafter_lookahead + ahead)) {
+      if (ahead > 0) {  // optional, like drafts
+        ahead = 0;
+        continue;
+      }
       if (drafts > 0) {  // drafts are optional: drop them before taking blocks from anyone
         drafts = 0;
         continue;
@@ -206,7 +212,7 @@ std::shared_ptr<ScheduledBatch> Scheduler::schedule() {
       }
     }
     if (self_preempted) break;  // seq was the newest: nothing after it is running any more
-    block_manager_.append(seq->kv, seq->num_computed, 1 + drafts + config_.drafter_lookahead);
+    block_manager_.append(seq->kv, seq->num_computed, 1 + drafts + config_.drafter_lookahead + ahead);
     const auto d = static_cast<int32_t>(drafts);
     seq->num_drafts = d;
     rows.push_back({seq, 1 + d, d, 1 + d, seq->slot, true});

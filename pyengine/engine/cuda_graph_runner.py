@@ -27,7 +27,8 @@ Graph safety:
   after it keeps its static outputs (execute_mixed copies the first replay's outputs
   before the second).
 - launch_next (async decode, pyengine/engine.py): the decode step after a q = 1 step, staged from
-  that step's batch with every row one position further, its token ids copied on the device from
+  that step's batch with every row one position further (in the block the scheduler reserved
+  ahead where the position starts one), its token ids copied on the device from
   the step's argmax (after the staging copy, which carries stale ids), then replayed, all before
   the host has seen the tokens. The engine uses its logits only if the scheduler's next batch
   equals the prediction (PendingStep.matches).
@@ -66,11 +67,13 @@ class PendingStep:
     slot_mapping: np.ndarray
     context_lens: np.ndarray
     block_tables: np.ndarray
+    num_blocks: np.ndarray  # per row, the table entries its forward read (its context's blocks)
     input_ids: np.ndarray | None = field(default=None)  # the launching step's tokens, once the host has them
 
     def matches(self, batch) -> bool:
         """Is `batch` exactly the step that was launched (rows, order and every input the forward
-        reads)? Then its logits are the ones this batch would compute."""
+        reads, of the block tables each row's context blocks: a table may have gained a block past
+        them since, the next step's lookahead)? Then its logits are the ones this batch would compute."""
         rows = len(self.seq_ids)
         return (self.input_ids is not None and batch.num_rows == rows and batch.num_decode_rows == rows
                 and np.array_equal(batch.seq_ids, self.seq_ids)
@@ -78,8 +81,15 @@ class PendingStep:
                 and np.array_equal(batch.positions, self.positions)
                 and np.array_equal(batch.slot_mapping, self.slot_mapping)
                 and np.array_equal(batch.context_lens, self.context_lens)
-                and np.array_equal(batch.block_tables, self.block_tables)
+                and self._same_blocks(np.asarray(batch.block_tables))
                 and not batch.num_draft_tokens.any())
+
+    def _same_blocks(self, tables: np.ndarray) -> bool:
+        need = int(self.num_blocks.max(initial=0))
+        if tables.ndim != 2 or tables.shape[1] < need:
+            return False
+        read = np.arange(need)[None, :] < self.num_blocks[:, None]
+        return np.array_equal(tables[:, :need][read], self.block_tables[:, :need][read])
 
 
 def default_token_buckets(max_tokens: int) -> list[int]:
@@ -348,31 +358,40 @@ class CudaGraphRunner(PrefillGraphs):
         self.np_state[rows:r, -1] = 1
 
     @torch.inference_mode()
-    def launch_next(self, batch, key: tuple[int, int], token_ids: torch.Tensor) -> PendingStep | None:
+    def launch_next(self, batch, key: tuple[int, int], token_ids: torch.Tensor,
+                    tables: np.ndarray | None = None) -> PendingStep | None:
         """Launch the decode step that follows `batch` (decode rows, q = 1, replayed as `key`) as
-        if every row continues: each row one position further in the block it already holds (same
-        block table, slot + 1, context + 1), its token from token_ids (this step's argmax, [rows]
-        int64 on the device). None (nothing launched) when a row's next position starts a new
-        block: the scheduler allocates that block, which cannot be predicted here."""
+        if every row continues: each row one position further (context + 1), in the block its
+        table holds for that position (the same block, or the next one, which the scheduler
+        reserved ahead: SchedulerConfig.decode_lookahead), its token from token_ids (this step's
+        argmax, [rows] int64 on the device). tables: the rows' block tables as allocated (the
+        scheduler's, with the blocks reserved ahead; None: the batch's, which stop at each row's
+        context). None (nothing launched) when a row's table lacks the block of its next
+        position: the scheduler allocates it next step, which cannot be predicted here."""
         b, q = key
         rows = len(batch.context_lens)
         if q != 1 or len(batch.input_ids) != rows or rows > b:
             return None
         B = self.block_size
         pos = np.asarray(batch.positions, dtype=np.int64) + 1
-        if not (pos % B).all():
-            return None
         ctx = np.asarray(batch.context_lens, dtype=np.int32) + 1
         if int(ctx.max()) > self.width * B:
             return None
-        table = np.array(batch.block_tables, dtype=np.int32)  # a copy: the batch's arrays are reused
-        slots = np.asarray(batch.slot_mapping, dtype=np.int64) + 1
+        # a copy: the batch's arrays are reused
+        table = np.array(batch.block_tables if tables is None else tables, dtype=np.int32)
+        cols = pos // B
+        if int(cols.max()) >= table.shape[1] or table.shape[1] > self.width:
+            return None
+        blocks = table[np.arange(rows), cols]
+        if (blocks < 0).any():  # -1: no block there yet
+            return None
+        slots = blocks.astype(np.int64) * B + pos % B
         seq_ids = np.array(batch.seq_ids)
         if self.use_graphs and key not in self.graphs:
             return None
         self._stage(key, rows, np.arange(rows + 1), None, pos, slots, ctx, table)
         logits = self._run(key, rows, token_ids)[:rows]
-        return PendingStep(key, logits, seq_ids, pos, slots, ctx, table)
+        return PendingStep(key, logits, seq_ids, pos, slots, ctx, table, cols + 1)
 
     @torch.inference_mode()
     def execute(self, batch, key: tuple[int, int]) -> torch.Tensor:

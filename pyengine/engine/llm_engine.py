@@ -4,17 +4,20 @@
 
 Async decode (CUDA graphs, greedy decode rows only; EngineConfig.async_decode=False turns it off): a step
 whose rows are all greedy decode rows launches the NEXT step's graph before it waits for its own
-tokens. That next step's inputs are predicted on the host (every row continues in the block it
-holds: positions, slots and context lengths + 1, the block tables as they are; a step where a row
-would start a new block launches nothing) and its token ids come from this step's argmax on the
+tokens. That next step's inputs are predicted on the host (every row continues: positions and
+context lengths + 1, the slot of the next position in the row's block table, whose block the
+scheduler reserved a step early where the position starts one - SchedulerConfig.decode_lookahead;
+a row whose table lacks it launches nothing) and its token ids come from this step's argmax on the
 device, so the GPU runs step N + 1 while the host commits step N. The next step() still schedules
 normally and uses the launched forward only if the scheduler's batch is exactly the predicted one
-(same rows in the same order, same inputs, positions, slots, context lengths, block tables);
+(same rows in the same order, same inputs, positions, slots, context lengths, and the same table
+entries for each row's context - a block reserved past it is not read);
 otherwise the forward is discarded and the step runs as usual (its own writes follow the discarded
 one's on the stream). Outputs are therefore identical with or without it: a predicted step is the
 step the scheduler asks for, computed by the same graph on the same inputs. A discarded step writes
 K/V only at the next position of its rows, in blocks those rows hold alone and that carry no hash
-(the position is not yet computed), so nothing any request can read is touched. Sampled
+(the position is not yet computed), so nothing any request can read is touched (a block freed
+since is rewritten by its next owner after, in stream order). Sampled
 (non-greedy) rows, recurrent-state models, steps with prefill rows and steps after which a waiting
 request could be admitted (a free sequence slot) never launch ahead.
 
@@ -87,6 +90,9 @@ class LLMEngine:
         sc.state_checkpoint_interval = cfg.state_checkpoint_interval
         # A draft model (or MTP layer, EAGLE-3 head) writes k - 1 positions past the verify tokens before the next append.
         sc.drafter_lookahead = self.k if spec is not None and spec.method in ("draft_model", "mtp", "eagle3") else 0
+        # async decode: the next position's block reserved a step early, so a launch ahead is not
+        # stopped by a row crossing into a new block (every step of a large batch has such a row)
+        self.decode_lookahead = sc.decode_lookahead = bool(cfg.async_decode and runner.graph_runner is not None)
         self.scheduler = _C.Scheduler(sc)
         self.proposer: Proposer | None = None
         if spec is not None:
@@ -304,7 +310,8 @@ class LLMEngine:
         wait for the host copies where it can be (module docstring)."""
         tok, host, fin_host, ready = self.greedy.start(logits)
         if key is not None and self._may_launch_next(batch, key):
-            self._pending = self.runner.graph_runner.launch_next(batch, key, tok)
+            tables = self.scheduler.block_tables(batch.seq_ids) if self.decode_lookahead else None
+            self._pending = self.runner.graph_runner.launch_next(batch, key, tok, tables)
         if ready is not None:
             ready.synchronize()
         tokens = host.numpy().astype(np.int32)  # a copy: the pinned buffer is reused next step
