@@ -266,9 +266,6 @@ class LLMEngine:
         if len(rows) == 0:
             return np.zeros(0, dtype=np.int32), counts, None
         num_drafts = batch.num_draft_tokens[rows]
-        # Draft tokens are the inputs after each verify row's first token.
-        starts = batch.query_start_loc[rows] + 1
-        offsets = np.arange(int(num_drafts.sum())) - np.repeat(np.cumsum(num_drafts) - num_drafts, num_drafts)
         seq_ids = batch.seq_ids[rows].tolist()
         params = [self.requests[s].params for s in seq_ids]
         gens = [None if p.is_greedy else self.generators.get(s, p.seed) for s, p in zip(seq_ids, params)]
