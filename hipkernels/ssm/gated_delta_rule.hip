@@ -113,15 +113,15 @@ PE_DEVICE void prefetch_base(float4 (&buf)[kRowsPerLane][KC][kThreads], const Ga
 // a lane per value row and 16-byte pieces of the record. Each piece comes from the same fp32 values
 // the token's update used.
 template <typename T, int KC>
-PE_DEVICE void write_tokens(const GatedDeltaRuleParams& p, const Staged<KC>& st, const Item& x, const int32_t* idx,
-                            int s0, int c0, int nt, int64_t rec_off) {
+PE_DEVICE void write_tokens(const GatedDeltaRuleParams& p, const Staged<KC>& st, const Item& x, int s0, int c0, int nt,
+                            int64_t rec_off) {
   constexpr int kc = Staged<KC>::kMaxK / (kLanes * 4);
   const int lane = threadIdx.x % kLanes, warp = threadIdx.x / kLanes;
   const int K = p.key_dim, V = p.value_dim, vr = x.tile * kGdnRecordRows + lane;
   for (int tt = warp; tt < nt; tt += kWarps) {
     const int t = c0 + tt;
     if (vr < V) Io<T>::st(static_cast<T*>(p.out) + ((int64_t)(s0 + t) * p.num_v_heads + x.hv) * V + vr, st.o[tt][lane]);
-    const int dst = p.final_state_only || t == 0 || t >= p.slots_per_row ? -1 : idx[t];
+    const int dst = p.final_state_only || t == 0 || t >= p.slots_per_row ? -1 : st.slot[t];
     if (dst < 0) continue;
     float* rec = p.state + (int64_t)dst * p.num_v_heads * V * K + rec_off;
 #pragma unroll
@@ -157,6 +157,11 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4 (*
   const int s0 = materialise ? 0 : p.query_start_loc[n];
   const int num = materialise ? 0 : p.query_start_loc[n + 1] - s0;
   const int accepted = p.num_accepted[n];
+  // The slots of this step's token records, loaded with the metadata and kept in shared memory
+  // (a load in write_tokens was an L2 round trip after the tokens, on every verify item's critical
+  // path); each thread loads and stores its own entry, unconditionally (a load used only under a
+  // branch may be sunk behind the staging's loads).
+  const int my_slot = idx[min((int)threadIdx.x, p.slots_per_row - 1)];
   const bool pad = slot0 < 0;  // the whole block skips the item
   const bool init = !pad && (!p.final_state_only || p.has_initial_state == nullptr || p.has_initial_state[n]);
   StageRegs<KC> sr;
@@ -196,6 +201,7 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4 (*
   stage_round<kTogether>(st, sr, p, q, k, v, s0, min(num, kTokens), nr, hv, tile, slot_elems, rec_off, lane, warp,
                          with_qk);
   if (num > 0) staged_qk = num > kTokens ? -1 : qk;  // a longer row restages its later tokens over these
+  st.slot[threadIdx.x] = my_slot;  // read after the barriers below
   if (pad) {
     prefetch_next();
     if (sub == 0)
@@ -266,7 +272,7 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4 (*
       if (c0 + tt == base_t) store_state(base, s, K, sub, ok0, ok1);
     }
     __syncthreads();  // outputs and deltas staged
-    write_tokens<T>(p, st, x, idx, s0, c0, nt, rec_off);
+    write_tokens<T>(p, st, x, s0, c0, nt, rec_off);
   }
 }
 

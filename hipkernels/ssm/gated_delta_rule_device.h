@@ -102,6 +102,7 @@ struct Staged {
   float4 tok[kTokens];  // decay = exp(g), beta, k . q (of the scaled vectors), unused: one load per token
   float rdecay[kRecords];
   int rlive[kRecords];  // 0: a PAD record slot, not replayed
+  int slot[kThreads];  // slot[t] = idx[min(t, S - 1)] of the item's row: where token t >= 1 records
 };
 
 // Sums over the warp of N values at once (one reduction's latency for all of them); xor
