@@ -21,6 +21,11 @@ projection just before it). Both in one run: --l2 cold,hot.
 
 --grid direct|persistent forces the kernel's grid (ops.cuda.gdn.force_grid; default: the kernel's choice).
 
+--once launches each case once, eagerly, untimed (for a profiler): with --batches 1 --q-lens 5 the
+second launch is the verify step, so `ncu -k regex:gated_delta_rule_kernel --launch-skip 1
+--launch-count 1 python3 benchmarks/bench_gdn.py --batches 1 --q-lens 5 --once` profiles it (its
+state is the first of the cold pools, written before the others: out of L2 as far as the pools go).
+
     python3 benchmarks/bench_gdn.py --l2 cold,hot --out benchmarks/results/gdn_h100.json
 """
 from __future__ import annotations
@@ -49,9 +54,10 @@ def l2_bytes() -> int:
     return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
 
 
-def case(batch: int, q_len: int, replayed: int, l2: str) -> tuple[float, dict, int]:
+def case(batch: int, q_len: int, replayed: int, l2: str, once: bool = False) -> tuple[float, dict, int]:
     """(ms per call, bytes moved by kind, state pools rotated) for `batch` rows of q_len tokens, each
-    replaying `replayed` records of its previous step (num_accepted = 1 + replayed)."""
+    replaying `replayed` records of its previous step (num_accepted = 1 + replayed). once: one eager
+    call on the first pool, untimed (0 ms)."""
     ntok = batch * q_len
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(ntok, H, DK, device="cuda", generator=gen).bfloat16()
@@ -73,6 +79,10 @@ def case(batch: int, q_len: int, replayed: int, l2: str) -> tuple[float, dict, i
     def call(state: torch.Tensor) -> Callable[[], object]:
         return lambda: cuda_ops.gated_delta_rule_update(q, kk, v, g, beta, state, qsl, idx, acc)
 
+    if once:
+        call(states[0])()
+        torch.cuda.synchronize()
+        return 0.0, nbytes, pools
     ms = time_ms_graph(call(states[0])) if l2 == "hot" else graph_ms([call(s) for s in states])
     del states
     return ms, nbytes, pools
@@ -85,15 +95,23 @@ def main() -> None:
     ap.add_argument("--replayed", type=int, default=2, help="records each step replays (num_accepted - 1)")
     ap.add_argument("--l2", default="cold", help="cold: state pools rotated past the L2; hot: one pool; both: cold,hot")
     ap.add_argument("--grid", choices=["auto", "direct", "persistent"], default="auto")
+    ap.add_argument("--once", action="store_true", help="each case launched once, untimed (profilers)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.grid != "auto":
         cuda_gdn.force_grid = args.grid
+    plan = [(1, 0)] + [(q, args.replayed) for q in (int(x) for x in args.q_lens.split(","))]
+    if args.once:
+        for l2 in args.l2.split(","):
+            for batch in [int(b) for b in args.batches.split(",")]:
+                for q_len, replayed in plan:
+                    case(batch, q_len, replayed, l2, once=True)
+                    print(f"launched l2={l2} batch={batch} q_len={q_len} replayed={replayed}", flush=True)
+        return
     copy = copy_bandwidth_gbps()
     modes = args.l2.split(",")
     result = dict(run_header(), copy_bandwidth_gbps=copy, l2_bytes=l2_bytes(), replayed=args.replayed, grid=args.grid,
                   shape=dict(key_heads=H, value_heads=HV, key_dim=DK, value_dim=DV, slots_per_row=SLOTS), rows=[])
-    plan = [(1, 0)] + [(q, args.replayed) for q in (int(x) for x in args.q_lens.split(","))]
     table = []
     for l2 in modes:
         for batch in [int(b) for b in args.batches.split(",")]:
