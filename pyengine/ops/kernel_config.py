@@ -23,10 +23,12 @@ class KernelConfig:
     cpu_int8_dot: bool = False
     # CPU: those linears (cpu_int8_dot off) with each activation as two int16 limbs per 32-input
     # block and integer dots on the same packed codes (csrc/cpu/cpu_gemm_qdot16.cpp): the dequantised
-    # weights' products up to fp32 rounding (top-1 100%, max logit diff 2e-4 on 3078 positions),
-    # decode 1.56x / 1.43x llama.cpp's at 1 / 2 threads (exact: 1.29x / 1.07x). Off by default: issue
-    # 24's bar for a new default was 1.5x at 2 threads (docs/kernels/cpu.md)
-    cpu_int16_dot: bool = False
+    # weights' products up to fp32 rounding (top-1 100%, max logit diff 2e-4 on 3078 positions), a
+    # row's bits the same in any batch. The default since its decode cleared issue 24's bar for one
+    # (>= 1x llama.cpp's at 1 thread, >= 1.5x at 2: medians x1.81 / x1.66 over three runs, pooled
+    # x1.88 / x1.58; the exact products x1.28-1.37 / x1.23-1.49); prompts run at 0.6-0.7x the exact
+    # products' speed, still 1.6-2x llama.cpp's (docs/kernels/cpu.md). False: the exact products.
+    cpu_int16_dot: bool = True
     skinny_gemm: bool = True  # CUDA: single-row projections on pyengine's skinny GEMM (False: cuBLAS)
     pdl: bool = True  # CUDA: programmatic dependent launch for the skinny GEMM and GQA attention
     gqa_fma: bool = False  # NVIDIA: the CUDA-core (FMA) GQA kernel instead of the tensor-core one
