@@ -43,53 +43,16 @@ Graph safety:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
 from pyengine.engine.attention_metadata import AttentionMetadata
+from pyengine.engine.pending_step import PendingStep
 from pyengine.engine.state_cache import StateMetadata
 from pyengine.engine.prefill_graphs import PrefillGraphs
 from pyengine.ops.kernel_config import get_kernel_config, use_kernel_config
 
 _PLAN_KEY = "cuda_paged_attention"
-
-
-@dataclass
-class PendingStep:
-    """A decode step launched before its batch was scheduled: the inputs it ran with, and its
-    logits (a view of the graph's static output, valid until the next replay)."""
-    key: tuple[int, int]
-    logits: torch.Tensor
-    seq_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    context_lens: np.ndarray
-    block_tables: np.ndarray
-    num_blocks: np.ndarray  # per row, the table entries its forward read (its context's blocks)
-    input_ids: np.ndarray | None = field(default=None)  # the launching step's tokens, once the host has them
-
-    def matches(self, batch) -> bool:
-        """Is `batch` exactly the step that was launched (rows, order and every input the forward
-        reads, of the block tables each row's context blocks: a table may have gained a block past
-        them since, the next step's lookahead)? Then its logits are the ones this batch would compute."""
-        rows = len(self.seq_ids)
-        return (self.input_ids is not None and batch.num_rows == rows and batch.num_decode_rows == rows
-                and np.array_equal(batch.seq_ids, self.seq_ids)
-                and np.array_equal(batch.input_ids, self.input_ids)
-                and np.array_equal(batch.positions, self.positions)
-                and np.array_equal(batch.slot_mapping, self.slot_mapping)
-                and np.array_equal(batch.context_lens, self.context_lens)
-                and self._same_blocks(np.asarray(batch.block_tables))
-                and not batch.num_draft_tokens.any())
-
-    def _same_blocks(self, tables: np.ndarray) -> bool:
-        need = int(self.num_blocks.max(initial=0))
-        if tables.ndim != 2 or tables.shape[1] < need:
-            return False
-        read = np.arange(need)[None, :] < self.num_blocks[:, None]
-        return np.array_equal(tables[:, :need][read], self.block_tables[:, :need][read])
 
 
 def default_token_buckets(max_tokens: int) -> list[int]:
