@@ -75,14 +75,14 @@ class LlamaForCausalLM(nn.Module):
         stack = self.cpu_stack
         config = get_kernel_config()
         rotary = self.rotary_emb
-        if (stack is not None and aux is None and config.cpu_layer_stack and config.cpu_kernels
-                and rotary.cos_table is not None and rotary.cos_table.dtype == stack.dtype
-                and stack.applies(meta, kv_caches)):
+        use_stack = stack is not None and config.cpu_layer_stack and stack.applies(meta, kv_caches)
+        if (use_stack and aux is None and config.cpu_kernels and rotary.cos_table is not None
+                and rotary.cos_table.dtype == stack.dtype):
             # The whole step in one C++ call: the rotary rows looked up and the final fused add +
             # norm applied there (the same C++ ops and bits as below, fewer Python ops per step).
             return stack(h, rotary.cos_table, rotary.sin_table, meta, kv_caches, positions, self.norm)[0]
         cos, sin = rotary(positions)  # [T, D], shared by all heads and layers
-        if stack is not None and config.cpu_layer_stack and stack.applies(meta, kv_caches):
+        if use_stack:
             if aux is None:
                 h, residual = stack(h, cos, sin, meta, kv_caches)
             else:
