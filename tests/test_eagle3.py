@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -218,6 +219,54 @@ def test_graph_static_buffer_path(target: str, head: str) -> None:
                         use_tqdm=False)
     assert [tuple(o.outputs[0].token_ids) for o in outs] == list(plain_greedy(target, 8, MAX_TOKENS)[0])
     assert r.graph_runner.num_eager > 0 and llm.stats()["per_position_acceptance"][0] > 0.2, llm.stats()
+
+
+class EveryThirdStep:
+    """A draft-length policy for the test below: a row drafts k in every third step it runs (counted
+    by the steps it was observed in, the same with and without async decode), nothing otherwise."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.seen, self.last = k, {}, np.zeros(0, dtype=np.int32)
+
+    def observe_rows(self, slots, num_drafts, counts) -> None:
+        for s in np.asarray(slots).tolist():
+            self.seen[s] = self.seen.get(s, 0) + 1
+
+    def draft_lengths(self, slots, seq_ids, can_finish_last) -> np.ndarray:
+        self.last = np.array([self.k if self.seen.get(s, 0) % 3 == 2 else 0 for s in np.asarray(slots).tolist()],
+                             dtype=np.int32)
+        return self.last
+
+    def expects_no_drafts(self) -> bool:
+        return not self.last.any()
+
+
+@pytest.mark.parametrize("block_size", [16, 2])
+def test_steps_launched_ahead_keep_the_heads_features(target: str, head: str, block_size: int) -> None:
+    """Async decode with EAGLE-3 (the graph runner's padded path, where a launch computes at once):
+    a step without planned drafts launches the next one, whose forward overwrites the static aux
+    buffer the proposer has not read yet (the rows defer their catch-up to the step they draft in);
+    the runner keeps a copy (hold_hidden). The head then sees the same features as without async
+    decode: the same drafts, accepted the same (every stat equal), and plain decoding's tokens."""
+    from pyengine import SamplingParams
+    from tests.test_async_decode import make_llm, outputs
+
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    prompts = make_prompts(6)
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS + 4 * (i % 3), ignore_eos=True) for i in range(6)]
+    runs = []
+    for async_on in (False, True):
+        llm = make_llm(target, async_on, speculative_config=spec, block_size=block_size)
+        llm.engine.draft_length = EveryThirdStep(3)
+        runs.append((outputs(llm, prompts, params), llm))
+    (ref, sync), (got, llm) = runs
+    assert [tuple(o[0]) for o in got] == [tuple(o[0]) for o in outputs(LLM(target, device="cpu"), prompts, params)]
+    assert got == ref
+    speed = ("decode_tokens_per_s", "prefill_tokens_per_s")
+    assert llm.stats() == sync.stats() | {k: llm.stats()[k] for k in speed}
+    # a third of the steps: those between two steps without drafts
+    assert llm.engine.num_async_steps >= 5 and sync.engine.num_async_steps == 0, llm.engine.num_async_steps
+    assert llm.stats()["num_accepted_tokens"] > 0, llm.stats()
 
 
 def test_untrained_head_drafts_rarely_accepted(target: str, head: str, tmp_path) -> None:

@@ -25,8 +25,9 @@ Under speculation a step launches ahead only with the draft-length policy, when 
 for the next step, or only for rows whose proposers have seldom found any lately (_plan_next): the
 plan for step N + 1 is made while step N's tokens are on their way, from the policy state the next
 step would see (a step without drafts teaches the policy only that its rows found none, shown to it
-first), and the next step proposes with that plan. Proposers that read the target's hidden states (MTP, EAGLE-3) never launch ahead: a
-launched step's hidden states are not the runner's.
+first), and the next step proposes with that plan. Proposers that read the target's hidden states
+(MTP, EAGLE-3) get a copy of this step's (ModelRunner.hold_hidden: the launched replay overwrites
+the graphs' buffers), and a launched step that is used leaves its own (adopt_launched).
 """
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ class LLMEngine:
         self.decode_lookahead = sc.decode_lookahead = bool(cfg.async_decode and runner.graph_runner is not None)
         self.scheduler = _C.Scheduler(sc)
         self.proposer: Proposer | None = None
+        self.draft_model = draft_model  # a draft model's (model, config) or EAGLE-3's (head, config)
         if spec is not None:
             self.proposer = build_proposer(spec, runner, lambda sid: self.requests[sid], cfg.seed, cfg.max_model_len,
                                            draft=draft_model)
@@ -186,6 +188,7 @@ class LLMEngine:
         pending, self._pending = self._pending, None
         if pending is not None and pending.matches(batch):
             self.num_async_steps += 1
+            self.runner.adopt_launched(batch, pending.key)
             logits = pending.logits
             tokens, counts, first_bad = self._sample_greedy(batch, logits, pending.key)
         else:
@@ -308,6 +311,7 @@ class LLMEngine:
         tok, host, fin_host, ready = self.greedy.start(logits)
         if key is not None and self._may_launch_next(batch, key):
             tables = self.scheduler.block_tables(batch.seq_ids) if self.decode_lookahead else None
+            self.runner.hold_hidden()  # the proposer reads this step's hidden states next step
             self._pending = self.runner.graph_runner.launch_next(batch, key, tok, tables)
         if ready is not None:
             ready.synchronize()
@@ -328,7 +332,7 @@ class LLMEngine:
         if (not self.async_decode or self.cfg.record_logits or self.num_logprob_requests
                 or g is None or g.state_cache is not None):
             return False
-        if self.proposer is not None and (self.draft_length is None or self.runner.keep_hidden):
+        if self.proposer is not None and self.draft_length is None:
             return False
         rows = batch.num_rows
         # a waiting request is admitted only into a free sequence slot

@@ -107,6 +107,20 @@ class ModelRunner:
         self.last_hidden = hidden
         self.last_rows = (np.array(batch.seq_ids), np.array(batch.num_computed), np.array(batch.query_start_loc))
 
+    def hold_hidden(self) -> None:
+        """A step is about to be launched ahead (async decode): its replay overwrites the graphs'
+        static hidden / aux buffers, which last_hidden views and the proposer reads only in the next
+        step. Keep a copy, ordered on the stream before that replay."""
+        if self.keep_hidden and self.last_hidden is not None:
+            self.last_hidden = self.last_hidden.clone()
+
+    def adopt_launched(self, batch, key: tuple[int, int]) -> None:
+        """The step launched ahead is `batch` (PendingStep.matches): its forward stands for execute(),
+        so its hidden states are the last step's."""
+        self.last_graph_key = key
+        if self.keep_hidden:
+            self._keep(batch, self.graph_runner.last_hidden)
+
     @torch.inference_mode()
     def execute(self, batch) -> torch.Tensor:
         """Forward over every scheduled token; returns logits [len(logits_indices), vocab] fp32."""
