@@ -159,3 +159,9 @@ def test_rows_over_max_q_stay_eager(target: str, head: str) -> None:  # noqa: F8
     assert g.key_for(HeadFeed.build(tables, np.array([0]), np.array([4]), 4)) is None
     assert g.key_for(HeadFeed.build(tables, np.array([20]), np.array([1]), 4)) is None
     assert g.key_for(HeadFeed.build(np.repeat(tables, 5, 0), np.zeros(5), np.ones(5), 4)) is None
+    # with catch-up graphs: longer rows (deferred catch-ups) fit a prefill-shaped key of 16 or 32 slots
+    g = HeadGraphs(layer, kv, 4, torch.device("cpu"), 4, 3, 32, catch_up_tokens=32)
+    two = np.arange(16, dtype=np.int32).reshape(2, 8)
+    assert g.key_for(HeadFeed.build(tables, np.array([0]), np.array([4]), 4)) == (1, -16)
+    assert g.key_for(HeadFeed.build(two, np.array([0, 2]), np.array([9, 14]), 4)) == (2, -32)
+    assert g.key_for(HeadFeed.build(two, np.array([0, 2]), np.array([19, 14]), 4)) is None  # 33 tokens

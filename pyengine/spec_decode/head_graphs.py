@@ -13,8 +13,10 @@ sampling would be free to overwrite the target's outputs otherwise). What it add
 - the logits of each row's last token, computed inside the graph (layer.compute_logits).
 Outputs are static: the caller consumes them (copies, samples) before the next run(). On a CPU
 device nothing is captured and the same static-buffer path runs eagerly, so CPU tests exercise it.
-Rows with more than q tokens (prefill catch-ups) are the caller's: key_for gives None, and the
-proposer runs them eagerly.
+Longer catch-ups (rows that deferred theirs for a few steps: HiddenRing) replay prefill-shaped graphs
+(b, -t) of t token slots (16, 32, ... up to catch_up_tokens; at most PREFILL_GRAPH_ROWS rows), which
+compute the same outputs and last-token logits; longer ones (prefill catch-ups) are the caller's:
+key_for gives None, and the proposer runs them eagerly.
 """
 from __future__ import annotations
 
@@ -64,18 +66,25 @@ class HeadGraphs(CudaGraphRunner):
     """Captures (lazily) and replays a drafting layer's forwards of rows of at most max_q tokens."""
 
     def __init__(self, layer, kv_cache, block_size: int, device: torch.device, max_num_seqs: int, max_q: int,
-                 graph_max_context: int) -> None:
-        super().__init__(layer, kv_cache, block_size, device, max_num_seqs, max_q, graph_max_context)
+                 graph_max_context: int, catch_up_tokens: int = 0) -> None:
+        super().__init__(layer, kv_cache, block_size, device, max_num_seqs, max_q, graph_max_context,
+                         prefill_tokens=catch_up_tokens)
         self.prev: torch.Tensor | None = None  # [T, hidden], made on the first run (the layer's input width)
 
     def key_for(self, feed: HeadFeed) -> tuple[int, int] | None:
         """(bucket, q) when the feed can replay a graph, else None (the caller runs it eagerly)."""
         rows = len(feed.context_lens)
-        if rows == 0 or rows > self.max_rows or feed.max_query_len > self.max_q:
+        if rows == 0 or rows > self.max_rows:
             return None
         if feed.block_tables.shape[1] > self.width or feed.max_context_len > self.width * self.block_size:
             return None
-        return next(x for x in self.buckets if x >= rows), feed.max_query_len
+        bucket = next(x for x in self.buckets if x >= rows)
+        if feed.max_query_len <= self.max_q:
+            return bucket, feed.max_query_len
+        n = int(feed.query_start_loc[rows])  # a longer catch-up: a prefill-shaped graph, if one holds it
+        if not self.prefill_buckets or rows > self.prefill_rows or n > self.prefill_buckets[-1]:
+            return None
+        return bucket, -next(t for t in self.prefill_buckets if t >= n)
 
     @torch.inference_mode()
     def run(self, key: tuple[int, int], feed: HeadFeed, prev_hidden: torch.Tensor,

@@ -26,8 +26,8 @@ Those writes reach position n + k - 3, inside the blocks the previous step reser
 Positions the target did not compute (a prefix-cache hit) are skipped: their MTP entries are
 whatever the block's earlier owner wrote, or zeros. That changes drafts only, never the output.
 
-Where the target replays CUDA graphs, so do the layer's forwards whose rows feed at most k + 1
-tokens each (decode catch-ups, chained drafts): pyengine/spec_decode/head_graphs.py; prefill
+Where the target replays CUDA graphs, so do the layer's decode catch-ups (deferred ones too, up to
+CATCH_UP_GRAPH_TOKENS tokens) and chained drafts: pyengine/spec_decode/head_graphs.py; prefill
 catch-ups run eagerly. The chained drafts stay on the device until all are drawn (one host sync).
 
 An EAGLE-3 head (pyengine/spec_decode/eagle3.py) drafts the same way: `layer` is any module with
@@ -51,6 +51,7 @@ from pyengine.spec_decode.hidden_ring import HiddenRing
 
 class MtpProposer:
     RING_POSITIONS = 64  # positions a row may leave un-caught-up (HiddenRing)
+    CATCH_UP_GRAPH_TOKENS = 512  # longer catch-ups than a verify row replay graphs up to this many tokens
 
     def __init__(self, cfg: SpeculativeConfig, runner: ModelRunner, get_request: Callable[[int], Any], seed: int,
                  max_model_len: int, layer: Any = None) -> None:
@@ -75,7 +76,7 @@ class MtpProposer:
         self.graphs: HeadGraphs | None = None
         if g is not None and getattr(self.layer, "supports_cuda_graphs", True):
             self.set_graphs(HeadGraphs(self.layer, self.kv_cache, self.block_size, self.device, g.max_rows, g.max_q,
-                                       g.width * self.block_size))
+                                       g.width * self.block_size, catch_up_tokens=self.CATCH_UP_GRAPH_TOKENS))
 
     @property
     def drafting_module(self) -> Any:
