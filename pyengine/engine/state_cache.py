@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from pyengine import ops
+from pyengine.engine.host_arrays import to_device
 
 
 class DeltaRuleShapes(tuple):
@@ -104,7 +105,7 @@ class StateCache:
             conv[dst[:, None], window] = conv[line[:, None], offset[:, None] + window]
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+        return to_device(array, self.device)
 
     def prepare(self, batch, query_start_loc: torch.Tensor) -> StateMetadata:  # batch: _C.ScheduledBatch
         nd = int(batch.num_decode_rows)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pyengine.engine.host_arrays import to_device
+
 
 class HiddenRing:
     def __init__(self, size: int, device: torch.device) -> None:
@@ -53,8 +55,8 @@ class HiddenRing:
         counts = end - first
         which = np.repeat(np.arange(len(seq_ids)), counts)
         pos = first[which] + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        dst = torch.from_numpy(ring_rows[which] * self.size + pos % self.size).to(self.device)
-        src = torch.from_numpy(rows[which] + pos - first[which]).to(hidden.device)
+        dst = to_device(ring_rows[which] * self.size + pos % self.size, self.device)
+        src = to_device(rows[which] + pos - first[which], hidden.device)
         self.buf.view(-1, self.buf.shape[2]).index_copy_(0, dst, hidden.index_select(0, src))
         self.span.update((int(s), (int(a), int(b))) for s, a, b in zip(seq_ids.tolist(), lo.tolist(), end.tolist()))
 
@@ -62,7 +64,7 @@ class HiddenRing:
         """The held hidden states of (request, position) pairs, [len(positions), width]."""
         assert self.buf is not None
         ring_rows = np.array([self.row[int(s)] for s in seq_ids.tolist()], dtype=np.int64)
-        index = torch.from_numpy(ring_rows * self.size + positions % self.size).to(self.device)
+        index = to_device(ring_rows * self.size + positions % self.size, self.device)
         return self.buf.view(-1, self.buf.shape[2]).index_select(0, index)
 
     def release(self, seq_ids) -> None:

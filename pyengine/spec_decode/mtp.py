@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from pyengine import _C
+from pyengine.engine.host_arrays import to_device
 from pyengine.engine.model_runner import ModelRunner
 from pyengine.spec_decode.config import SpeculativeConfig
 from pyengine.spec_decode.draft_sampling import DraftRow, DraftSampler
@@ -148,7 +149,7 @@ class MtpProposer:
             return
         rows = [DraftRow(sid, k, self.get_request(sid).params) for sid, k in zip(ids[fed][d].tolist(), ks[d].tolist())]
         ends = feed.query_start_loc[1:].astype(np.int64)[d] - 1  # each drafting row's last token
-        prev = out.index_select(0, torch.from_numpy(ends).to(out.device))
+        prev = out.index_select(0, to_device(ends, out.device))
         tokens = [self.sampler.draw(rows, logits)]
         chain_tables, pos = tables[d], n[fed][d] - 2  # draft j + 1 feeds draft j at position n - 2 + j
         active = np.arange(len(rows))  # rows still drafting, aligned with prev and tokens[-1]
@@ -157,7 +158,7 @@ class MtpProposer:
             keep = np.flatnonzero(ks[d][active] > j)
             ids_j = tokens[-1]
             if len(keep) < len(active):  # some rows stop here (their k): drop their rows
-                keep_t = torch.from_numpy(keep).to(prev.device)
+                keep_t = to_device(keep, prev.device)
                 prev, ids_j = prev.index_select(0, keep_t), ids_j.index_select(0, keep_t)
             active = active[keep]
             actives.append(active)
@@ -189,14 +190,14 @@ class MtpProposer:
         step's hidden row where the step computed it (pos >= first), else the ring's."""
         here = pos >= first
         if here.all():
-            return hidden.index_select(0, torch.from_numpy(row_start + pos - first).to(hidden.device))
+            return hidden.index_select(0, to_device(row_start + pos - first, hidden.device))
         out = hidden.new_empty(len(pos), hidden.shape[1])
         at = np.flatnonzero(here)
         if len(at):
-            out.index_copy_(0, torch.from_numpy(at).to(out.device),
-                            hidden.index_select(0, torch.from_numpy(row_start[at] + pos[at] - first[at]).to(hidden.device)))
+            out.index_copy_(0, to_device(at, out.device),
+                            hidden.index_select(0, to_device(row_start[at] + pos[at] - first[at], hidden.device)))
         older = np.flatnonzero(~here)
-        out.index_copy_(0, torch.from_numpy(older).to(out.device), self.ring.gather(seq_ids[older], pos[older]))
+        out.index_copy_(0, to_device(older, out.device), self.ring.gather(seq_ids[older], pos[older]))
         return out
 
     def draft_probs(self, seq_ids: Sequence[int], num_draft_tokens: Sequence[int]) -> torch.Tensor | None:
@@ -218,13 +219,13 @@ class MtpProposer:
             out, logits = self.graphs.run(key, feed, prev_hidden, token_ids)
             if len(logit_rows) == len(logits):  # every row (the chained steps): no gather
                 return out, logits
-            return out, logits.index_select(0, torch.from_numpy(logit_rows).to(logits.device))
+            return out, logits.index_select(0, to_device(logit_rows, logits.device))
         meta = self.runner.build_metadata(feed)
         if token_ids is None:
-            token_ids = torch.from_numpy(feed.input_ids).to(self.device)
-        positions = torch.from_numpy(feed.positions).to(self.device)
+            token_ids = to_device(feed.input_ids, self.device)
+        positions = to_device(feed.positions, self.device)
         out = self.layer(token_ids, positions, prev_hidden, meta, self.kv_cache)
         if not len(logit_rows):
             return out, out.new_empty(0)
-        last = torch.from_numpy(feed.query_start_loc[1:].astype(np.int64)[logit_rows] - 1).to(out.device)
+        last = to_device(feed.query_start_loc[1:].astype(np.int64)[logit_rows] - 1, out.device)
         return out, self.layer.compute_logits(out.index_select(0, last))
