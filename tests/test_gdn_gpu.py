@@ -168,7 +168,8 @@ def test_persistent_grid_equals_rows_alone(slots: int) -> None:
 def test_grids_agree_bitwise(rows: int, monkeypatch) -> None:
     """The same step under each grid the kernel has for K <= 128 (ops.cuda.gdn.force_grid): one block per
     item, every load of a staging round in flight at once, and the persistent grid, a token or record
-    at a time with the next item's base prefetched. Verify rows of 1..16 tokens (two rounds of tokens
+    at a time with the next item's base prefetched. At 1 row the direct grid holds one value row per
+    lane (8 warps a tile), at 5 and 24 two, as the persistent grid always does: the layouts agree too. Verify rows of 1..16 tokens (two rounds of tokens
     and of records), every acceptance length, a PAD row; prefill rows (final state only) and
     materialised states: outputs and every slot, bit for bit. The kernel picks the grid by the step's
     size, so this is what lets it: a row's arithmetic is the same under both."""

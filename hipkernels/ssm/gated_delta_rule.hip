@@ -3,11 +3,13 @@
 // race argument in gated_delta_rule.h (reference: pyengine/ops/reference/gdn.py). All arithmetic
 // in fp32.
 //
-// Work items are (row, value head, tile of kGdnRecordRows value rows): 4 warps of 8 value rows of
-// S^T [V, K]; a group of 8 lanes owns two adjacent value rows, each lane the same KC 16-byte chunks
-// of both (lane sub of the group: entries (sub + 8 j) * 4 .. + 3, so a group reads a row's 128-byte
-// segments whole; K contiguous in the pool), held in registers across the row's tokens: the k / q
-// chunks and per-token scalars a lane loads serve two rows. Per item the block stages in shared
+// Work items are (row, value head, tile of kGdnRecordRows value rows) of S^T [V, K]; a group of 8
+// lanes owns R adjacent value rows, each lane the same KC 16-byte chunks of each (lane sub of the
+// group: entries (sub + 8 j) * 4 .. + 3, so a group reads a row's 128-byte segments whole; K
+// contiguous in the pool), held in registers across the row's tokens. R = 2 (4 warps of 8 rows): the
+// k / q chunks and per-token scalars a lane loads serve two rows. R = 1 (8 warps of 4 rows): half a
+// warp's instructions per token, for steps the device holds whole that way (batch <= 2 at Qwen3-Next's
+// widths, 2 blocks of 256 threads per SM). A row's arithmetic is the same in both. Per item the block stages in shared
 // memory the row's tokens (q and k l2-normalised once per block, k . q, decay, beta, the tile's v)
 // and the records it replays, replays them, then per token reads out from the state before the
 // token's update:
@@ -25,7 +27,8 @@
 // shared memory: 5 blocks (20 warps) per SM. Otherwise (batch <= 4 at Qwen3-Next's widths) one
 // block per item, built for latency: the row's metadata loaded first, then the base (cp.async into
 // shared memory, K <= 128; else straight into registers), the tokens and the records all in flight
-// at once, 128 registers. GatedDeltaRuleParams.grid forces either (tests, benchmarks).
+// at once, 128 registers (R = 2, 4 blocks per SM; R = 1 at batch <= 2, 2 blocks per SM).
+// GatedDeltaRuleParams.grid forces either grid (tests, benchmarks).
 // A row's arithmetic never depends on the other rows or on how many tokens share its step: token t
 // of a verify row gets the bits the same token gets decoded alone, and a replayed record the bits
 // its token computed (the same device functions, explicit __fmul_rn / fmaf, no contraction left to
@@ -44,18 +47,31 @@ namespace {
 using namespace pe_gdn;
 
 // Blocks per SM the K <= 128 kernels are built for: the persistent grid 5 (96 registers, no spills);
-// one block per item 4 (128 registers: its staging keeps every load of a round in flight).
-constexpr int kMinBlocks = 5, kMinBlocksDirect = 4;
+// one block per item 4 of 128 threads (R = 2) or 2 of 256 (R = 1): up to 128 registers, its staging
+// keeps every load of a round in flight (at 4 blocks of 256 threads, 64 registers, R = 1 ran slower).
+constexpr int kMinBlocks = 5;
+constexpr int min_blocks_direct(int R) { return R == 2 ? 4 : 2; }
+
+// The base of one item, 16-byte chunks in [row][chunk][thread] order (the persistent grid's prefetch,
+// the direct grid's cp.async): each thread reads back only the chunks it copied. R KC kThreads chunks,
+// the same for either layout (16 KB at K = 128).
+template <int KC>
+using BaseChunks = float4[2 * KC * Layout<2>::kThreads];
 
 // The next item's base, copied by each thread into its own 16-byte chunks ([row][chunk][thread]):
 // only the thread that copies a chunk reads it, so one buffer serves (the copy of the next item's
 // base is issued once this thread has read this item's, after a barrier).
 template <int KC, bool kPrefetch>
 struct BaseBuffers {
-  float4 f[kRowsPerLane][KC][kThreads];
+  BaseChunks<KC> f;
 };
 template <int KC>
 struct BaseBuffers<KC, false> {};
+
+template <int R>
+PE_DEVICE int chunk_slot(int r, int j, int KC) {  // the thread's chunk (r, j) in a BaseChunks buffer
+  return (r * KC + j) * Layout<R>::kThreads + threadIdx.x;
+}
 
 // A work item (row n, value head hv, tile of value rows), with its key head hk and hv's place g in
 // the key head's group of value heads, so that stepping to the next item divides nothing.
@@ -84,41 +100,41 @@ PE_DEVICE int base_slot(const GatedDeltaRuleParams& p, int n) {
 
 // This thread's chunks of the item's base into buf (cp.async; chunks past K or V are left alone
 // and never read).
-template <int KC>
-PE_DEVICE void prefetch_base(float4 (&buf)[kRowsPerLane][KC][kThreads], const GatedDeltaRuleParams& p, const Item& x,
-                             int slot) {
+template <int R, int KC>
+PE_DEVICE void prefetch_base(float4* buf, const GatedDeltaRuleParams& p, const Item& x, int slot) {
   const int lane = threadIdx.x % kLanes, sub = lane % kGroup;
-  const int tile_row = threadIdx.x / kLanes * kRows + lane / kGroup * kRowsPerLane;
+  const int tile_row = threadIdx.x / kLanes * Layout<R>::kRows + lane / kGroup * R;
   const int vr = x.tile * kGdnRecordRows + tile_row, K = p.key_dim;
   if (slot < 0 || vr >= p.value_dim) return;
   const float* row = p.state + (int64_t)slot * p.num_v_heads * p.value_dim * K + ((int64_t)x.hv * p.value_dim + vr) * K;
-  const bool second = vr + 1 < p.value_dim;
-  if (chunk_k0(sub, KC - 1) < K && second) {  // every chunk of both rows (K = 128): one address, constant offsets
+  const bool all_rows = vr + R - 1 < p.value_dim;
+  if (chunk_k0(sub, KC - 1) < K && all_rows) {  // every chunk of the rows (K = 128): one address, constant offsets
 #pragma unroll
-    for (int r = 0; r < kRowsPerLane; ++r)
-#pragma unroll
-      for (int j = 0; j < KC; ++j) pe_copy::copy16_async(&buf[r][j][threadIdx.x], row + r * K + chunk_k0(sub, j), true);
-  } else {
-#pragma unroll
-    for (int r = 0; r < kRowsPerLane; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int j = 0; j < KC; ++j)
-        if ((r == 0 || second) && chunk_k0(sub, j) < K)
-          pe_copy::copy16_async(&buf[r][j][threadIdx.x], row + r * K + chunk_k0(sub, j), true);
+        pe_copy::copy16_async(&buf[chunk_slot<R>(r, j, KC)], row + r * K + chunk_k0(sub, j), true);
+  } else {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int j = 0; j < KC; ++j)
+        if (vr + r < p.value_dim && chunk_k0(sub, j) < K)
+          pe_copy::copy16_async(&buf[chunk_slot<R>(r, j, KC)], row + r * K + chunk_k0(sub, j), true);
   }
 }
 
 // Outputs of tokens c0 .. c0 + nt - 1 and, for decode / verify rows, the records of tokens >= 1 (k and
-// decay from the staged token, the tile's deltas), from shared memory: token c0 + tt by warp tt % 4,
+// decay from the staged token, the tile's deltas), from shared memory: token c0 + tt by warp tt % kWarps,
 // a lane per value row and 16-byte pieces of the record. Each piece comes from the same fp32 values
 // the token's update used.
-template <typename T, int KC>
+template <typename T, int KC, int R>
 PE_DEVICE void write_tokens(const GatedDeltaRuleParams& p, const Staged<KC>& st, const Item& x, int s0, int c0, int nt,
                             int64_t rec_off) {
   constexpr int kc = Staged<KC>::kMaxK / (kLanes * 4);
   const int lane = threadIdx.x % kLanes, warp = threadIdx.x / kLanes;
   const int K = p.key_dim, V = p.value_dim, vr = x.tile * kGdnRecordRows + lane;
-  for (int tt = warp; tt < nt; tt += kWarps) {
+  for (int tt = warp; tt < nt; tt += Layout<R>::kWarps) {
     const int t = c0 + tt;
     if (vr < V) Io<T>::st(static_cast<T*>(p.out) + ((int64_t)(s0 + t) * p.num_v_heads + x.hv) * V + vr, st.o[tt][lane]);
     const int dst = p.final_state_only || t == 0 || t >= p.slots_per_row ? -1 : st.slot[t];
@@ -139,15 +155,18 @@ PE_DEVICE void write_tokens(const GatedDeltaRuleParams& p, const Staged<KC>& st,
 // group in flight), or null to load it here. prefetch_next() is called once on every path, after
 // this thread has read buf (behind a barrier): it issues and commits the next item's copy.
 // staged_qk: the (row, key head) whose q and k the shared memory holds (-1: none), updated.
-template <typename T, int KC, bool kTogether, bool kCopyBase, typename Next>
-PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4 (*buf)[KC][kThreads], const Item& x,
-                        int& staged_qk, Next prefetch_next) {
+template <typename T, int KC, int R, bool kTogether, bool kCopyBase, typename Next>
+PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4* buf, const Item& x, int& staged_qk,
+                        Next prefetch_next) {
+  using L = Layout<R>;
   const int lane = threadIdx.x % kLanes, warp = threadIdx.x / kLanes, sub = lane % kGroup;
-  const int tile_row = warp * kRows + lane / kGroup * kRowsPerLane;  // the lane's first row in the tile
+  const int tile_row = warp * L::kRows + lane / kGroup * R;  // the lane's first row in the tile
   const int tile = x.tile, hv = x.hv, n = x.n;
   const int K = p.key_dim, V = p.value_dim, HV = p.num_v_heads;
   const int vr = tile * kGdnRecordRows + tile_row;  // the lane's first value row
-  const bool ok0 = vr < V, ok1 = vr + 1 < V;  // lanes past V compute zeros (and still meet the barriers)
+  bool ok[R];  // the lane's rows that exist: lanes past V compute zeros (and still meet the barriers)
+#pragma unroll
+  for (int r = 0; r < R; ++r) ok[r] = vr + r < V;
   const bool materialise = p.replay_dst != nullptr;
   const int32_t* idx = p.state_idx + (int64_t)n * p.slots_per_row;
   // The row's metadata, every load issued before any is used (then one more latency for the data):
@@ -164,23 +183,23 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4 (*
   const int my_slot = idx[min((int)threadIdx.x, p.slots_per_row - 1)];
   const bool pad = slot0 < 0;  // the whole block skips the item
   const bool init = !pad && (!p.final_state_only || p.has_initial_state == nullptr || p.has_initial_state[n]);
-  StageRegs<KC> sr;
+  StageRegs<KC, R> sr;
   record_slots(sr, idx, 0, min(p.slots_per_row - 1, kRecords), warp);  // the first round's, if replayed
   const int replays = init ? min(max(accepted, 1), p.slots_per_row) - 1 : 0;  // records idx[1..a-1]
   const int64_t slot_elems = (int64_t)HV * V * K;
   const int64_t rec_off = (int64_t)hv * V * K + (int64_t)tile * (K + kGdnRecordRows + kGdnRecordPad);
   float* base = p.state + (pad ? 0 : slot0) * slot_elems + ((int64_t)hv * V + vr) * K;  // the lane's first base row
-  RowPair<KC> s;
+  Rows<R, KC> s;
   if constexpr (kCopyBase) {  // the base into shared memory, issued before the tokens' and records' loads
-    prefetch_base(*reinterpret_cast<float4(*)[kRowsPerLane][KC][kThreads]>(buf), p, x, init ? slot0 : -1);
+    prefetch_base<R, KC>(buf, p, x, init ? slot0 : -1);
     pe_copy::copy_commit();
   }
   if (buf == nullptr) {  // the base: every load issued before any is used
 #pragma unroll
-    for (int r = 0; r < kRowsPerLane; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int j = 0; j < KC; ++j) {
-        if (init && (r == 0 ? ok0 : ok1) && chunk_k0(sub, j) < K) {
+        if (init && ok[r] && chunk_k0(sub, j) < K) {
           load4(base + r * K + chunk_k0(sub, j), s[r][j]);
         } else {
 #pragma unroll
@@ -196,8 +215,8 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4 (*
   const bool with_qk = qk != staged_qk || num > kTokens;
   const int nr = min(replays, kRecords);
 #pragma unroll
-  for (int u = 0; u < StageRegs<KC>::kRec; ++u)
-    if (record_of(warp, u) >= nr) sr.rslot[u] = -1;
+  for (int u = 0; u < StageRegs<KC, R>::kRec; ++u)
+    if (record_of<R>(warp, u) >= nr) sr.rslot[u] = -1;
   stage_round<kTogether>(st, sr, p, q, k, v, s0, min(num, kTokens), nr, hv, tile, slot_elems, rec_off, lane, warp,
                          with_qk);
   if (num > 0) staged_qk = num > kTokens ? -1 : qk;  // a longer row restages its later tokens over these
@@ -206,18 +225,18 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4 (*
     prefetch_next();
     if (sub == 0)
       for (int t = 0; t < num; ++t)
-        for (int r = 0; r < kRowsPerLane; ++r)
+        for (int r = 0; r < R; ++r)
           if (vr + r < V) Io<T>::st(static_cast<T*>(p.out) + ((int64_t)(s0 + t) * HV + hv) * V + vr + r, 0.f);
     return;
   }
   if (buf != nullptr) {  // the base this thread copied
     pe_copy::copy_wait<0>();
 #pragma unroll
-    for (int r = 0; r < kRowsPerLane; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int j = 0; j < KC; ++j) {
-        const float4 f = init && (r == 0 ? ok0 : ok1) && chunk_k0(sub, j) < K ? buf[r][j][threadIdx.x]
-                                                                              : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 f = init && ok[r] && chunk_k0(sub, j) < K ? buf[chunk_slot<R>(r, j, KC)]
+                                                               : make_float4(0.f, 0.f, 0.f, 0.f);
         s[r][j][0] = f.x, s[r][j][1] = f.y, s[r][j][2] = f.z, s[r][j][3] = f.w;
       }
   }
@@ -234,11 +253,11 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4 (*
       __syncthreads();
     }
     for (int r = 0; r < nr0; ++r)
-      if (st.rlive[r]) replay_record(s, st, r, sub, tile_row, ok0, ok1);
+      if (st.rlive[r]) replay_record<R>(s, st, r, sub, tile_row, ok);
   }
   if (materialise) {
     if (p.replay_dst[n] >= 0)
-      store_state(p.state + p.replay_dst[n] * slot_elems + ((int64_t)hv * V + vr) * K, s, K, sub, ok0, ok1);
+      store_state<R>(p.state + p.replay_dst[n] * slot_elems + ((int64_t)hv * V + vr) * K, s, K, sub, ok);
     return;
   }
   const int base_t = p.final_state_only ? num - 1 : 0;  // the token whose full state is stored
@@ -247,7 +266,7 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4 (*
     if (c0 > 0) {  // the row's next tokens: restage once every warp is done with these
       __syncthreads();
 #pragma unroll
-      for (int u = 0; u < StageRegs<KC>::kRec; ++u) sr.rslot[u] = -1;
+      for (int u = 0; u < StageRegs<KC, R>::kRec; ++u) sr.rslot[u] = -1;
       stage_round<kTogether>(st, sr, p, q, k, v, s0 + c0, nt, 0, hv, tile, slot_elems, rec_off, lane, warp, true);
       __syncthreads();
     }
@@ -256,31 +275,35 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4 (*
       load_staged(kk, st.k[tt], sub);
       load_staged(qq, st.q[tt], sub);
       const float4 c = st.tok[tt];  // decay, beta, k . q
-      // the four reductions from the state before the token: S^T k for delta, S^T q for the output
-      float mk0 = dot_part(s[0], kk), mk1 = dot_part(s[1], kk), mq0 = dot_part(s[0], qq), mq1 = dot_part(s[1], qq);
-      group_sum4(mk0, mk1, mq0, mq1);
-      const float2 vv = *reinterpret_cast<const float2*>(&st.v[tt][tile_row]);
-      const float d0 = __fmul_rn(c.y, __fsub_rn(vv.x, __fmul_rn(c.x, mk0)));
-      const float d1 = __fmul_rn(c.y, __fsub_rn(vv.y, __fmul_rn(c.x, mk1)));
-      decay_state(s, c.x);
-      add_update(s, kk, d0, d1);
+      // the reductions from the state before the token: S^T k for delta, S^T q for the output
+      float m[2 * R];  // S^T k of the rows, then S^T q
+#pragma unroll
+      for (int r = 0; r < R; ++r) m[r] = dot_part(s[r], kk), m[R + r] = dot_part(s[r], qq);
+      group_sum(m);
+      float vv[R], d[R], o[R];
+      load_rows(vv, &st.v[tt][tile_row]);
+#pragma unroll
+      for (int r = 0; r < R; ++r) d[r] = __fmul_rn(c.y, __fsub_rn(vv[r], __fmul_rn(c.x, m[r])));
+      decay_state<R>(s, c.x);
+      add_update<R>(s, kk, d);
       if (sub == 0) {
-        *reinterpret_cast<float2*>(&st.o[tt][tile_row]) =
-            make_float2(fmaf(d0, c.z, __fmul_rn(c.x, mq0)), fmaf(d1, c.z, __fmul_rn(c.x, mq1)));
-        *reinterpret_cast<float2*>(&st.delta[tt][tile_row]) = make_float2(d0, d1);
+#pragma unroll
+        for (int r = 0; r < R; ++r) o[r] = fmaf(d[r], c.z, __fmul_rn(c.x, m[R + r]));
+        store_rows(&st.o[tt][tile_row], o);
+        store_rows(&st.delta[tt][tile_row], d);
       }
-      if (c0 + tt == base_t) store_state(base, s, K, sub, ok0, ok1);
+      if (c0 + tt == base_t) store_state<R>(base, s, K, sub, ok);
     }
     __syncthreads();  // outputs and deltas staged
-    write_tokens<T>(p, st, x, s0, c0, nt, rec_off);
+    write_tokens<T, KC, R>(p, st, x, s0, c0, nt, rec_off);
   }
 }
 
 // Items begin .. end - 1 of an even split. With kPrefetch the next item's base is in flight (into the
 // other buffer) while this one computes; the slot it reads is looked up one item earlier still, so
 // that issuing the copy never waits on a load.
-template <typename T, int KC, bool kPrefetch>
-__global__ void __launch_bounds__(kThreads, KC > 4 ? 1 : kPrefetch ? kMinBlocks : kMinBlocksDirect)
+template <typename T, int KC, int R, bool kPrefetch>
+__global__ void __launch_bounds__(Layout<R>::kThreads, KC > 4 ? 1 : kPrefetch ? kMinBlocks : min_blocks_direct(R))
     gated_delta_rule_kernel(GatedDeltaRuleParams p) {
   __shared__ __align__(16) Staged<KC> st;
   __shared__ __align__(16) BaseBuffers<KC, kPrefetch || KC <= 4> bb;  // direct K <= 128: its one base copied
@@ -290,15 +313,15 @@ __global__ void __launch_bounds__(kThreads, KC > 4 ? 1 : kPrefetch ? kMinBlocks 
   if constexpr (!kPrefetch) {  // one item per block
     const Item x = item_at(blockIdx.x, tiles, HV, group);
     if constexpr (KC <= 4)
-      run_item<T, KC, true, true>(p, st, bb.f, x, staged_qk, [] {});
+      run_item<T, KC, R, true, true>(p, st, bb.f, x, staged_qk, [] {});
     else
-      run_item<T, KC, true, false>(p, st, nullptr, x, staged_qk, [] {});
+      run_item<T, KC, R, true, false>(p, st, nullptr, x, staged_qk, [] {});
   } else {
     const int items = tiles * HV * p.num_rows, share = items / gridDim.x, extra = items % gridDim.x;
     const int begin = blockIdx.x * share + min((int)blockIdx.x, extra), end = begin + share + ((int)blockIdx.x < extra);
     Item x = item_at(begin, tiles, HV, group), next = x;
     next_item(next, tiles, HV, group);
-    if (begin < end) prefetch_base(bb.f, p, x, base_slot(p, x.n));
+    if (begin < end) prefetch_base<R, KC>(bb.f, p, x, base_slot(p, x.n));
     pe_copy::copy_commit();
     int next_slot = begin + 1 < end ? base_slot(p, next.n) : -1;
     for (int it = begin; it < end; ++it) {
@@ -306,8 +329,8 @@ __global__ void __launch_bounds__(kThreads, KC > 4 ? 1 : kPrefetch ? kMinBlocks 
       next_item(after, tiles, HV, group);
       const bool more = it + 1 < end;
       const int after_slot = it + 2 < end ? base_slot(p, after.n) : -1;  // loaded an item before it is used
-      run_item<T, KC, false, false>(p, st, bb.f, x, staged_qk, [&] {
-        if (more) prefetch_base(bb.f, p, next, next_slot);
+      run_item<T, KC, R, false, false>(p, st, bb.f, x, staged_qk, [&] {
+        if (more) prefetch_base<R, KC>(bb.f, p, next, next_slot);
         pe_copy::copy_commit();  // a group per item, empty or not
       });
       next_slot = after_slot;
@@ -319,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, KC > 4 ? 1 : kPrefetch ? kMinBlocks 
 
 // Blocks of `kernel` the device holds at once (multiprocessors x resident blocks), per device; 0 if
 // unknown.
-template <auto kernel>  // one cache per kernel (their pointer types are all the same)
+template <auto kernel, int threads>  // one cache per kernel (their pointer types are all the same)
 int device_blocks() {
   constexpr int kDevices = 64;
   static std::atomic<int> cache[kDevices];
@@ -328,13 +351,13 @@ int device_blocks() {
   if (hipGetDevice(&dev) != hipSuccess || dev < 0 || dev >= kDevices) return 0;
   if (const int v = cache[dev].load(std::memory_order_relaxed)) return v;
   if (hipDeviceGetAttribute(&sms, hipDeviceAttributeMultiprocessorCount, dev) != hipSuccess ||
-      hipOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0) != hipSuccess)
+      hipOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != hipSuccess)
     return 0;
 #else
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) return 0;
   if (const int v = cache[dev].load(std::memory_order_relaxed)) return v;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0) != cudaSuccess)
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != cudaSuccess)
     return 0;
 #endif
   cache[dev].store(sms * per_sm, std::memory_order_relaxed);
@@ -345,17 +368,22 @@ template <typename T>
 int launch(const GatedDeltaRuleParams& p, peStream_t stream) {
   const int64_t items = (int64_t)(p.value_dim + kGdnRecordRows - 1) / kGdnRecordRows * p.num_v_heads * p.num_rows;
   if (items > INT32_MAX) return -1;
+  constexpr int t1 = Layout<1>::kThreads, t2 = Layout<2>::kThreads;
   if (p.key_dim <= 4 * kGroup * 4) {  // K <= 128: half the registers
-    const int direct = device_blocks<gated_delta_rule_kernel<T, 4, false>>();
-    const int resident = device_blocks<gated_delta_rule_kernel<T, 4, true>>();
-    // the persistent grid where the items outnumber what the device holds of the direct kernel at once
+    const int direct = device_blocks<gated_delta_rule_kernel<T, 4, 2, false>, t2>();
+    const int direct1 = device_blocks<gated_delta_rule_kernel<T, 4, 1, false>, t1>();
+    const int resident = device_blocks<gated_delta_rule_kernel<T, 4, 2, true>, t2>();
+    // the persistent grid where the items outnumber what the device holds of the direct kernel at once;
+    // one row per lane (R = 1) where the device holds every item of the step at once that way
     const bool persistent = resident > 0 && (p.grid == 2 || (p.grid == 0 && items > direct));
     if (persistent)
-      gated_delta_rule_kernel<T, 4, true><<<(int)std::min<int64_t>(resident, items), kThreads, 0, stream>>>(p);
+      gated_delta_rule_kernel<T, 4, 2, true><<<(int)std::min<int64_t>(resident, items), t2, 0, stream>>>(p);
+    else if (items <= direct1)
+      gated_delta_rule_kernel<T, 4, 1, false><<<(int)items, t1, 0, stream>>>(p);
     else
-      gated_delta_rule_kernel<T, 4, false><<<(int)items, kThreads, 0, stream>>>(p);
+      gated_delta_rule_kernel<T, 4, 2, false><<<(int)items, t2, 0, stream>>>(p);
   } else {
-    gated_delta_rule_kernel<T, kMaxChunks, false><<<(int)items, kThreads, 0, stream>>>(p);
+    gated_delta_rule_kernel<T, kMaxChunks, 2, false><<<(int)items, t2, 0, stream>>>(p);
   }
   return static_cast<int>(peGetLastError());
 }

@@ -8,28 +8,40 @@
 
 namespace pe_gdn {
 
-// A group of 8 lanes owns two adjacent value rows (2 p, 2 p + 1 of the tile), each lane the same
-// 16-byte chunks of both: the k / q chunks a lane loads per token, and the per-token scalars, serve
-// two rows (the per-element instruction overhead of a token halves next to one row per lane).
+// A group of 8 lanes owns R adjacent value rows, each lane the same 16-byte chunks (sub + 8 j) of
+// each. R = 2 (4 warps a tile): the k / q chunks a lane loads per token, and the per-token scalars,
+// serve two rows (half the per-element instruction overhead of one row per lane). R = 1 (8 warps a
+// tile): half the instructions per warp and token, for small steps, where a token's time is one
+// warp's chain of latencies. A row's arithmetic (which lane sums which entries, in which order, the
+// butterfly) is the same in both, so are its bits.
 constexpr int kLanes = 32;
-constexpr int kGroup = 8;                             // lanes per pair of value rows
-constexpr int kRowsPerLane = 2;                       // value rows a lane holds
-constexpr int kRows = kLanes / kGroup * kRowsPerLane;  // value rows per warp
-constexpr int kWarps = kGdnRecordRows / kRows;
+constexpr int kGroup = 8;  // lanes per group (R value rows)
 constexpr int kMaxChunks = kGdnMaxKeyDim / (kGroup * 4);  // 16-byte chunks per lane and row at K = 256
-constexpr int kThreads = kLanes * kWarps;
-static_assert(kWarps * kRows == kGdnRecordRows, "a block computes exactly one record tile");
 
-template <int KC>
-using RowPair = float[kRowsPerLane][KC][4];  // a lane's chunks of its two value rows
+template <int R>
+struct Layout {
+  static constexpr int kRowsPerLane = R;                    // value rows a lane holds
+  static constexpr int kRows = kLanes / kGroup * R;         // value rows per warp
+  static constexpr int kWarps = kGdnRecordRows / kRows;
+  static constexpr int kThreads = kLanes * kWarps;
+  static_assert(kWarps * kRows == kGdnRecordRows, "a block computes exactly one record tile");
+};
+constexpr int kMaxThreads = Layout<1>::kThreads;
 
-// Four sums over the 8 lanes of a group at once (masks < 8); xor butterflies leave every lane of the
-// group the same bits.
-PE_DEVICE void group_sum4(float& a, float& b, float& c, float& d) {
+template <int R, int KC>
+using Rows = float[R][KC][4];  // a lane's chunks of its value rows
+
+// N sums over the 8 lanes of a group at once (masks < 8); xor butterflies leave every lane of the
+// group the same bits, and each value gets the bits it gets reduced alone.
+template <int N>
+PE_DEVICE void group_sum(float (&x)[N]) {
 #pragma unroll
   for (int m = kGroup / 2; m > 0; m /= 2) {
-    const float w = pe_shfl_xor(a, m), x = pe_shfl_xor(b, m), y = pe_shfl_xor(c, m), z = pe_shfl_xor(d, m);
-    a = __fadd_rn(a, w), b = __fadd_rn(b, x), c = __fadd_rn(c, y), d = __fadd_rn(d, z);
+    float y[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) y[i] = pe_shfl_xor(x[i], m);
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = __fadd_rn(x[i], y[i]);
   }
 }
 
@@ -48,28 +60,27 @@ PE_DEVICE void load4(const T* p, float* f) {
 
 // The two halves of a token's state update, shared by the token loop and the record replay so that
 // both compile to the same instructions: S = S * decay, then S = S + k delta^T.
-template <int KC>
-PE_DEVICE void decay_state(RowPair<KC>& s, float decay) {
+template <int R, int KC>
+PE_DEVICE void decay_state(Rows<R, KC>& s, float decay) {
 #pragma unroll
-  for (int r = 0; r < kRowsPerLane; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int j = 0; j < KC; ++j)
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[r][j][i] = __fmul_rn(s[r][j][i], decay);
 }
 
-template <int KC>
-PE_DEVICE void add_update(RowPair<KC>& s, const float (&kk)[KC][4], float delta0, float delta1) {
+template <int R, int KC>
+PE_DEVICE void add_update(Rows<R, KC>& s, const float (&kk)[KC][4], const float (&delta)[R]) {
 #pragma unroll
   for (int j = 0; j < KC; ++j)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      s[0][j][i] = fmaf(kk[j][i], delta0, s[0][j][i]);
-      s[1][j][i] = fmaf(kk[j][i], delta1, s[1][j][i]);
-    }
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[r][j][i] = fmaf(kk[j][i], delta[r], s[r][j][i]);
 }
 
-// The lane's part of a row's dot product: one chain of 4 KC fused multiply-adds (the four dots of a
+// The lane's part of a row's dot product: one chain of 4 KC fused multiply-adds (the dots of a
 // token are independent chains: enough to keep the pipe busy without partial sums to add up).
 template <int KC>
 PE_DEVICE float dot_part(const float (&s)[KC][4], const float (&x)[KC][4]) {
@@ -102,7 +113,7 @@ struct Staged {
   float4 tok[kTokens];  // decay = exp(g), beta, k . q (of the scaled vectors), unused: one load per token
   float rdecay[kRecords];
   int rlive[kRecords];  // 0: a PAD record slot, not replayed
-  int slot[kThreads];  // slot[t] = idx[min(t, S - 1)] of the item's row: where token t >= 1 records
+  int slot[kMaxThreads];  // slot[t] = idx[min(t, S - 1)] of the item's row: where token t >= 1 records
 };
 
 // Sums over the warp of N values at once (one reduction's latency for all of them); xor
@@ -123,8 +134,9 @@ PE_DEVICE void warp_sum(float (&x)[N]) {
 // shared memory, so that every global load of the round (v, g, beta, q, k of the warp's tokens, its
 // records) is in flight before the first is used: one memory latency per round, not one per token
 // and record (at batch 1 the step is a chain of such latencies).
-template <int KC>
+template <int KC, int R>
 struct StageRegs {
+  static constexpr int kWarps = Layout<R>::kWarps;
   static constexpr int kc = Staged<KC>::kMaxK / (kLanes * 4);  // 4-float pieces per lane of a q / k row
   static constexpr int kTok = kTokens / kWarps;                // tokens per warp and round
   static constexpr int kRec = (kRecords + kWarps - 1) / kWarps;  // records per warp and round
@@ -136,25 +148,27 @@ struct StageRegs {
 
 // Token tt of a round is the warp's u-th for tt = warp + u kWarps; record r is warp
 // kWarps - 1 - r % kWarps's (the first warps take the extra tokens, the last the records).
-PE_DEVICE int token_of(int warp, int u) { return warp + u * kWarps; }
-PE_DEVICE int record_of(int warp, int u) { return kWarps - 1 - warp + u * kWarps; }
+template <int R>
+PE_DEVICE int token_of(int warp, int u) { return warp + u * Layout<R>::kWarps; }
+template <int R>
+PE_DEVICE int record_of(int warp, int u) { return Layout<R>::kWarps - 1 - warp + u * Layout<R>::kWarps; }
 
 // The loads of tokens t0 .. t0 + nt - 1 (with_qk: q and k too; a lane holds 4 entries per 128 of K).
 // q and k depend on the row and key head alone, so consecutive items of one key head keep them.
-template <typename T, int KC>
-PE_DEVICE void load_tokens(StageRegs<KC>& r, const GatedDeltaRuleParams& p, const T* q, const T* k, const T* v,
+template <typename T, int KC, int R>
+PE_DEVICE void load_tokens(StageRegs<KC, R>& r, const GatedDeltaRuleParams& p, const T* q, const T* k, const T* v,
                            int64_t t0, int nt, int hv, int tile, int lane, int warp, bool with_qk, int u0, int u1) {
   const int K = p.key_dim, vr = tile * kGdnRecordRows + lane;
 #pragma unroll
   for (int u = u0; u < u1; ++u) {
-    const int tt = token_of(warp, u);
+    const int tt = token_of<R>(warp, u);
     const int64_t tok = t0 + tt;
     const bool live = tt < nt;
     r.v[u] = live && vr < p.value_dim ? Io<T>::ld(v + tok * p.v_stride_token + vr) : 0.f;
     r.g[u] = live && lane == 0 ? p.g[tok * p.num_v_heads + hv] : 0.f;
     r.b[u] = live && lane == 0 ? p.beta[tok * p.num_v_heads + hv] : 0.f;
 #pragma unroll
-    for (int j = 0; j < StageRegs<KC>::kc; ++j) {
+    for (int j = 0; j < StageRegs<KC, R>::kc; ++j) {
       const int k0 = (lane + j * kLanes) * 4;
       if (live && with_qk && k0 < K) {
         load4(q + tok * p.q_stride_token + k0, r.q[u][j]);
@@ -170,10 +184,10 @@ PE_DEVICE void load_tokens(StageRegs<KC>& r, const GatedDeltaRuleParams& p, cons
 // The loaded tokens into shared memory: v, decay = exp(g), beta and, with_qk, q and k l2-normalised
 // (q times scale; zeros past K) and k . q of the scaled vectors. The norms and k . q are warp
 // reductions over the raw vectors, the same lanes and order whichever warp and round it is.
-template <int KC>
-PE_DEVICE void store_tokens(Staged<KC>& st, const StageRegs<KC>& r, const GatedDeltaRuleParams& p, int nt, int lane,
-                            int warp, bool with_qk, int u0, int u1) {
-  constexpr int kc = StageRegs<KC>::kc, kTok = StageRegs<KC>::kTok;
+template <int KC, int R>
+PE_DEVICE void store_tokens(Staged<KC>& st, const StageRegs<KC, R>& r, const GatedDeltaRuleParams& p, int nt,
+                            int lane, int warp, bool with_qk, int u0, int u1) {
+  constexpr int kc = StageRegs<KC, R>::kc, kTok = StageRegs<KC, R>::kTok;
   float sums[3 * kTok];  // |q|^2, |k|^2, k . q of the tokens u0 .. u1 - 1, reduced together
 #pragma unroll
   for (int u = 0; u < kTok; ++u) {
@@ -205,7 +219,7 @@ PE_DEVICE void store_tokens(Staged<KC>& st, const StageRegs<KC>& r, const GatedD
   }
 #pragma unroll
   for (int u = u0; u < u1; ++u) {
-    const int tt = token_of(warp, u);
+    const int tt = token_of<R>(warp, u);
     if (tt >= nt) continue;
     st.v[tt][lane] = r.v[u];
     if (lane == 0) st.tok[tt].x = expf(r.g[u]), st.tok[tt].y = r.b[u];
@@ -227,18 +241,18 @@ PE_DEVICE void store_tokens(Staged<KC>& st, const StageRegs<KC>& r, const GatedD
 
 // The slots of records idx[1 + r0 .. r0 + nr] this warp stages (with the row's other metadata, one
 // latency before the records themselves); -1 for PAD and for those past nr.
-template <int KC>
-PE_DEVICE void record_slots(StageRegs<KC>& r, const int32_t* idx, int r0, int nr, int warp) {
+template <int KC, int R>
+PE_DEVICE void record_slots(StageRegs<KC, R>& r, const int32_t* idx, int r0, int nr, int warp) {
 #pragma unroll
-  for (int u = 0; u < StageRegs<KC>::kRec; ++u) {
-    const int rr = record_of(warp, u);
+  for (int u = 0; u < StageRegs<KC, R>::kRec; ++u) {
+    const int rr = record_of<R>(warp, u);
     r.rslot[u] = rr < nr ? idx[1 + r0 + rr] : -1;
   }
 }
 
 // The loads of this tile's part of those records (rec_off inside a slot).
-template <int KC>
-PE_DEVICE void load_records(StageRegs<KC>& r, const GatedDeltaRuleParams& p, int64_t slot_elems, int64_t rec_off,
+template <int KC, int R>
+PE_DEVICE void load_records(StageRegs<KC, R>& r, const GatedDeltaRuleParams& p, int64_t slot_elems, int64_t rec_off,
                             int lane, int u0, int u1) {
   const int K = p.key_dim;
 #pragma unroll
@@ -246,7 +260,7 @@ PE_DEVICE void load_records(StageRegs<KC>& r, const GatedDeltaRuleParams& p, int
     const bool live = r.rslot[u] >= 0;
     const float* rec = p.state + (live ? r.rslot[u] : 0) * slot_elems + rec_off;
 #pragma unroll
-    for (int j = 0; j < StageRegs<KC>::kc; ++j) {
+    for (int j = 0; j < StageRegs<KC, R>::kc; ++j) {
       const int k0 = (lane + j * kLanes) * 4;
       if (live && k0 < K) {
         load4(rec + k0, r.rk[u][j]);
@@ -261,16 +275,16 @@ PE_DEVICE void load_records(StageRegs<KC>& r, const GatedDeltaRuleParams& p, int
 }
 
 // The loaded records into shared memory; a PAD record is marked (rlive), to be skipped by the replay.
-template <int KC>
-PE_DEVICE void store_records(Staged<KC>& st, const StageRegs<KC>& r, int nr, int lane, int warp, int u0, int u1) {
+template <int KC, int R>
+PE_DEVICE void store_records(Staged<KC>& st, const StageRegs<KC, R>& r, int nr, int lane, int warp, int u0, int u1) {
 #pragma unroll
   for (int u = u0; u < u1; ++u) {
-    const int rr = record_of(warp, u);
+    const int rr = record_of<R>(warp, u);
     if (rr >= nr) continue;
     if (lane == 0) st.rlive[rr] = r.rslot[u] >= 0;
     if (r.rslot[u] < 0) continue;
 #pragma unroll
-    for (int j = 0; j < StageRegs<KC>::kc; ++j)
+    for (int j = 0; j < StageRegs<KC, R>::kc; ++j)
       *reinterpret_cast<float4*>(&st.rk[rr][(lane + j * kLanes) * 4]) =
           make_float4(r.rk[u][j][0], r.rk[u][j][1], r.rk[u][j][2], r.rk[u][j][3]);
     st.rdelta[rr][lane] = r.rdelta[u];
@@ -282,11 +296,11 @@ PE_DEVICE void store_records(Staged<KC>& st, const StageRegs<KC>& r, int nr, int
 // (record_slots). kTogether: every load of the warp in flight before the first store (the latency
 // path: one block per item); else a token or record at a time (the persistent grid, where other
 // blocks hide the latency and the registers of all of them at once would spill at 5 blocks per SM).
-template <bool kTogether, typename T, int KC>
-PE_DEVICE void stage_round(Staged<KC>& st, StageRegs<KC>& sr, const GatedDeltaRuleParams& p, const T* q, const T* k,
+template <bool kTogether, typename T, int KC, int R>
+PE_DEVICE void stage_round(Staged<KC>& st, StageRegs<KC, R>& sr, const GatedDeltaRuleParams& p, const T* q, const T* k,
                            const T* v, int64_t t0, int nt, int nr, int hv, int tile, int64_t slot_elems,
                            int64_t rec_off, int lane, int warp, bool with_qk) {
-  constexpr int kTok = StageRegs<KC>::kTok, kRec = StageRegs<KC>::kRec;
+  constexpr int kTok = StageRegs<KC, R>::kTok, kRec = StageRegs<KC, R>::kRec;
   if constexpr (kTogether) {
     load_tokens(sr, p, q, k, v, t0, nt, hv, tile, lane, warp, with_qk, 0, kTok);
     load_records(sr, p, slot_elems, rec_off, lane, 0, kRec);
@@ -315,25 +329,48 @@ PE_DEVICE void load_staged(float (&x)[KC][4], const float* row, int sub) {  // z
   }
 }
 
-// Replays staged record r onto the lane's value rows tile_row, tile_row + 1 (rows past V take delta 0:
-// never stored).
-template <int KC>
-PE_DEVICE void replay_record(RowPair<KC>& s, const Staged<KC>& st, int r, int sub, int tile_row, bool ok0, bool ok1) {
-  float kk[KC][4];
+// The R floats of a staged per-row array at the lane's first row (one 4- or 8-byte load).
+template <int R>
+PE_DEVICE void load_rows(float (&x)[R], const float* p) {
+  if constexpr (R == 2) {
+    const float2 f = *reinterpret_cast<const float2*>(p);
+    x[0] = f.x, x[1] = f.y;
+  } else {
+#pragma unroll
+    for (int r = 0; r < R; ++r) x[r] = p[r];
+  }
+}
+template <int R>
+PE_DEVICE void store_rows(float* p, const float (&x)[R]) {
+  if constexpr (R == 2) {
+    *reinterpret_cast<float2*>(p) = make_float2(x[0], x[1]);
+  } else {
+#pragma unroll
+    for (int r = 0; r < R; ++r) p[r] = x[r];
+  }
+}
+
+// Replays staged record r onto the lane's value rows tile_row .. tile_row + R - 1 (rows past V take
+// delta 0: never stored; ok: the rows that exist).
+template <int R, int KC>
+PE_DEVICE void replay_record(Rows<R, KC>& s, const Staged<KC>& st, int r, int sub, int tile_row, const bool (&ok)[R]) {
+  float kk[KC][4], d[R];
   load_staged(kk, st.rk[r], sub);
-  const float2 d = *reinterpret_cast<const float2*>(&st.rdelta[r][tile_row]);
-  decay_state(s, st.rdecay[r]);
-  add_update(s, kk, ok0 ? d.x : 0.f, ok1 ? d.y : 0.f);
+  load_rows(d, &st.rdelta[r][tile_row]);
+#pragma unroll
+  for (int i = 0; i < R; ++i) d[i] = ok[i] ? d[i] : 0.f;
+  decay_state<R>(s, st.rdecay[r]);
+  add_update<R>(s, kk, d);
 }
 
 // The lane's chunks of its rows that exist (dst: row tile_row; the next row K floats on).
-template <int KC>
-PE_DEVICE void store_state(float* dst, const RowPair<KC>& s, int K, int sub, bool ok0, bool ok1) {
+template <int R, int KC>
+PE_DEVICE void store_state(float* dst, const Rows<R, KC>& s, int K, int sub, const bool (&ok)[R]) {
 #pragma unroll
-  for (int r = 0; r < kRowsPerLane; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int j = 0; j < KC; ++j)
-      if ((r == 0 ? ok0 : ok1) && chunk_k0(sub, j) < K)
+      if (ok[r] && chunk_k0(sub, j) < K)
         *reinterpret_cast<float4*>(dst + r * K + chunk_k0(sub, j)) =
             make_float4(s[r][j][0], s[r][j][1], s[r][j][2], s[r][j][3]);
 }
