@@ -106,6 +106,32 @@ def test_runner_graph_costs_adds_the_host_overhead_to_steps_with_drafts() -> Non
     assert runner_graph_costs(no_graphs, 3) is None
 
 
+def test_runner_graph_costs_add_the_drafting_layers_forwards() -> None:
+    """An EAGLE-3 / MTP layer on graphs: a step drafting d tokens also runs d of its forwards (a
+    catch-up, d - 1 chained drafts), measured once like the replays; the policy then drafts less
+    where those forwards are dear."""
+    replays = np.array([1e-3, 1.05e-3, 1.1e-3, 1.15e-3, 1.2e-3])
+    graphs = types.SimpleNamespace(use_graphs=True, step_costs=lambda rows: replays,
+                                   measure_step_costs=lambda: None)
+    runner = types.SimpleNamespace(graph_runner=graphs, device="cpu")
+    measured = []
+    head = types.SimpleNamespace(measure_forward_seconds=lambda: measured.append(1),
+                                 forward_cost=lambda rows: 3e-4 if rows <= 8 else None)
+    costs = runner_graph_costs(runner, 4, head)
+    assert measured == [1]
+    overhead = device_rates("cpu").overhead
+    expected = replays + np.array([0, 1, 1, 1, 1]) * overhead + 3e-4 * np.arange(5)
+    assert np.allclose(costs(4), expected) and costs(9) is None
+    cheap = runner_graph_costs(runner, 4, types.SimpleNamespace(measure_forward_seconds=lambda: None,
+                                                                forward_cost=lambda rows: 1e-5))
+    # acceptance 0.8 a position: drafting pays with cheap forwards, not with forwards of 0.3 of a step
+    with_cheap = simulate(K, rows=1, accept=0.8, cost=(1.0, 0.01),
+                          policy=DraftLengthPolicy(K, step_cost=(1.0, 0.01), graph_costs=cheap))
+    with_dear = simulate(K, rows=1, accept=0.8, cost=(1.0, 0.01),
+                         policy=DraftLengthPolicy(K, step_cost=(1.0, 0.01), graph_costs=costs))
+    assert with_dear[-100:].sum() < with_cheap[-100:].sum() / 2, (with_dear[-100:].sum(), with_cheap[-100:].sum())
+
+
 def full_and_repeating_plans(graphs: bool, accept: float, found: float) -> tuple[np.ndarray, np.ndarray, list]:
     """The lengths of 300 simulated steps of 6 rows planned afresh every step, the same with plans
     repeated where _still_quiet allows, and what _still_quiet answered at each step (graph steps or

@@ -104,7 +104,8 @@ class LLMEngine:
         # its step cost: spec.step_cost, else modelled from the model and device (never timed)
         # and the forwards of its drafting module (MTP / EAGLE-3 layer, draft model; ngram and suffix: none)
         drafter = getattr(self.proposer, "drafting_module", None)
-        self.draft_length = DraftLengthPolicy.for_runner(self.k, runner, spec.step_cost, drafter=drafter) \
+        self.draft_length = DraftLengthPolicy.for_runner(self.k, runner, spec.step_cost, drafter=drafter,
+                                                         drafter_graphs=getattr(self.proposer, "graphs", None)) \
             if adaptive else None
         self.rejection_sampler = RejectionSampler()
         self.generators = RequestGenerators(cfg.seed)

@@ -20,6 +20,7 @@ key_for gives None, and the proposer runs them eagerly.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,10 +67,44 @@ class HeadGraphs(CudaGraphRunner):
     """Captures (lazily) and replays a drafting layer's forwards of rows of at most max_q tokens."""
 
     def __init__(self, layer, kv_cache, block_size: int, device: torch.device, max_num_seqs: int, max_q: int,
-                 graph_max_context: int, catch_up_tokens: int = 0) -> None:
+                 graph_max_context: int, catch_up_tokens: int = 0,
+                 prev_width: tuple[int, torch.dtype] | None = None) -> None:
         super().__init__(layer, kv_cache, block_size, device, max_num_seqs, max_q, graph_max_context,
                          prefill_tokens=catch_up_tokens)
-        self.prev: torch.Tensor | None = None  # [T, hidden], made on the first run (the layer's input width)
+        # [T, hidden]: the layer's input states; made here if prev_width (width, dtype) is given, else on the first run
+        self.prev: torch.Tensor | None = None if prev_width is None else \
+            torch.zeros(self.T, prev_width[0], dtype=prev_width[1], device=device)
+        self.forward_seconds: dict[int, float] = {}  # bucket -> a chained forward's cost (measure_forward_seconds)
+
+    @torch.inference_mode()
+    def measure_forward_seconds(self, replays: int = 20) -> None:
+        """Time, once (start-up, before any step), what one chained draft forward of each bucket
+        costs on the host's critical path: the feed's arrays built and staged, the replay (q = 1,
+        padding rows: no KV written) and the wait for its tokens. A drafting step runs its forwards
+        one after the other, so host and GPU time add up. Fixed afterwards (the draft-length
+        policy's price of a drafting depth)."""
+        if not self.use_graphs or self.forward_seconds or self.prev is None:
+            return
+        for b in self.buckets:
+            key = (b, 1)
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(key)
+            graph, (logits, _) = self.graphs[key]
+            tables = np.full((b, 1), -1, dtype=np.int32)
+            torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            for _ in range(replays):
+                HeadFeed.build(tables, np.zeros(b, dtype=np.int64), np.ones(b, dtype=np.int64), self.block_size)
+                self._stage_padding(key)
+                graph.replay()
+                logits[:b].argmax(dim=-1).tolist()
+            self.forward_seconds[b] = (time.perf_counter() - start) / replays
+
+    def forward_cost(self, rows: int) -> float | None:
+        """Seconds of one chained forward of `rows` rows' bucket (measure_forward_seconds), None: not measured."""
+        if rows < 1 or rows > self.max_rows:
+            return None
+        return self.forward_seconds.get(next(x for x in self.buckets if x >= rows))
 
     def key_for(self, feed: HeadFeed) -> tuple[int, int] | None:
         """(bucket, q) when the feed can replay a graph, else None (the caller runs it eagerly)."""

@@ -76,8 +76,11 @@ class MtpProposer:
         g = runner.graph_runner  # the target replays graphs: the layer's short forwards do too
         self.graphs: HeadGraphs | None = None
         if g is not None and getattr(self.layer, "supports_cuda_graphs", True):
+            # the layer's input states: an EAGLE-3 head's own width, an MTP layer's the target's
+            width = getattr(getattr(self.layer, "config", None), "hidden_size", runner.config.hidden_size)
             self.set_graphs(HeadGraphs(self.layer, self.kv_cache, self.block_size, self.device, g.max_rows, g.max_q,
-                                       g.width * self.block_size, catch_up_tokens=self.CATCH_UP_GRAPH_TOKENS))
+                                       g.width * self.block_size, catch_up_tokens=self.CATCH_UP_GRAPH_TOKENS,
+                                       prev_width=(width, self.layer.dtype)))
 
     @property
     def drafting_module(self) -> Any:

@@ -134,15 +134,19 @@ def runner_step_cost(runner: Any) -> StepCost:
 GraphCosts = Callable[[int], "np.ndarray | None"]  # rows -> seconds of a step by its most drafts d = 0..k
 
 
-def runner_graph_costs(runner: Any, k: int) -> GraphCosts | None:
+def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None) -> GraphCosts | None:
     """rows -> cost[d], d = 0..k, of a ModelRunner's graph-replayed steps: the measured replay of the
     rows' bucket graph of query length d + 1 (CudaGraphRunner.measure_step_costs, run here once),
     plus for d > 0 the device's host overhead (a step with drafts is not launched ahead, so its
-    host work is not hidden behind the GPU). None when the runner replays no graphs."""
+    host work is not hidden behind the GPU) and, with a drafting layer on graphs (drafter_graphs:
+    its HeadGraphs), d of its forwards (HeadGraphs.measure_forward_seconds, run here once: a
+    catch-up and d - 1 chained drafts, each waited for). None when the runner replays no graphs."""
     graphs = getattr(runner, "graph_runner", None)
     if graphs is None or not graphs.use_graphs:
         return None
     graphs.measure_step_costs()
+    if drafter_graphs is not None:
+        drafter_graphs.measure_forward_seconds()
     overhead = device_rates(runner.device).overhead
 
     def costs(rows: int) -> np.ndarray | None:
@@ -151,6 +155,11 @@ def runner_graph_costs(runner: Any, k: int) -> GraphCosts | None:
             return None
         out = np.array(replay[:k + 1], dtype=np.float64)
         out[1:] += overhead
+        if drafter_graphs is not None:
+            forward = drafter_graphs.forward_cost(rows)
+            if forward is None:
+                return None
+            out += forward * np.arange(k + 1)
         return out
 
     return costs
