@@ -7,6 +7,7 @@
 #include "attention/mla_tile.h"
 #include "attention/paged_attention.h"
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 
@@ -63,6 +64,22 @@ int launch_mla_grid(void (*kernel)(PagedAttentionParams), int m_tile, int thread
       if (rc == peSuccess) rc = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
 #endif
       if (rc != peSuccess) return static_cast<int>(rc);
+#if !defined(PE_HIP)
+      // The slabs are accessed with L2 evict_last (mla_slab.h), which keeps lines only inside the
+      // device's persisting L2 set-aside (0 by default): without one, the range folds write the slabs
+      // back to HBM and read them again (~185 MB at batch 64, context 4096). Sets it to the pool's
+      // size (at most the device's maximum) unless it is already larger; best effort.
+      size_t have = 0;
+      int most = 0;
+      if (cudaDeviceGetLimit(&have, cudaLimitPersistingL2CacheSize) == cudaSuccess &&
+          cudaDeviceGetAttribute(&most, cudaDevAttrMaxPersistingL2CacheSize, dev) == cudaSuccess) {
+        const size_t want = std::min((size_t)most, (size_t)p.mla_acc_floats * sizeof(float));
+        if (have < want && cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, want) != cudaSuccess)
+          (void)cudaGetLastError();
+      } else {
+        (void)cudaGetLastError();
+      }
+#endif
       it = resident.emplace(fn, (int64_t)per_sm * sms).first;
     }
     blocks = it->second;

@@ -9,7 +9,9 @@
 // - a row's 16 vectors are loaded in batches of kFoldBatch before any is used;
 // - createpolicy evict_last on every slab access, so that the slab (128 KB per block, ~17 MB for
 //   the pool) stays in L2 while the keys stream past it, and discard.global.L2 once the last range is
-//   read, so that its dirty lines are dropped rather than written back to HBM.
+//   read, so that its dirty lines are dropped rather than written back to HBM. evict_last keeps lines
+//   only inside the device's persisting L2 set-aside, which launch_mla_grid (mla_attention.hip) sets
+//   to the pool's size: with none (the default) the hints were inert.
 // Each range end still moves 128 KB in and out per block, all blocks at once: that burst, not
 // latency, is the fold's cost (docs/kernels/attention.md).
 #pragma once
