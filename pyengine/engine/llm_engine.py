@@ -44,8 +44,8 @@ from pyengine.engine.model_runner import ModelRunner
 from pyengine.engine.output_processor import OutputProcessor, Request
 from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
 from pyengine.spec_decode.rejection_sampler import RejectionSampler
-from pyengine.engine.sampler import RequestGenerators, token_logprobs
-from pyengine.outputs import Logprob
+from pyengine.engine.sampler import RequestGenerators
+from pyengine.engine.step_records import TokenTexts, record_logits, record_logprobs
 from pyengine.sampling_params import SamplingParams
 from pyengine.spec_decode.config import SpeculativeConfig
 from pyengine.spec_decode.draft_length import DraftLengthPolicy
@@ -124,7 +124,7 @@ class LLMEngine:
         self._next_plan: tuple[np.ndarray, np.ndarray] | None = None  # (seq ids, draft lengths) planned ahead
         self._observed = False  # this step's rows were shown to the draft-length policy already
         self.num_logprob_requests = 0  # unfinished requests that asked for logprobs
-        self._token_text: dict[int, str] = {}  # token id -> its text, for Logprob.decoded_token
+        self.token_texts = TokenTexts(tokenizer)  # token id -> its text, for Logprob.decoded_token
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
@@ -213,9 +213,9 @@ class LLMEngine:
         if first_bad is not None:
             num_committed[filler_rows] = 0  # a filler token is not output
         if self.cfg.record_logits:
-            self._record_logits(batch, logits, num_committed)
+            record_logits(self.requests, batch, logits, num_committed)
         if self.num_logprob_requests:
-            self._record_logprobs(batch, logits, tokens, counts, num_committed)
+            record_logprobs(self.requests, batch, logits, tokens, counts, num_committed, self.token_texts)
         touched = self._commit(batch, tokens, counts, num_committed, reasons)
         elapsed = time.perf_counter() - t0
         num_prefill = int(batch.num_tokens - (batch.query_start_loc[batch.num_decode_rows]))
@@ -363,52 +363,6 @@ class LLMEngine:
         lengths = self.draft_length.draft_lengths(slots, seq_ids, last)
         self._next_plan = (seq_ids, lengths)
         return self.draft_length.expects_no_drafts()
-
-    def _record_logits(self, batch, logits: torch.Tensor, num_committed: np.ndarray) -> None:
-        """Each committed token's logits (fp32, CPU) onto its request: a row's logits are its
-        num_logits consecutive rows, the first num_committed of them gave committed tokens."""
-        starts = np.cumsum(batch.num_logits) - batch.num_logits
-        host = logits.float().cpu()
-        for r in np.nonzero(num_committed)[0].tolist():
-            req = self.requests[int(batch.seq_ids[r])]
-            req.logits.extend(host[starts[r]:starts[r] + num_committed[r]].unbind(0))
-
-    def _record_logprobs(self, batch, logits: torch.Tensor, tokens: np.ndarray, counts: np.ndarray,
-                         num_committed: np.ndarray) -> None:
-        """Each committed token's Logprob entries onto the requests that asked for them, computed
-        from the same logits rows as _record_logits, in one call for the step."""
-        starts = np.cumsum(batch.num_logits) - batch.num_logits
-        token_starts = np.cumsum(counts) - counts
-        rows, rows_idx, tok_idx = [], [], []
-        for r in np.nonzero(num_committed)[0].tolist():
-            req = self.requests[int(batch.seq_ids[r])]
-            if req.logprobs is not None:
-                n = int(num_committed[r])
-                rows.append((req, n))
-                rows_idx.extend(range(starts[r], starts[r] + n))
-                tok_idx.extend(range(token_starts[r], token_starts[r] + n))
-        if not rows:
-            return
-        chosen = torch.from_numpy(tokens[tok_idx].astype(np.int64)).to(logits.device)
-        num_top = max(req.params.logprobs for req, _ in rows)
-        lp, rank, top_ids, top_lp = (t.cpu().tolist() for t in token_logprobs(
-            logits[torch.tensor(rows_idx, device=logits.device)], chosen, num_top))
-        chosen_ids = chosen.tolist()
-        i = 0
-        for req, n in rows:
-            k = req.params.logprobs
-            for j in range(i, i + n):
-                entry = {chosen_ids[j]: Logprob(lp[j], rank[j], self._text_of(chosen_ids[j]))}
-                for t, v, pos in zip(top_ids[j][:k], top_lp[j][:k], range(1, k + 1)):
-                    entry.setdefault(t, Logprob(v, pos, self._text_of(t)))
-                req.logprobs.append(entry)
-            i += n
-
-    def _text_of(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
 
     def _commit(self, batch, tokens: np.ndarray, counts: np.ndarray, num_committed: np.ndarray,
                 reasons: np.ndarray) -> list[Request]:
