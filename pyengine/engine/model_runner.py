@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pyengine.engine.attention_metadata import AttentionMetadata
+from pyengine.engine.host_arrays import to_device
 from pyengine.models.layers import one_torch_thread
 from pyengine.config import ModelConfig
 
@@ -70,11 +71,8 @@ class ModelRunner:
         with one_torch_thread():
             yield
 
-    def _tensor(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(array))
-        if dtype is not None:
-            t = t.to(dtype)
-        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return to_device(array, self.device)
 
     def build_metadata(self, batch) -> AttentionMetadata:  # batch: pyengine._C.ScheduledBatch
         return AttentionMetadata(
@@ -156,5 +154,5 @@ class ModelRunner:
         rows = batch.logits_indices
         if len(rows) == hidden.shape[0] and (len(rows) == 0 or rows[-1] == len(rows) - 1):
             return self.model.compute_logits(hidden)  # every row in order (increasing indices): no gather
-        index = self._tensor(rows, torch.int64)
+        index = self._tensor(np.asarray(rows, dtype=np.int64))
         return self.model.compute_logits(hidden.index_select(0, index))
