@@ -8,13 +8,16 @@ finish reason, through EOS / stop ids / stop strings, ragged max_tokens, block-b
 a slot free) and requests added mid-run."""
 from __future__ import annotations
 
+from typing import Callable
+
+import numpy as np
 import pytest
 
 from pyengine import LLM, SamplingParams
 from pyengine.engine.cuda_graph_runner import CudaGraphRunner
 from pyengine.engine.llm_engine import LLMEngine
 from tests.test_spec_decode import make_prompts
-from tests.tiny_models import make_checkpoint
+from tests.tiny_models import make_checkpoint, make_prompts as mixed_prompts
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +45,63 @@ def outputs(llm: LLM, prompts, params) -> list[tuple]:
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text, o.error) for o in outs]
 
 
-def both(tiny: str, prompts, params, **kw) -> tuple[list, list, LLM]:
+def both(tiny: str, prompts, params, prepare: Callable[[LLM], None] | None = None,
+         **kw) -> tuple[list, list, LLM]:
+    """Outputs without and with async decode (every stat but the speeds equal) and the async LLM;
+    prepare(llm) runs on each before it generates."""
     sync = make_llm(tiny, False, **kw)
+    if prepare is not None:
+        prepare(sync)
     ref = outputs(sync, prompts, params)
     assert sync.engine.num_async_steps == 0
     llm = make_llm(tiny, True, **kw)
+    if prepare is not None:
+        prepare(llm)
     got = outputs(llm, prompts, params)
     assert llm.stats() == sync.stats() | {k: llm.stats()[k] for k in ("decode_tokens_per_s", "prefill_tokens_per_s")}
     return ref, got, llm
+
+
+class EveryNthStep:
+    """A draft-length policy: a row drafts k in every n-th step it runs (counted by the steps it was
+    observed in, the same with and without async decode), nothing otherwise."""
+
+    def __init__(self, k: int, n: int) -> None:
+        self.k, self.n, self.seen, self.last = k, n, {}, np.zeros(0, dtype=np.int32)
+
+    def observe_rows(self, slots, num_drafts, counts) -> None:
+        for s in np.asarray(slots).tolist():
+            self.seen[s] = self.seen.get(s, 0) + 1
+
+    def draft_lengths(self, slots, seq_ids, can_finish_last) -> np.ndarray:
+        self.last = np.array([self.k if self.seen.get(s, 0) % self.n == self.n - 1 else 0
+                              for s in np.asarray(slots).tolist()], dtype=np.int32)
+        return self.last
+
+    def expects_no_drafts(self) -> bool:
+        return not self.last.any()
+
+
+def drafting_async_equals_sync(target: str, spec: dict, period: int, max_tokens: int,
+                               prepare: Callable[[LLM], None] | None = None, **kw) -> LLM:
+    """A drafting layer (MTP, EAGLE-3) with async decode: 6 prompts, 3 drafts every `period`-th
+    step (EveryNthStep), with and without async decode: plain decoding's tokens, every stat equal,
+    steps launched ahead and drafts accepted. Returns the async LLM."""
+    prompts = mixed_prompts(6)
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens + 4 * (i % 3), ignore_eos=True) for i in range(6)]
+
+    def setup(llm: LLM) -> None:
+        llm.engine.draft_length = EveryNthStep(3, period)
+        if prepare is not None:
+            prepare(llm)
+
+    ref, got, llm = both(target, prompts, params, setup, speculative_config=spec, **kw)
+    assert [tuple(o[0]) for o in got] == [tuple(o[0]) for o in outputs(LLM(target, device="cpu"), prompts, params)]
+    assert got == ref
+    # those between two steps without drafts
+    assert llm.engine.num_async_steps >= 5, llm.engine.num_async_steps
+    assert llm.stats()["num_accepted_tokens"] > 0, llm.stats()
+    return llm
 
 
 @pytest.mark.parametrize("block_size", [16, 2])

@@ -221,27 +221,6 @@ def test_graph_static_buffer_path(target: str, head: str) -> None:
     assert r.graph_runner.num_eager > 0 and llm.stats()["per_position_acceptance"][0] > 0.2, llm.stats()
 
 
-class EveryNthStep:
-    """A draft-length policy for the test below: a row drafts k in every n-th step it runs (counted
-    by the steps it was observed in, the same with and without async decode), nothing otherwise."""
-
-    def __init__(self, k: int, n: int) -> None:
-        self.k, self.n, self.seen, self.last = k, n, {}, np.zeros(0, dtype=np.int32)
-
-    def observe_rows(self, slots, num_drafts, counts) -> None:
-        for s in np.asarray(slots).tolist():
-            self.seen[s] = self.seen.get(s, 0) + 1
-
-    def draft_lengths(self, slots, seq_ids, can_finish_last) -> np.ndarray:
-        self.last = np.array([self.k if self.seen.get(s, 0) % self.n == self.n - 1 else 0
-                              for s in np.asarray(slots).tolist()],
-                             dtype=np.int32)
-        return self.last
-
-    def expects_no_drafts(self) -> bool:
-        return not self.last.any()
-
-
 @pytest.mark.parametrize("block_size,period", [(16, 3), (2, 3), (16, 7)])
 def test_steps_launched_ahead_keep_the_heads_features(target: str, head: str, block_size: int, period: int) -> None:
     """Async decode with EAGLE-3 (the graph runner's padded path, where a launch computes at once):
@@ -250,30 +229,18 @@ def test_steps_launched_ahead_keep_the_heads_features(target: str, head: str, bl
     the runner keeps a copy (hold_hidden). The head then sees the same features as without async
     decode: the same drafts, accepted the same (every stat equal), and plain decoding's tokens.
     Deferred catch-ups outgrow a verify row (k + 1 tokens) and take the head's prefill-shaped graphs."""
-    from pyengine import SamplingParams
-    from tests.test_async_decode import make_llm, outputs
+    from tests.test_async_decode import drafting_async_equals_sync
 
-    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
-    prompts = make_prompts(6)
-    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS + 4 * (i % 3), ignore_eos=True) for i in range(6)]
-    runs, keys = [], []
-    for async_on in (False, True):
-        llm = make_llm(target, async_on, speculative_config=spec, block_size=block_size)
-        llm.engine.draft_length = EveryNthStep(3, period)
+    keys = []
+
+    def spy(llm: LLM) -> None:  # each replay's key and its rows' first fed position
         graphs = llm.engine.proposer.graphs
         graph_run = graphs.run
-        # each replay's key and its rows' first fed position
-        graphs.run = lambda key, feed, *a, run=graph_run: keys.append(
-            (key, int((feed.context_lens - np.diff(feed.query_start_loc)).min()))) or run(key, feed, *a)
-        runs.append((outputs(llm, prompts, params), llm))
-    (ref, sync), (got, llm) = runs
-    assert [tuple(o[0]) for o in got] == [tuple(o[0]) for o in outputs(LLM(target, device="cpu"), prompts, params)]
-    assert got == ref
-    speed = ("decode_tokens_per_s", "prefill_tokens_per_s")
-    assert llm.stats() == sync.stats() | {k: llm.stats()[k] for k in speed}
-    # those between two steps without drafts
-    assert llm.engine.num_async_steps >= 5 and sync.engine.num_async_steps == 0, llm.engine.num_async_steps
-    assert llm.stats()["num_accepted_tokens"] > 0, llm.stats()
+        graphs.run = lambda key, feed, *a: keys.append(
+            (key, int((feed.context_lens - np.diff(feed.query_start_loc)).min()))) or graph_run(key, feed, *a)
+
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    drafting_async_equals_sync(target, spec, period, MAX_TOKENS, spy, block_size=block_size)
     deferred = [key for key, first in keys if key[1] < 0 and first > 0]  # no prompt's catch-up among the rows
     assert deferred, keys
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from pyengine import LLM
 from tests.spec_harness import check_second_token_follows_target, plain_greedy, run, spec_equals_plain
 
 from tests.tiny_models import make_deepseek_checkpoint, make_prompts
@@ -71,22 +70,6 @@ def test_mtp_steps_launched_ahead_keep_the_layers_hidden_states(target: str, per
     Same drafts, accepted the same, as without async decode (every stat equal), and plain
     decoding's tokens. (On the CPU the padded path returns fresh hidden tensors, so the copy made
     before a launch, hold_hidden, is checked by the EAGLE-3 test, whose aux buffer is fixed.)"""
-    from pyengine import SamplingParams
-    from tests.test_async_decode import make_llm, outputs
-    from tests.test_eagle3 import EveryNthStep
+    from tests.test_async_decode import drafting_async_equals_sync
 
-    spec = {"method": "mtp", "num_speculative_tokens": 3}
-    prompts = make_prompts(6)
-    params = [SamplingParams(temperature=0, max_tokens=24 + 4 * (i % 3), ignore_eos=True) for i in range(6)]
-    runs = []
-    for async_on in (False, True):
-        llm = make_llm(target, async_on, speculative_config=spec)
-        llm.engine.draft_length = EveryNthStep(3, period)
-        runs.append((outputs(llm, prompts, params), llm))
-    (ref, sync), (got, llm) = runs
-    assert [tuple(o[0]) for o in got] == [tuple(o[0]) for o in outputs(LLM(target, device="cpu"), prompts, params)]
-    assert got == ref
-    speed = ("decode_tokens_per_s", "prefill_tokens_per_s")
-    assert llm.stats() == sync.stats() | {k: llm.stats()[k] for k in speed}
-    assert llm.engine.num_async_steps >= 5 and sync.engine.num_async_steps == 0, llm.engine.num_async_steps
-    assert llm.stats()["num_accepted_tokens"] > 0, llm.stats()
+    drafting_async_equals_sync(target, {"method": "mtp", "num_speculative_tokens": 3}, period, 24)
