@@ -144,6 +144,9 @@ PYBIND11_MODULE(_C, m) {
              PE_CHECK(ids.size() == counts.size(), "seq_ids and counts differ in length");
              s.set_draft_tokens_batch(ids.data(), counts.data(), ids.size(), flat.data(), flat.size());
            }, py::arg("seq_ids"), py::arg("draft_token_ids"), py::arg("counts"))
+      .def("fill_drafts", [](Scheduler& s, ScheduledBatch& batch, IntArray flat) {
+             s.fill_drafts(batch, flat.data(), flat.size());
+           }, py::arg("batch"), py::arg("draft_token_ids"))
       .def("propose_ngram", [](Scheduler& s, int32_t min_n, int32_t max_n, SeqIdArray ids, IntArray max_drafts) {
              PE_CHECK(ids.size() == max_drafts.size(), "seq_ids and max_drafts differ in length");
              s.propose_ngram(min_n, max_n, ids.data(), max_drafts.data(), ids.size());

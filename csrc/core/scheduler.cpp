@@ -135,6 +135,23 @@ void Scheduler::set_draft_tokens_batch(const int64_t* seq_ids, const int32_t* co
   }
 }
 
+void Scheduler::fill_drafts(ScheduledBatch& batch, const int32_t* tokens, int64_t n) {
+  PE_CHECK(step_in_flight_, "fill_drafts() without a scheduled step");
+  const int64_t rows = batch.num_rows();
+  PE_CHECK(rows == static_cast<int64_t>(in_flight_.size()), "fill_drafts(): the batch has ", rows,
+           " rows, the step in flight ", in_flight_.size());
+  PE_CHECK(n == batch.cu_num_draft_tokens[rows], "fill_drafts(): ", n, " tokens for ",
+           batch.cu_num_draft_tokens[rows], " drafts");
+  for (int64_t r = 0; r < rows; ++r) {
+    const Row& row = in_flight_[r];
+    PE_CHECK(row.seq->seq_id == batch.seq_ids[r] && row.num_drafts == batch.num_draft_tokens[r],
+             "fill_drafts(): row ", r, " is not the in-flight step's");
+    const int32_t* src = tokens + batch.cu_num_draft_tokens[r];
+    std::copy_n(src, row.num_drafts, draft_row(row.slot));
+    std::copy_n(src, row.num_drafts, batch.input_ids.data() + batch.query_start_loc[r] + 1);
+  }
+}
+
 void Scheduler::propose_ngram(int32_t min_n, int32_t max_n, const int64_t* seq_ids, const int32_t* max_drafts,
                               int64_t num_seqs) {
   PE_CHECK(min_n >= 1 && max_n >= min_n, "ngram sizes need 1 <= min_n <= max_n, got ", min_n, "..", max_n);

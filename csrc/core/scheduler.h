@@ -99,6 +99,11 @@ class Scheduler {
 
   // The batch is the caller's until it drops its last reference; the scheduler then reuses it.
   std::shared_ptr<ScheduledBatch> schedule();
+  // Draft values that arrive after schedule() (a proposer that kept them on the device while the
+  // step was launched; it set placeholders): the in-flight step's verify rows take them, n in
+  // batch order (row r's num_draft_tokens[r] from cu_num_draft_tokens[r]), both in the draft rows
+  // update() checks accepted tokens against and in the batch's input ids.
+  void fill_drafts(ScheduledBatch& batch, const int32_t* tokens, int64_t n);
   UpdateResult update(const int32_t* tokens, int64_t num_tokens, const int32_t* counts, int64_t num_rows);
   const FinishedOutputs& finished_outputs() const { return finished_outputs_; }
 

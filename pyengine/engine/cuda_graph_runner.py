@@ -357,13 +357,16 @@ class CudaGraphRunner(PrefillGraphs):
         return PendingStep(key, logits, seq_ids, pos, slots, ctx, table, cols + 1)
 
     @torch.inference_mode()
-    def execute(self, batch, key: tuple[int, int]) -> torch.Tensor:
-        """Logits of every token of a decode/verify step (bucket_for's key); last_hidden its hidden states."""
+    def execute(self, batch, key: tuple[int, int],
+                token_patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits of every token of a decode/verify step (bucket_for's key); last_hidden its hidden
+        states. token_patch: ModelRunner.execute's."""
         n = int(batch.query_start_loc[len(batch.context_lens)])
-        logits = self._execute_part(batch, key)
+        logits = self._execute_part(batch, key, token_patch)
         return logits if n == len(logits) else logits[:n]
 
-    def _execute_part(self, batch, key: tuple[int, int]) -> torch.Tensor:
+    def _execute_part(self, batch, key: tuple[int, int],
+                      token_patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Stage a batch (or StepPart), capture its graph on first use, replay: the graph's static logits."""
         rows = len(batch.context_lens)
         self._stage(key, rows, batch.query_start_loc, batch.input_ids, batch.positions, batch.slot_mapping,
@@ -373,8 +376,8 @@ class CudaGraphRunner(PrefillGraphs):
             self.np_state[:rows, -1] = np.maximum(np.asarray(batch.num_accepted_prev, dtype=np.int32), 1)
         if self.use_graphs and key not in self.graphs:
             self.graphs[key] = self._capture(key)
-            return self._execute_part(batch, key)  # _capture overwrote the staging padding: stage again
-        return self._run(key, int(batch.query_start_loc[rows]))
+            return self._execute_part(batch, key, token_patch)  # _capture overwrote the staging padding
+        return self._run(key, int(batch.query_start_loc[rows]), token_patch=token_patch)
 
     def _stage(self, key: tuple[int, int], rows: int, query_start_loc, input_ids, positions, slot_mapping,
                context_lens, block_tables) -> None:
@@ -393,9 +396,10 @@ class CudaGraphRunner(PrefillGraphs):
         self._fill_padding(rows, n, key)
         self.np32[:rows, :block_tables.shape[1]] = block_tables
 
-    def _run(self, key: tuple[int, int], n: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Copy the staged inputs to the device (then token_ids over the first ids, device to
-        device), run the step (its graph replayed, else eagerly) and return its logits (all the graph's:
+    def _run(self, key: tuple[int, int], n: int, token_ids: torch.Tensor | None = None,
+             token_patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Copy the staged inputs to the device (then token_ids over the first ids, or token_patch's
+        ids at its indices, device to device), run the step (its graph replayed, else eagerly) and return its logits (all the graph's:
         the caller keeps its rows'); last_hidden: the first n tokens' hidden states."""
         b = key[0]
         if self.use_graphs:
@@ -410,6 +414,8 @@ class CudaGraphRunner(PrefillGraphs):
                 self.dev_state.copy_(self.host_state)
         if token_ids is not None:
             self.dev64[0:len(token_ids)].copy_(token_ids)
+        if token_patch is not None:
+            self.dev64.index_copy_(0, *token_patch)
         if self.use_graphs:
             graph, (out, hidden) = self.graphs[key]
             graph.replay()

@@ -194,7 +194,11 @@ class LLMEngine:
             tokens, counts, first_bad = self._sample_greedy(batch, logits, pending.key)
         else:
             self.num_async_discarded += pending is not None
-            logits = self.runner.execute(batch)
+            drafts = getattr(self.proposer, "device_drafts", None)  # drafts still on the device
+            patch = drafts.patch_for(batch) if drafts is not None else None
+            logits = self.runner.execute(batch, patch)
+            if patch is not None:
+                drafts.resolve(self.scheduler, batch)
             if self._all_greedy_single(batch, logits):
                 tokens, counts, first_bad = self._sample_greedy(batch, logits, self.runner.last_graph_key)
             elif self._all_greedy(batch):

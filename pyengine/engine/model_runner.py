@@ -120,8 +120,10 @@ class ModelRunner:
             self._keep(batch, self.graph_runner.last_hidden)
 
     @torch.inference_mode()
-    def execute(self, batch) -> torch.Tensor:
-        """Forward over every scheduled token; returns logits [len(logits_indices), vocab] fp32."""
+    def execute(self, batch, token_patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Forward over every scheduled token; returns logits [len(logits_indices), vocab] fp32.
+        token_patch: (token indices, ids) on the device that replace the batch's input ids there
+        (drafts still on the device: spec_decode/device_drafts.py); they lie in decode rows."""
         self.last_graph_key = None
         if self.state_cache is not None:  # prefix caching: checkpoint saves and restores come first
             self.state_cache.apply_copies(batch)
@@ -129,20 +131,22 @@ class ModelRunner:
             key = self.graph_runner.bucket_for(batch)
             if key is not None:
                 self.last_graph_key = key
-                logits = self.graph_runner.execute(batch, key)
+                logits = self.graph_runner.execute(batch, key, token_patch)
                 if self.keep_hidden:
                     self._keep(batch, self.graph_runner.last_hidden)
                 return logits
             # prefill rows: a prefill graph (None: eager); aux states are read after each replay, which
             # both write from row 0 of the model's aux buffer
             aux = self.model.aux_out if self.keep_aux else None
-            logits = self.graph_runner.execute_mixed(batch, self.keep_hidden, aux)
+            logits = self.graph_runner.execute_mixed(batch, self.keep_hidden, aux, token_patch)
             if logits is not None:
                 if self.keep_hidden:
                     self._keep(batch, self.graph_runner.last_hidden, aux_taken=aux is not None)
                 return logits
         meta = self.build_metadata(batch)
         input_ids = self._tensor(batch.input_ids)
+        if token_patch is not None:
+            input_ids = input_ids.index_copy(0, *token_patch)
         positions = self._tensor(batch.positions)
         if self.state_cache is None:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)

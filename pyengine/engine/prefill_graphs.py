@@ -52,13 +52,15 @@ class PrefillGraphs:
         return b, -next(t for t in self.prefill_buckets if t >= n)
 
     @torch.inference_mode()
-    def execute_mixed(self, batch, keep_hidden: bool = False, aux: torch.Tensor | None = None) -> torch.Tensor | None:
+    def execute_mixed(self, batch, keep_hidden: bool = False, aux: torch.Tensor | None = None,
+                      token_patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """A step with prefill rows (and maybe decode/verify rows before them) as at most two replays:
         the decode rows on their decode/verify graph, the prefill rows on a prefill graph. Returns
         the step's logits in logits_indices order, or None when a part does not fit a graph (the
         caller runs the step eagerly). keep_hidden: last_hidden holds every token's hidden state
         (else None), or, given aux (the model's aux_out, which every replay rewrites from row 0:
-        EAGLE-3), every token's aux states."""
+        EAGLE-3), every token's aux states. token_patch: ModelRunner.execute's (its indices lie in
+        the decode rows, which come first: the decode part's token indices are the batch's)."""
         d, rows = int(batch.num_decode_rows), len(batch.context_lens)
         if not self.prefill_buckets or d == rows:
             return None
@@ -72,7 +74,7 @@ class PrefillGraphs:
         if decode is not None:
             # copies, taken before the prefill graph replays: the graphs share one memory pool, and
             # a graph captured later may hold its static outputs where the other's temporaries go
-            logits.append(self._execute_part(decode, dkey)[:decode.num_tokens].clone())
+            logits.append(self._execute_part(decode, dkey, token_patch)[:decode.num_tokens].clone())
             if keep_hidden:
                 hidden.append((self.last_hidden if aux is None else aux[:decode.num_tokens]).clone())
         out = self._execute_part(prefill, pkey)

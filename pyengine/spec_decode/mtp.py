@@ -28,7 +28,8 @@ whatever the block's earlier owner wrote, or zeros. That changes drafts only, ne
 
 Where the target replays CUDA graphs, so do the layer's decode catch-ups (deferred ones too, up to
 CATCH_UP_GRAPH_TOKENS tokens) and chained drafts: pyengine/spec_decode/head_graphs.py; prefill
-catch-ups run eagerly. The chained drafts stay on the device until all are drawn (one host sync).
+catch-ups run eagerly. The drafts stay on the device until the verify step is launched
+(pyengine/spec_decode/device_drafts.py): propose() gives the scheduler placeholders and never waits.
 
 An EAGLE-3 head (pyengine/spec_decode/eagle3.py) drafts the same way: `layer` is any module with
 make_kv_cache, forward(ids, positions, prev_hidden, meta, kv_cache) and compute_logits, and
@@ -45,6 +46,7 @@ from pyengine import _C
 from pyengine.engine.host_arrays import to_device
 from pyengine.engine.model_runner import ModelRunner
 from pyengine.spec_decode.config import SpeculativeConfig
+from pyengine.spec_decode.device_drafts import PLACEHOLDER, DeviceDrafts
 from pyengine.spec_decode.draft_sampling import DraftRow, DraftSampler
 from pyengine.spec_decode.head_graphs import HeadFeed, HeadGraphs
 from pyengine.spec_decode.hidden_ring import HiddenRing
@@ -69,6 +71,7 @@ class MtpProposer:
         self.valid: dict[int, int] = {}
         self.gone: set[int] = set()  # forgotten since the target's last step: its rows there are stale
         self.sampler = DraftSampler(seed, runner.config.vocab_size, runner.device)
+        self.device_drafts = DeviceDrafts(runner.device)  # this step's drafts, read after the verify launch
         self.num_forwards = 0
         # hidden states of rows that deferred their catch-up (steps without drafts run no forward)
         self.ring = HiddenRing(self.RING_POSITIONS, runner.device)
@@ -95,6 +98,7 @@ class MtpProposer:
     @torch.inference_mode()
     def propose(self, scheduler: _C.Scheduler, view: _C.DecodeView, max_drafts: np.ndarray) -> None:
         self.sampler.pending.clear()
+        self.device_drafts.clear()
         hidden, rows_info = self.runner.last_hidden, self.runner.last_rows
         self.runner.last_hidden = self.runner.last_rows = None
         gone, self.gone = self.gone, set()
@@ -169,16 +173,18 @@ class MtpProposer:
                                   self.block_size)
             prev, logits = self._forward(step, prev, np.arange(len(active)), token_ids=ids_j)
             tokens.append(self.sampler.draw([rows[i] for i in active], logits))
-        drafted = torch.cat(tokens).tolist()  # the one host sync of the drafts
-        at = 0
-        for active in actives:
-            for i in active.tolist():
-                rows[i].drafts.append(drafted[at])
-                at += 1
+        # the drafts stay on the device (device_drafts.py): row i's draft j is step j's entry of row i
+        pair_row = np.concatenate(actives)
+        pair_step = np.repeat(np.arange(len(actives)), [len(a) for a in actives])
+        row_major = np.lexsort((pair_step, pair_row))
+        counts = ks[d]
+        values = torch.cat(tokens).index_select(0, to_device(row_major, self.device))
+        self.device_drafts.hold(ids[fed][d], counts, values)
+        for r, c in zip(rows, counts.tolist()):
+            r.drafts = [PLACEHOLDER] * c
         self.sampler.keep(rows)
-        scheduler.set_draft_tokens_batch(np.array([r.seq_id for r in rows], dtype=np.int64),
-                                         np.fromiter((t for r in rows for t in r.drafts), np.int32),
-                                         np.fromiter((len(r.drafts) for r in rows), np.int32, len(rows)))
+        scheduler.set_draft_tokens_batch(ids[fed][d], np.full(int(counts.sum()), PLACEHOLDER, np.int32),
+                                         counts.astype(np.int32))
 
     def forget(self, seq_ids: Sequence[int], finished: bool) -> None:
         for sid in seq_ids:

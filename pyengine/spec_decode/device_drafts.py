@@ -1,0 +1,96 @@
+"""Drafts that stay on the device until the verify step is launched (MTP, EAGLE-3).
+
+A model-based proposer's drafts are argmaxes (or samples) on the device. Reading them on the host
+before schedule() waits for the whole draft chain, and the GPU then idles while the host schedules
+and launches the verify step. Instead the proposer gives the scheduler placeholders (PLACEHOLDER,
+the right count per row), and the drafts travel to the host behind the chain (one non-blocking
+copy). The verify step's forward takes the true values on the device (token_patch: the runner
+writes them over the placeholders of its staged input ids, on the stream after the chain), and
+once the step is launched resolve() waits for the copy (by then the chain is done) and writes the
+values into the scheduler's draft rows and the batch's input ids (Scheduler.fill_drafts), so that
+verification, update() and outputs read the drafts as if they had been set on the host.
+
+The forward computes on the same token ids either way: outputs are unchanged.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pyengine.engine.host_arrays import to_device
+
+PLACEHOLDER = -1  # an id no embedding holds: an input that missed its patch fails loudly on the CPU
+
+
+class DeviceDrafts:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seq_ids: np.ndarray | None = None  # rows with drafts on the device, this step
+        self.counts = np.zeros(0, dtype=np.int64)
+        self.values: torch.Tensor | None = None  # [sum counts] int64 on the device, row after row
+        self.host: torch.Tensor | None = None  # their host copy (pinned on CUDA), valid after `ready`
+        self.ready: torch.cuda.Event | None = None  # recorded after the copy (None on the CPU)
+        self._pinned: torch.Tensor | None = None  # reused host buffer
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+
+    def clear(self) -> None:
+        self.seq_ids, self.values, self.host, self.ready = None, None, None, None
+
+    def hold(self, seq_ids: np.ndarray, counts: np.ndarray, values: torch.Tensor) -> None:
+        """This step's drafts: row i (seq_ids[i]) has counts[i] of them in `values` (device int64,
+        row after row); their copy to the host starts now, behind the work that computes them."""
+        self.seq_ids, self.counts, self.values = np.asarray(seq_ids, np.int64), np.asarray(counts, np.int64), values
+        n = values.shape[0]
+        if self.device.type == "cpu":
+            self.host, self.ready = values, None
+            return
+        if self._pinned is None or self._pinned.shape[0] < n:
+            self._pinned = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
+        self.host = self._pinned[:n]
+        self.host.copy_(values, non_blocking=True)
+        self.ready = self._event
+        self.ready.record()
+
+    def _batch_order(self, batch) -> tuple[np.ndarray, np.ndarray] | None:
+        """(destination token index in the batch, index into values) of every draft the batch
+        carries, in batch order; None when it carries none of these rows' drafts."""
+        if self.seq_ids is None:
+            return None
+        d = np.asarray(batch.num_draft_tokens, dtype=np.int64)
+        rows = np.flatnonzero(d)
+        if not len(rows):
+            return None
+        seq_ids = np.asarray(batch.seq_ids)[rows]
+        order = np.argsort(self.seq_ids, kind="stable")
+        at = np.searchsorted(self.seq_ids, seq_ids, sorter=order)
+        at = order[np.minimum(at, len(order) - 1)]
+        assert (self.seq_ids[at] == seq_ids).all(), "a verify row's drafts are not on the device"
+        assert (d[rows] <= self.counts[at]).all(), "the batch carries more drafts than were proposed"
+        starts = np.cumsum(self.counts) - self.counts
+        n = d[rows]
+        offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        src = np.repeat(starts[at], n) + offset
+        dst = np.repeat(np.asarray(batch.query_start_loc, dtype=np.int64)[rows] + 1, n) + offset
+        return dst, src
+
+    def patch_for(self, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token indices, their ids) on the device for the runner to write over the batch's
+        placeholders (ModelRunner.execute's token_patch); None: nothing to patch."""
+        both = self._batch_order(batch)
+        if both is None:
+            return None
+        index = to_device(np.stack(both), self.device)
+        assert self.values is not None
+        return index[0], self.values.index_select(0, index[1])
+
+    def resolve(self, scheduler, batch) -> None:
+        """The drafts' values into the scheduler's draft rows and the batch's input ids (after the
+        step's forward is launched: the wait is for the chain, which the forward follows)."""
+        both = self._batch_order(batch)
+        if both is None:
+            return
+        if self.ready is not None:
+            self.ready.synchronize()
+        assert self.host is not None
+        values = self.host.numpy()[both[1]].astype(np.int32)
+        scheduler.fill_drafts(batch, values)
