@@ -47,6 +47,7 @@ from pyengine.engine.host_arrays import to_device
 from pyengine.engine.model_runner import ModelRunner
 from pyengine.spec_decode.config import SpeculativeConfig
 from pyengine.spec_decode.device_drafts import PLACEHOLDER, DeviceDrafts
+from pyengine.spec_decode.draft_chain import DraftChain
 from pyengine.spec_decode.draft_sampling import DraftRow, DraftSampler
 from pyengine.spec_decode.head_graphs import HeadFeed, HeadGraphs
 from pyengine.spec_decode.hidden_ring import HiddenRing
@@ -78,6 +79,7 @@ class MtpProposer:
         self.lazy = True  # False: every row catches up every step (tests compare the two)
         g = runner.graph_runner  # the target replays graphs: the layer's short forwards do too
         self.graphs: HeadGraphs | None = None
+        self.chain: DraftChain | None = None
         if g is not None and getattr(self.layer, "supports_cuda_graphs", True):
             # the layer's input states: an EAGLE-3 head's own width, an MTP layer's the target's
             width = getattr(getattr(self.layer, "config", None), "hidden_size", runner.config.hidden_size)
@@ -91,9 +93,15 @@ class MtpProposer:
         return self.layer
 
     def set_graphs(self, graphs: HeadGraphs | None) -> None:
-        """Run the layer's short forwards (decode catch-ups, chained drafts) through these graphs
-        (None: all eager). On a CPU device the graphs' static-buffer path runs eagerly (tests)."""
+        """Run the layer's short forwards (decode catch-ups, chained drafts) through these graphs,
+        and greedy rows' chained drafts through one DraftChain replay (None: all eager, step by
+        step). On a CPU device the static-buffer paths run eagerly (tests)."""
         self.graphs = graphs
+        self.chain: DraftChain | None = None
+        if graphs is not None and self.k > 1:
+            width = getattr(getattr(self.layer, "config", None), "hidden_size", self.runner.config.hidden_size)
+            self.chain = DraftChain(self.layer, self.kv_cache, self.block_size, self.device, graphs.buckets,
+                                    graphs.width, self.k - 1, (width, self.layer.dtype), graphs.pool)
 
     @torch.inference_mode()
     def propose(self, scheduler: _C.Scheduler, view: _C.DecodeView, max_drafts: np.ndarray) -> None:
@@ -159,32 +167,47 @@ class MtpProposer:
         prev = out.index_select(0, to_device(ends, out.device))
         tokens = [self.sampler.draw(rows, logits)]
         chain_tables, pos = tables[d], n[fed][d] - 2  # draft j + 1 feeds draft j at position n - 2 + j
-        active = np.arange(len(rows))  # rows still drafting, aligned with prev and tokens[-1]
-        actives = [active]
-        for j in range(1, int(ks[d].max())):
-            keep = np.flatnonzero(ks[d][active] > j)
-            ids_j = tokens[-1]
-            if len(keep) < len(active):  # some rows stop here (their k): drop their rows
-                keep_t = to_device(keep, prev.device)
-                prev, ids_j = prev.index_select(0, keep_t), ids_j.index_select(0, keep_t)
-            active = active[keep]
-            actives.append(active)
-            step = HeadFeed.build(chain_tables[active], pos[active] + j, np.ones(len(active), np.int64),
-                                  self.block_size)
-            prev, logits = self._forward(step, prev, np.arange(len(active)), token_ids=ids_j)
-            tokens.append(self.sampler.draw([rows[i] for i in active], logits))
-        # the drafts stay on the device (device_drafts.py): row i's draft j is step j's entry of row i
-        pair_row = np.concatenate(actives)
-        pair_step = np.repeat(np.arange(len(actives)), [len(a) for a in actives])
-        row_major = np.lexsort((pair_step, pair_row))
         counts = ks[d]
-        values = torch.cat(tokens).index_select(0, to_device(row_major, self.device))
+        steps = int(counts.max()) - 1
+        if (steps > 0 and self.chain is not None and all(r.params.is_greedy for r in rows)
+                and self.chain.fits(len(rows), chain_tables, steps)):
+            # one replay for drafts 2..; row i's draft j is entry j * rows + i of [draft 1 | the chain's]
+            drawn = self.chain.run(chain_tables, pos + 1, counts - 1, tokens[0], prev)
+            flat = torch.cat([tokens[0], drawn.reshape(-1)])
+            self.num_forwards += steps
+            j = np.arange(steps + 1)
+            row_major = (j[None, :] * len(rows) + np.arange(len(rows))[:, None])[j[None, :] < counts[:, None]]
+        else:
+            flat, row_major = self._chain_steps(rows, counts, chain_tables, pos, prev, tokens)
+        # the drafts stay on the device (device_drafts.py)
+        values = flat.index_select(0, to_device(row_major, self.device))
         self.device_drafts.hold(ids[fed][d], counts, values)
         for r, c in zip(rows, counts.tolist()):
             r.drafts = [PLACEHOLDER] * c
         self.sampler.keep(rows)
         scheduler.set_draft_tokens_batch(ids[fed][d], np.full(int(counts.sum()), PLACEHOLDER, np.int32),
                                          counts.astype(np.int32))
+
+    def _chain_steps(self, rows: list[DraftRow], counts: np.ndarray, tables: np.ndarray, pos: np.ndarray,
+                     prev: torch.Tensor, tokens: list[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
+        """Drafts 2.. step by step from the host (random rows keep each draft's q): the drafts
+        flat in step order, and the index that orders them row after row."""
+        active = np.arange(len(rows))  # rows still drafting, aligned with prev and tokens[-1]
+        actives = [active]
+        for j in range(1, int(counts.max())):
+            keep = np.flatnonzero(counts[active] > j)
+            ids_j = tokens[-1]
+            if len(keep) < len(active):  # some rows stop here (their k): drop their rows
+                keep_t = to_device(keep, prev.device)
+                prev, ids_j = prev.index_select(0, keep_t), ids_j.index_select(0, keep_t)
+            active = active[keep]
+            actives.append(active)
+            step = HeadFeed.build(tables[active], pos[active] + j, np.ones(len(active), np.int64), self.block_size)
+            prev, logits = self._forward(step, prev, np.arange(len(active)), token_ids=ids_j)
+            tokens.append(self.sampler.draw([rows[i] for i in active], logits))
+        pair_row = np.concatenate(actives)
+        pair_step = np.repeat(np.arange(len(actives)), [len(a) for a in actives])
+        return torch.cat(tokens), np.lexsort((pair_step, pair_row))
 
     def forget(self, seq_ids: Sequence[int], finished: bool) -> None:
         for sid in seq_ids:
