@@ -14,7 +14,8 @@
 // and the records it replays, replays them, then per token reads out from the state before the
 // token's update:
 //   S^T k and S^T q of both rows in one pass (a chain of fused multiply-adds per dot, then one
-//   8-lane butterfly for the four), delta = beta (v - decay S^T k), o = decay S^T q + delta (k . q),
+//   8-lane butterfly for the four: with R = 2 each lane keeps one sum, group_sum_scatter), delta =
+//   beta (v - decay S^T k), o = decay S^T q + delta (k . q),
 //   S = S decay + k delta^T
 // so the token's critical path holds one reduction, not two. The base (token 0) or the token's
 // record (tokens >= 1) is stored.
@@ -27,7 +28,8 @@
 // shared memory: 5 blocks (20 warps) per SM. Otherwise (batch <= 4 at Qwen3-Next's widths) one
 // block per item, built for latency: the row's metadata loaded first, then the base (cp.async into
 // shared memory, K <= 128; else straight into registers), the tokens and the records all in flight
-// at once, 128 registers (R = 2, 4 blocks per SM; R = 1 at batch <= 2, 2 blocks per SM).
+// at once (the tokens' and records' loads issued first, each warp waiting for its own rows of the base
+// after the staging barrier), 128 registers (R = 2, 4 blocks per SM; R = 1 at batch <= 2, 2 blocks per SM).
 // GatedDeltaRuleParams.grid forces either grid (tests, benchmarks).
 // A row's arithmetic never depends on the other rows or on how many tokens share its step: token t
 // of a verify row gets the bits the same token gets decoded alone, and a replayed record the bits
@@ -151,6 +153,50 @@ PE_DEVICE void write_tokens(const GatedDeltaRuleParams& p, const Staged<KC>& st,
   }
 }
 
+// Staged tokens c0 .. c0 + nt - 1 on the lane's NR rows from tile_row (both rows of the two-row layout,
+// or one row): per token S^T k and S^T q from the state before it, one reduction for all of them,
+// delta = beta (v - decay S^T k), o = decay S^T q + delta (k . q), S = S decay + k delta^T; outputs and
+// deltas to shared memory, the state after token base_t to base.
+template <int NR, int KC>
+PE_DEVICE void run_tokens(Rows<NR, KC>& s, Staged<KC>& st, int c0, int nt, int base_t, int sub, int tile_row,
+                          float* base, int K, const bool (&ok)[NR]) {
+  for (int tt = 0; tt < nt; ++tt) {
+    float kk[KC][4], qq[KC][4];
+    load_staged(kk, st.k[tt], sub);
+    load_staged(qq, st.q[tt], sub);
+    const float4 c = st.tok[tt];  // decay, beta, k . q
+    float m[2 * NR];  // S^T k of the rows, then S^T q
+#pragma unroll
+    for (int r = 0; r < NR; ++r) m[r] = dot_part(s[r], kk), m[NR + r] = dot_part(s[r], qq);
+    float vv[NR], d[NR];
+    load_rows(vv, &st.v[tt][tile_row]);
+    if constexpr (NR == 2) {  // lane sub holds sum m[sub / 2 % 4]: the k sums go to every lane, q sums stay
+      const float e = group_sum_scatter(m, sub);
+      const float mk[2] = {group_lane(e, 0), group_lane(e, 2)};
+#pragma unroll
+      for (int r = 0; r < NR; ++r) d[r] = __fmul_rn(c.y, __fsub_rn(vv[r], __fmul_rn(c.x, mk[r])));
+      decay_state<NR>(s, c.x);
+      add_update<NR>(s, kk, d);
+      if ((sub & 5) == 4) st.o[tt][tile_row + sub / 2 % 2] = fmaf(sub & 2 ? d[1] : d[0], c.z, __fmul_rn(c.x, e));
+      if (sub == 0) store_rows(&st.delta[tt][tile_row], d);
+    } else {
+      group_sum(m);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) d[r] = __fmul_rn(c.y, __fsub_rn(vv[r], __fmul_rn(c.x, m[r])));
+      decay_state<NR>(s, c.x);
+      add_update<NR>(s, kk, d);
+      if (sub == 0) {
+        float o[NR];
+#pragma unroll
+        for (int r = 0; r < NR; ++r) o[r] = fmaf(d[r], c.z, __fmul_rn(c.x, m[NR + r]));
+        store_rows(&st.o[tt][tile_row], o);
+        store_rows(&st.delta[tt][tile_row], d);
+      }
+    }
+    if (c0 + tt == base_t) store_state<NR>(base, s, K, sub, ok);
+  }
+}
+
 // One work item, start to end. buf: the item's base copied by prefetch_base (the thread's only copy
 // group in flight), or null to load it here. prefetch_next() is called once on every path, after
 // this thread has read buf (behind a barrier): it issues and commits the next item's copy.
@@ -190,10 +236,14 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4* b
   const int64_t rec_off = (int64_t)hv * V * K + (int64_t)tile * (K + kGdnRecordRows + kGdnRecordPad);
   float* base = p.state + (pad ? 0 : slot0) * slot_elems + ((int64_t)hv * V + vr) * K;  // the lane's first base row
   Rows<R, KC> s;
-  if constexpr (kCopyBase) {  // the base into shared memory, issued before the tokens' and records' loads
+  // One block per item (kCopyBase): the base into shared memory, issued right after the staging round's
+  // loads, and each warp waits for its own rows only after the staging barrier: the tokens and records
+  // (records from device memory) no longer queue behind every warp's base, so the barrier passes early
+  // and warps whose rows arrive first compute while the others' still load.
+  const auto copy_base = [&] {
     prefetch_base<R, KC>(buf, p, x, init ? slot0 : -1);
     pe_copy::copy_commit();
-  }
+  };
   if (buf == nullptr) {  // the base: every load issued before any is used
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -218,7 +268,9 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4* b
   for (int u = 0; u < StageRegs<KC, R>::kRec; ++u)
     if (record_of<R>(warp, u) >= nr) sr.rslot[u] = -1;
   stage_round<kTogether>(st, sr, p, q, k, v, s0, min(num, kTokens), nr, hv, tile, slot_elems, rec_off, lane, warp,
-                         with_qk);
+                         with_qk, [&] {
+                           if constexpr (kCopyBase) copy_base();
+                         });
   if (num > 0) staged_qk = num > kTokens ? -1 : qk;  // a longer row restages its later tokens over these
   st.slot[threadIdx.x] = my_slot;  // read after the barriers below
   if (pad) {
@@ -229,27 +281,36 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4* b
           if (vr + r < V) Io<T>::st(static_cast<T*>(p.out) + ((int64_t)(s0 + t) * HV + hv) * V + vr + r, 0.f);
     return;
   }
-  if (buf != nullptr) {  // the base this thread copied
+  const auto read_base = [&](int r, float (&row)[KC][4]) {  // row r of the base this thread copied
+#pragma unroll
+    for (int j = 0; j < KC; ++j) {
+      const float4 f = init && ok[r] && chunk_k0(sub, j) < K ? buf[chunk_slot<R>(r, j, KC)]
+                                                             : make_float4(0.f, 0.f, 0.f, 0.f);
+      row[j][0] = f.x, row[j][1] = f.y, row[j][2] = f.z, row[j][3] = f.w;
+    }
+  };
+  if (buf != nullptr && !kCopyBase) {  // the base this thread copied (the persistent grid's prefetch)
     pe_copy::copy_wait<0>();
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int j = 0; j < KC; ++j) {
-        const float4 f = init && ok[r] && chunk_k0(sub, j) < K ? buf[chunk_slot<R>(r, j, KC)]
-                                                               : make_float4(0.f, 0.f, 0.f, 0.f);
-        s[r][j][0] = f.x, s[r][j][1] = f.y, s[r][j][2] = f.z, s[r][j][3] = f.w;
-      }
+    for (int r = 0; r < R; ++r) read_base(r, s[r]);
   }
-  // tokens and records staged, the base read; every record of the previous step is read by the
-  // block before this step writes any (the barriers below come before the first store)
+  // tokens and records staged (and the base read, persistent grid); every record of the previous step is
+  // read by the block before this step writes any (the barriers below come before the first store; a
+  // base entry is written only by the thread that copied it, after its copy has landed)
   __syncthreads();
   prefetch_next();
+  const int base_t = p.final_state_only ? num - 1 : 0;  // the token whose full state is stored
+  if constexpr (kCopyBase) {  // each warp waits for its own rows of the base only
+    pe_copy::copy_wait<0>();
+#pragma unroll
+    for (int r = 0; r < R; ++r) read_base(r, s[r]);
+  }
   for (int r0 = 0; r0 < replays; r0 += kRecords) {
     const int nr0 = min(replays - r0, kRecords);
     if (r0 > 0) {  // more records than shared memory holds: the next ones
       __syncthreads();
       record_slots(sr, idx, r0, nr0, warp);
-      stage_round<kTogether>(st, sr, p, q, k, v, 0, 0, nr0, hv, tile, slot_elems, rec_off, lane, warp, false);
+      stage_round<kTogether>(st, sr, p, q, k, v, 0, 0, nr0, hv, tile, slot_elems, rec_off, lane, warp, false, [] {});
       __syncthreads();
     }
     for (int r = 0; r < nr0; ++r)
@@ -260,40 +321,16 @@ PE_DEVICE void run_item(const GatedDeltaRuleParams& p, Staged<KC>& st, float4* b
       store_state<R>(p.state + p.replay_dst[n] * slot_elems + ((int64_t)hv * V + vr) * K, s, K, sub, ok);
     return;
   }
-  const int base_t = p.final_state_only ? num - 1 : 0;  // the token whose full state is stored
   for (int c0 = 0; c0 < num; c0 += kTokens) {
     const int nt = min(num - c0, kTokens);
     if (c0 > 0) {  // the row's next tokens: restage once every warp is done with these
       __syncthreads();
 #pragma unroll
       for (int u = 0; u < StageRegs<KC, R>::kRec; ++u) sr.rslot[u] = -1;
-      stage_round<kTogether>(st, sr, p, q, k, v, s0 + c0, nt, 0, hv, tile, slot_elems, rec_off, lane, warp, true);
+      stage_round<kTogether>(st, sr, p, q, k, v, s0 + c0, nt, 0, hv, tile, slot_elems, rec_off, lane, warp, true, [] {});
       __syncthreads();
     }
-    for (int tt = 0; tt < nt; ++tt) {
-      float kk[KC][4], qq[KC][4];
-      load_staged(kk, st.k[tt], sub);
-      load_staged(qq, st.q[tt], sub);
-      const float4 c = st.tok[tt];  // decay, beta, k . q
-      // the reductions from the state before the token: S^T k for delta, S^T q for the output
-      float m[2 * R];  // S^T k of the rows, then S^T q
-#pragma unroll
-      for (int r = 0; r < R; ++r) m[r] = dot_part(s[r], kk), m[R + r] = dot_part(s[r], qq);
-      group_sum(m);
-      float vv[R], d[R], o[R];
-      load_rows(vv, &st.v[tt][tile_row]);
-#pragma unroll
-      for (int r = 0; r < R; ++r) d[r] = __fmul_rn(c.y, __fsub_rn(vv[r], __fmul_rn(c.x, m[r])));
-      decay_state<R>(s, c.x);
-      add_update<R>(s, kk, d);
-      if (sub == 0) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) o[r] = fmaf(d[r], c.z, __fmul_rn(c.x, m[R + r]));
-        store_rows(&st.o[tt][tile_row], o);
-        store_rows(&st.delta[tt][tile_row], d);
-      }
-      if (c0 + tt == base_t) store_state<R>(base, s, K, sub, ok);
-    }
+    run_tokens<R>(s, st, c0, nt, base_t, sub, tile_row, base, K, ok);
     __syncthreads();  // outputs and deltas staged
     write_tokens<T, KC, R>(p, st, x, s0, c0, nt, rec_off);
   }

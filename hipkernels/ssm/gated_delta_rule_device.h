@@ -45,6 +45,27 @@ PE_DEVICE void group_sum(float (&x)[N]) {
   }
 }
 
+// v of lane src (< 8) of this lane's group.
+PE_DEVICE float group_lane(float v, int src) {
+#if defined(PE_HIP)
+  return __shfl(v, src, kGroup);
+#else
+  return __shfl_sync(0xffffffffu, v, src, kGroup);
+#endif
+}
+
+// The group sums of a lane's two rows' dots (m: S^T k of rows 0 and 1, then S^T q), each level of the
+// butterfly exchanging only the sums this lane keeps (xor 4: the k pair or the q pair, xor 2: a row):
+// lane sub ends with m[sub / 2 % 4] summed over the group, 4 shuffles and 4 adds instead of 12 and 12.
+// The same additions as group_sum's in the same order (a pairwise sum is commutative), so the same bits.
+PE_DEVICE float group_sum_scatter(const float (&m)[4], int sub) {
+  const bool q = sub & 4, row1 = sub & 2;
+  const float y0 = pe_shfl_xor(q ? m[0] : m[2], 4), y1 = pe_shfl_xor(q ? m[1] : m[3], 4);
+  const float a0 = __fadd_rn(q ? m[2] : m[0], y0), a1 = __fadd_rn(q ? m[3] : m[1], y1);
+  const float b = __fadd_rn(row1 ? a1 : a0, pe_shfl_xor(row1 ? a0 : a1, 2));
+  return __fadd_rn(b, pe_shfl_xor(b, 1));
+}
+
 // Four consecutive elements, one 8- or 16-byte load (the wrapper aligns q / k rows to 4 elements).
 PE_DEVICE void load4(const float* p, float* f) {
   const float4 v = *reinterpret_cast<const float4*>(p);
@@ -56,6 +77,47 @@ PE_DEVICE void load4(const T* p, float* f) {
   const T* h = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) f[i] = Io<T>::ld(h + i);
+}
+
+// The raw bits of one or four elements, converted to float only where they are used: a conversion
+// right after its load makes the warp wait for that load before it issues the next one.
+template <typename T>
+PE_DEVICE void load4_raw(const T* p, uint32_t (&w)[4]) {
+  if constexpr (sizeof(T) == 4) {
+    const uint4 x = *reinterpret_cast<const uint4*>(p);
+    w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+  } else {
+    const uint2 x = *reinterpret_cast<const uint2*>(p);
+    w[0] = x.x, w[1] = x.y;
+  }
+}
+template <typename T>
+PE_DEVICE void raw4_to_float(const uint32_t (&w)[4], float* f) {
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = __uint_as_float(w[i]);
+  } else {
+    const uint2 raw = make_uint2(w[0], w[1]);
+    const T* h = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = Io<T>::ld(h + i);
+  }
+}
+template <typename T>
+PE_DEVICE uint32_t load1_raw(const T* p) {
+  if constexpr (sizeof(T) == 4)
+    return *reinterpret_cast<const uint32_t*>(p);
+  else
+    return *reinterpret_cast<const uint16_t*>(p);
+}
+template <typename T>
+PE_DEVICE float raw1_to_float(uint32_t w) {
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(w);
+  } else {
+    const uint16_t b = static_cast<uint16_t>(w);
+    return Io<T>::ld(reinterpret_cast<const T*>(&b));
+  }
 }
 
 // The two halves of a token's state update, shared by the token loop and the record replay so that
@@ -133,7 +195,8 @@ PE_DEVICE void warp_sum(float (&x)[N]) {
 // A warp's share of one staging round, held in registers between its loads and its stores to
 // shared memory, so that every global load of the round (v, g, beta, q, k of the warp's tokens, its
 // records) is in flight before the first is used: one memory latency per round, not one per token
-// and record (at batch 1 the step is a chain of such latencies).
+// and record (at batch 1 the step is a chain of such latencies). q, k and v stay raw bits until
+// stored (converted right after its load, a token's q made the warp wait before the next load).
 template <int KC, int R>
 struct StageRegs {
   static constexpr int kWarps = Layout<R>::kWarps;
@@ -141,7 +204,8 @@ struct StageRegs {
   static constexpr int kTok = kTokens / kWarps;                // tokens per warp and round
   static constexpr int kRec = (kRecords + kWarps - 1) / kWarps;  // records per warp and round
   static_assert(kTok * kWarps == kTokens, "tokens split evenly over the warps");
-  float v[kTok], g[kTok], b[kTok], q[kTok][kc][4], k[kTok][kc][4];
+  uint32_t v[kTok], q[kTok][kc][4], k[kTok][kc][4];  // raw bits (load*_raw)
+  float g[kTok], b[kTok];
   float rk[kRec][kc][4], rdelta[kRec], rdecay[kRec];
   int rslot[kRec];  // the record's slot (-1: PAD, or not this round's)
 };
@@ -164,18 +228,17 @@ PE_DEVICE void load_tokens(StageRegs<KC, R>& r, const GatedDeltaRuleParams& p, c
     const int tt = token_of<R>(warp, u);
     const int64_t tok = t0 + tt;
     const bool live = tt < nt;
-    r.v[u] = live && vr < p.value_dim ? Io<T>::ld(v + tok * p.v_stride_token + vr) : 0.f;
-    r.g[u] = live && lane == 0 ? p.g[tok * p.num_v_heads + hv] : 0.f;
-    r.b[u] = live && lane == 0 ? p.beta[tok * p.num_v_heads + hv] : 0.f;
+    r.v[u] = 0, r.g[u] = r.b[u] = 0.f;
+    if (live && vr < p.value_dim) r.v[u] = load1_raw(v + tok * p.v_stride_token + vr);
+    if (live && lane == 0) r.g[u] = p.g[tok * p.num_v_heads + hv], r.b[u] = p.beta[tok * p.num_v_heads + hv];
 #pragma unroll
     for (int j = 0; j < StageRegs<KC, R>::kc; ++j) {
       const int k0 = (lane + j * kLanes) * 4;
-      if (live && with_qk && k0 < K) {
-        load4(q + tok * p.q_stride_token + k0, r.q[u][j]);
-        load4(k + tok * p.k_stride_token + k0, r.k[u][j]);
-      } else {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) r.q[u][j][i] = r.k[u][j][i] = 0.f;
+      for (int i = 0; i < 4; ++i) r.q[u][j][i] = r.k[u][j][i] = 0u;  // zero bits: 0.f in any dtype
+      if (live && with_qk && k0 < K) {
+        load4_raw(q + tok * p.q_stride_token + k0, r.q[u][j]);
+        load4_raw(k + tok * p.k_stride_token + k0, r.k[u][j]);
       }
     }
   }
@@ -184,10 +247,17 @@ PE_DEVICE void load_tokens(StageRegs<KC, R>& r, const GatedDeltaRuleParams& p, c
 // The loaded tokens into shared memory: v, decay = exp(g), beta and, with_qk, q and k l2-normalised
 // (q times scale; zeros past K) and k . q of the scaled vectors. The norms and k . q are warp
 // reductions over the raw vectors, the same lanes and order whichever warp and round it is.
-template <int KC, int R>
-PE_DEVICE void store_tokens(Staged<KC>& st, const StageRegs<KC, R>& r, const GatedDeltaRuleParams& p, int nt,
+template <typename T, int KC, int R>
+PE_DEVICE void store_tokens(Staged<KC>& st, const StageRegs<KC, R>& raw, const GatedDeltaRuleParams& p, int nt,
                             int lane, int warp, bool with_qk, int u0, int u1) {
   constexpr int kc = StageRegs<KC, R>::kc, kTok = StageRegs<KC, R>::kTok;
+  struct {
+    float q[kTok][kc][4], k[kTok][kc][4];
+  } r;
+#pragma unroll
+  for (int u = 0; u < kTok; ++u)
+#pragma unroll
+    for (int j = 0; j < kc; ++j) raw4_to_float<T>(raw.q[u][j], r.q[u][j]), raw4_to_float<T>(raw.k[u][j], r.k[u][j]);
   float sums[3 * kTok];  // |q|^2, |k|^2, k . q of the tokens u0 .. u1 - 1, reduced together
 #pragma unroll
   for (int u = 0; u < kTok; ++u) {
@@ -221,8 +291,8 @@ PE_DEVICE void store_tokens(Staged<KC>& st, const StageRegs<KC, R>& r, const Gat
   for (int u = u0; u < u1; ++u) {
     const int tt = token_of<R>(warp, u);
     if (tt >= nt) continue;
-    st.v[tt][lane] = r.v[u];
-    if (lane == 0) st.tok[tt].x = expf(r.g[u]), st.tok[tt].y = r.b[u];
+    st.v[tt][lane] = raw1_to_float<T>(raw.v[u]);
+    if (lane == 0) st.tok[tt].x = expf(raw.g[u]), st.tok[tt].y = raw.b[u];
     if (!with_qk) continue;
     const float qs = sums[3 * u], ks = sums[3 * u + 1], kq = sums[3 * u + 2];
     const float qn = p.l2norm ? __fmul_rn(rsqrtf(qs + 1e-6f), p.scale) : p.scale;
@@ -296,21 +366,24 @@ PE_DEVICE void store_records(Staged<KC>& st, const StageRegs<KC, R>& r, int nr, 
 // (record_slots). kTogether: every load of the warp in flight before the first store (the latency
 // path: one block per item); else a token or record at a time (the persistent grid, where other
 // blocks hide the latency and the registers of all of them at once would spill at 5 blocks per SM).
-template <bool kTogether, typename T, int KC, int R>
+// loaded(): called once the round's loads are issued, before any is used (kTogether; else first).
+template <bool kTogether, typename T, int KC, int R, typename Loaded>
 PE_DEVICE void stage_round(Staged<KC>& st, StageRegs<KC, R>& sr, const GatedDeltaRuleParams& p, const T* q, const T* k,
                            const T* v, int64_t t0, int nt, int nr, int hv, int tile, int64_t slot_elems,
-                           int64_t rec_off, int lane, int warp, bool with_qk) {
+                           int64_t rec_off, int lane, int warp, bool with_qk, Loaded loaded) {
   constexpr int kTok = StageRegs<KC, R>::kTok, kRec = StageRegs<KC, R>::kRec;
   if constexpr (kTogether) {
     load_tokens(sr, p, q, k, v, t0, nt, hv, tile, lane, warp, with_qk, 0, kTok);
     load_records(sr, p, slot_elems, rec_off, lane, 0, kRec);
-    store_tokens(st, sr, p, nt, lane, warp, with_qk, 0, kTok);
+    loaded();
+    store_tokens<T>(st, sr, p, nt, lane, warp, with_qk, 0, kTok);
     store_records(st, sr, nr, lane, warp, 0, kRec);
   } else {
+    loaded();
 #pragma unroll
     for (int u = 0; u < kTok; ++u) {
       load_tokens(sr, p, q, k, v, t0, nt, hv, tile, lane, warp, with_qk, u, u + 1);
-      store_tokens(st, sr, p, nt, lane, warp, with_qk, u, u + 1);
+      store_tokens<T>(st, sr, p, nt, lane, warp, with_qk, u, u + 1);
     }
 #pragma unroll
     for (int u = 0; u < kRec; ++u) {
