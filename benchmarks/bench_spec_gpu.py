@@ -37,6 +37,9 @@ METHODS = {
     "ngram_fixed_ragged_eager": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, False),
     "suffix_adaptive": ({"method": "suffix", "num_speculative_tokens": 4}, True),
     "suffix_fixed": ({"method": "suffix", "num_speculative_tokens": 4, "adaptive_draft_length": False}, True),
+    # longer drafts where the suffix tree matches far (copy-heavy text); the policy prices each length
+    "suffix_adaptive_k8": ({"method": "suffix", "num_speculative_tokens": 8}, True),
+    "suffix_adaptive_k16": ({"method": "suffix", "num_speculative_tokens": 16}, True),
 }
 
 

@@ -106,6 +106,30 @@ def test_runner_graph_costs_adds_the_host_overhead_to_steps_with_drafts() -> Non
     assert runner_graph_costs(no_graphs, 3) is None
 
 
+def test_the_host_overhead_of_a_step_with_drafts_grows_with_its_rows(monkeypatch) -> None:
+    """A verify step's unhidden host work (verification, commit, proposing, scheduling) is paid per
+    row too: with the H100's measured share, the same replays and acceptance draft at batch 1 and
+    not at batch 64, where the host work outweighs the tokens gained."""
+    from pyengine.spec_decode import step_cost
+
+    h100 = step_cost.device_rates("cuda", device_name="NVIDIA H100 80GB HBM3")
+    assert h100.overhead_per_row > 0
+    monkeypatch.setattr(step_cost, "device_rates", lambda device: h100)
+    # launch-bound replays (seconds), like SmolLM2's: q = 1 .. 5 cost about the same
+    replays = {1: np.array([1.0e-3, 1.0e-3, 1.01e-3, 1.01e-3, 1.02e-3]),
+               64: np.array([1.16e-3, 1.36e-3, 1.55e-3, 1.74e-3, 1.94e-3])}
+    graphs = types.SimpleNamespace(use_graphs=True, step_costs=lambda rows: replays[rows], measure_step_costs=lambda: None)
+    costs = runner_graph_costs(types.SimpleNamespace(graph_runner=graphs, device="cuda"), K)
+    assert np.allclose(costs(64)[1:] - replays[64][1:], h100.overhead + 64 * h100.overhead_per_row)
+    assert np.allclose(costs(1)[1:] - replays[1][1:], h100.overhead + h100.overhead_per_row)
+    assert costs(1)[0] == replays[1][0] and costs(64)[0] == replays[64][0]
+    one = simulate(K, rows=1, accept=0.7, cost=(1.0, 0.01), policy=DraftLengthPolicy(K, step_cost=(1.0, 0.01),
+                                                                                        graph_costs=costs))
+    many = simulate(K, rows=64, accept=0.7, cost=(1.0, 0.01), policy=DraftLengthPolicy(K, step_cost=(1.0, 0.01),
+                                                                                         graph_costs=costs))
+    assert mostly(one[-100:], K) and mostly(many[-100:], 0), (one[-100:].mean(), many[-100:].mean())
+
+
 def test_runner_graph_costs_add_the_drafting_layers_forwards() -> None:
     """An EAGLE-3 / MTP layer on graphs: a step drafting d tokens also runs d of its forwards (a
     catch-up, d - 1 chained drafts), measured once like the replays; the policy then drafts less

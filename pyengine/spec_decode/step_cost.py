@@ -46,17 +46,21 @@ class DeviceRates:
     flops_16: float  # FLOP/s: fp16/bf16 matmuls
     flops_32: float  # FLOP/s: fp32 matmuls (no TF32)
     overhead: float  # seconds a step costs besides its forward (host work, launches)
+    # seconds more per row in a step with drafts, whose host work (verification, commit, proposing,
+    # scheduling) nothing hides: on the H100, Spec-Bench with suffix drafts, such a step cost its
+    # replay plus 0.64 / 1.16 / 1.8 ms at 1 / 16 / 64 rows (benchmarks/results/spec_suffix_k16_h100.json)
+    overhead_per_row: float = 0.0
 
 
 # CUDA devices by name (first match, case-insensitive, in torch.cuda.get_device_name), others the
 # default: rates below an H100's balance, so that verify tokens look dearer there, not cheaper.
 CUDA_DEVICES: tuple[tuple[str, DeviceRates], ...] = (
-    ("H200", DeviceRates(3.9e12, 6.4e14, 4.4e13, 5e-4)),  # GH200 too
-    ("H100 PCIe", DeviceRates(1.6e12, 4.9e14, 3.3e13, 5e-4)),
-    ("H100 NVL", DeviceRates(3.1e12, 5.4e14, 3.9e13, 5e-4)),
-    ("H100", DeviceRates(2.7e12, 6.4e14, 4.4e13, 5e-4)),  # SXM
+    ("H200", DeviceRates(3.9e12, 6.4e14, 4.4e13, 6e-4, 1.9e-5)),  # GH200 too
+    ("H100 PCIe", DeviceRates(1.6e12, 4.9e14, 3.3e13, 6e-4, 1.9e-5)),
+    ("H100 NVL", DeviceRates(3.1e12, 5.4e14, 3.9e13, 6e-4, 1.9e-5)),
+    ("H100", DeviceRates(2.7e12, 6.4e14, 4.4e13, 6e-4, 1.9e-5)),  # SXM
 )
-CUDA_DEFAULT = DeviceRates(1.0e12, 1.0e14, 1.5e13, 5e-4)
+CUDA_DEFAULT = DeviceRates(1.0e12, 1.0e14, 1.5e13, 6e-4, 1.9e-5)
 # CPUs: per core (torch's thread count), by torch's SIMD capability; bandwidth saturates at a socket's.
 CPU_BANDWIDTH_PER_CORE, CPU_BANDWIDTH_MAX = 8e9, 1.2e11
 CPU_FLOPS_PER_CORE = {"AVX512": 9.6e10, "AVX2": 4.8e10}  # fp32 FMA units; bf16 is counted as fp32
@@ -137,8 +141,8 @@ GraphCosts = Callable[[int], "np.ndarray | None"]  # rows -> seconds of a step b
 def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None) -> GraphCosts | None:
     """rows -> cost[d], d = 0..k, of a ModelRunner's graph-replayed steps: the measured replay of the
     rows' bucket graph of query length d + 1 (CudaGraphRunner.measure_step_costs, run here once),
-    plus for d > 0 the device's host overhead (a step with drafts is not launched ahead, so its
-    host work is not hidden behind the GPU) and, with a drafting layer on graphs (drafter_graphs:
+    plus for d > 0 the device's host overhead, a fixed part and one per row (a step with drafts is
+    not launched ahead, so its host work is not hidden behind the GPU) and, with a drafting layer on graphs (drafter_graphs:
     its HeadGraphs), d of its forwards (HeadGraphs.measure_forward_seconds, run here once: a
     catch-up and d - 1 chained drafts, each waited for). None when the runner replays no graphs."""
     graphs = getattr(runner, "graph_runner", None)
@@ -147,14 +151,14 @@ def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None) -> Graph
     graphs.measure_step_costs()
     if drafter_graphs is not None:
         drafter_graphs.measure_forward_seconds()
-    overhead = device_rates(runner.device).overhead
+    rates = device_rates(runner.device)
 
     def costs(rows: int) -> np.ndarray | None:
         replay = graphs.step_costs(rows)
         if replay is None or len(replay) < k + 1:
             return None
         out = np.array(replay[:k + 1], dtype=np.float64)
-        out[1:] += overhead
+        out[1:] += rates.overhead + rates.overhead_per_row * rows
         if drafter_graphs is not None:
             forward = drafter_graphs.forward_cost(rows)
             if forward is None:
