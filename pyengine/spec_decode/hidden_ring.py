@@ -20,6 +20,8 @@ from pyengine.engine.host_arrays import to_device
 
 
 class HiddenRing:
+    SLICE_ROWS = 2  # up to this many requests a keep() copies slices, more take one indexed copy
+
     def __init__(self, size: int, device: torch.device) -> None:
         self.size, self.device = size, device
         self.buf: torch.Tensor | None = None  # [rows, size, width], made (and grown) on demand
@@ -53,11 +55,19 @@ class HiddenRing:
                                self.buf.shape[2], dtype=self.buf.dtype, device=self.device)
             self.buf = torch.cat([self.buf, grow])
         counts = end - first
-        which = np.repeat(np.arange(len(seq_ids)), counts)
-        pos = first[which] + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        dst = to_device(ring_rows[which] * self.size + pos % self.size, self.device)
-        src = to_device(rows[which] + pos - first[which], hidden.device)
-        self.buf.view(-1, self.buf.shape[2]).index_copy_(0, dst, hidden.index_select(0, src))
+        if len(seq_ids) <= self.SLICE_ROWS:  # a copy or two per request: no index arrays to stage
+            for ring_row, f, c, src in zip(ring_rows.tolist(), first.tolist(), counts.tolist(), rows.tolist()):
+                at = f % self.size
+                head = min(c, self.size - at)  # the rest wraps to the row's start
+                self.buf[ring_row, at:at + head].copy_(hidden[src:src + head])
+                if c > head:
+                    self.buf[ring_row, :c - head].copy_(hidden[src + head:src + c])
+        else:
+            which = np.repeat(np.arange(len(seq_ids)), counts)
+            pos = first[which] + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            index = to_device(np.stack([ring_rows[which] * self.size + pos % self.size,
+                                        rows[which] + pos - first[which]]), self.device)
+            self.buf.view(-1, self.buf.shape[2]).index_copy_(0, index[0], hidden.index_select(0, index[1]))
         self.span.update((int(s), (int(a), int(b))) for s, a, b in zip(seq_ids.tolist(), lo.tolist(), end.tolist()))
 
     def gather(self, seq_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
