@@ -31,10 +31,11 @@ def hold(sched: _C.Scheduler, drafts: DeviceDrafts, proposals: dict[int, list[in
     sched.set_draft_tokens_batch(ids, np.full(int(counts.sum()), PLACEHOLDER, np.int32), counts.astype(np.int32))
 
 
-def test_patch_and_resolve_put_each_rows_drafts_in_place() -> None:
+@pytest.mark.parametrize("proposals", [{2: [20, 21], 0: [30]}, {0: [30], 2: [20, 21]}], ids=["any_order", "in_order"])
+def test_patch_and_resolve_put_each_rows_drafts_in_place(proposals: dict[int, list[int]]) -> None:
     sched = scheduler_after_prefill([10, 10, 10])
     drafts = DeviceDrafts(torch.device("cpu"))
-    hold(sched, drafts, {2: [20, 21], 0: [30]})  # out of running order, request 1 without drafts
+    hold(sched, drafts, proposals)  # request 1 without drafts; in order, the values need no gather
     b = sched.schedule()
     assert list(b.input_ids) == [5, PLACEHOLDER, 5, 5, PLACEHOLDER, PLACEHOLDER]
     index, ids = drafts.patch_for(b)

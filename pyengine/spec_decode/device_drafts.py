@@ -51,27 +51,27 @@ class DeviceDrafts:
         self.ready = self._event
         self.ready.record()
 
-    def _batch_order(self, batch) -> tuple[np.ndarray, np.ndarray] | None:
-        """(destination token index in the batch, index into values) of every draft the batch
-        carries, in batch order; None when it carries none of these rows' drafts."""
+    def _batch_order(self, batch) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """(destination token index in the batch, index into values; None: values as they are) of
+        every draft the batch carries, in batch order; None when it carries none of these rows'."""
         if self.seq_ids is None:
             return None
         d = np.asarray(batch.num_draft_tokens, dtype=np.int64)
         rows = np.flatnonzero(d)
         if not len(rows):
             return None
-        seq_ids = np.asarray(batch.seq_ids)[rows]
+        seq_ids, n = np.asarray(batch.seq_ids)[rows], d[rows]
+        offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        dst = np.repeat(np.asarray(batch.query_start_loc, dtype=np.int64)[rows] + 1, n) + offset
+        if np.array_equal(seq_ids, self.seq_ids) and np.array_equal(n, self.counts):
+            return dst, None  # the usual step: the proposed rows, in order, none trimmed
         order = np.argsort(self.seq_ids, kind="stable")
         at = np.searchsorted(self.seq_ids, seq_ids, sorter=order)
         at = order[np.minimum(at, len(order) - 1)]
         assert (self.seq_ids[at] == seq_ids).all(), "a verify row's drafts are not on the device"
-        assert (d[rows] <= self.counts[at]).all(), "the batch carries more drafts than were proposed"
+        assert (n <= self.counts[at]).all(), "the batch carries more drafts than were proposed"
         starts = np.cumsum(self.counts) - self.counts
-        n = d[rows]
-        offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-        src = np.repeat(starts[at], n) + offset
-        dst = np.repeat(np.asarray(batch.query_start_loc, dtype=np.int64)[rows] + 1, n) + offset
-        return dst, src
+        return dst, np.repeat(starts[at], n) + offset
 
     def patch_for(self, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(token indices, their ids) on the device for the runner to write over the batch's
@@ -79,8 +79,11 @@ class DeviceDrafts:
         both = self._batch_order(batch)
         if both is None:
             return None
-        index = to_device(np.stack(both), self.device)
         assert self.values is not None
+        dst, src = both
+        if src is None:
+            return to_device(dst, self.device), self.values
+        index = to_device(np.stack(both), self.device)
         return index[0], self.values.index_select(0, index[1])
 
     def resolve(self, scheduler, batch) -> None:
@@ -92,5 +95,6 @@ class DeviceDrafts:
         if self.ready is not None:
             self.ready.synchronize()
         assert self.host is not None
-        values = self.host.numpy()[both[1]].astype(np.int32)
+        values = self.host.numpy() if both[1] is None else self.host.numpy()[both[1]]
+        values = values.astype(np.int32)
         scheduler.fill_drafts(batch, values)
