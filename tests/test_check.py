@@ -170,8 +170,8 @@ def perturb_spec_runs(monkeypatch: pytest.MonkeyPatch, edits: dict[str, tuple[in
             return llm
         engine, execute = llm.engine, llm.engine.runner.execute
 
-        def perturbed(batch: Any) -> torch.Tensor:
-            logits = execute(batch).clone()
+        def perturbed(batch: Any, *patch: Any) -> torch.Tensor:
+            logits = execute(batch, *patch).clone()
             start = 0
             for r, n in enumerate(batch.num_logits.tolist()):
                 req = engine.requests[int(batch.seq_ids[r])]

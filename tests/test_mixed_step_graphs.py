@@ -48,9 +48,9 @@ def spy_keys(g: CudaGraphRunner) -> list[tuple[int, int]]:
     keys: list[tuple[int, int]] = []
     orig = g._execute_part
 
-    def spy(part, key, token_patch=None):
+    def spy(part, key, *patch):
         keys.append(key)
-        return orig(part, key, token_patch)
+        return orig(part, key, *patch)
 
     g._execute_part = spy
     return keys

@@ -362,7 +362,8 @@ class CudaGraphRunner(PrefillGraphs):
         """Logits of every token of a decode/verify step (bucket_for's key); last_hidden its hidden
         states. token_patch: ModelRunner.execute's."""
         n = int(batch.query_start_loc[len(batch.context_lens)])
-        logits = self._execute_part(batch, key, token_patch)
+        patch = () if token_patch is None else (token_patch,)
+        logits = self._execute_part(batch, key, *patch)
         return logits if n == len(logits) else logits[:n]
 
     def _execute_part(self, batch, key: tuple[int, int],

@@ -131,14 +131,16 @@ class ModelRunner:
             key = self.graph_runner.bucket_for(batch)
             if key is not None:
                 self.last_graph_key = key
-                logits = self.graph_runner.execute(batch, key, token_patch)
+                logits = (self.graph_runner.execute(batch, key) if token_patch is None
+                          else self.graph_runner.execute(batch, key, token_patch))
                 if self.keep_hidden:
                     self._keep(batch, self.graph_runner.last_hidden)
                 return logits
             # prefill rows: a prefill graph (None: eager); aux states are read after each replay, which
             # both write from row 0 of the model's aux buffer
             aux = self.model.aux_out if self.keep_aux else None
-            logits = self.graph_runner.execute_mixed(batch, self.keep_hidden, aux, token_patch)
+            logits = (self.graph_runner.execute_mixed(batch, self.keep_hidden, aux) if token_patch is None
+                      else self.graph_runner.execute_mixed(batch, self.keep_hidden, aux, token_patch))
             if logits is not None:
                 if self.keep_hidden:
                     self._keep(batch, self.graph_runner.last_hidden, aux_taken=aux is not None)
