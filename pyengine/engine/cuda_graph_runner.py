@@ -43,6 +43,8 @@ Graph safety:
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 import torch
 
@@ -76,6 +78,22 @@ def last_tokens(meta: AttentionMetadata, rows: int | None = None) -> torch.Tenso
     token before it): the rows whose logits a prefill or drafting-layer graph computes."""
     ends = meta.query_start_loc[1:] if rows is None else meta.query_start_loc[1:rows + 1]
     return (ends - 1).clamp_(min=0)
+
+
+def capture_graph(forward: Callable[[], Any], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """forward() run twice on a side stream (warm-up: cuBLAS handles and workspaces, lazy module
+    init), then captured into a graph in `pool`: (the graph, forward's static outputs)."""
+    s = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    torch.cuda.synchronize(device)
+    return graph, out
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:
@@ -294,17 +312,7 @@ class CudaGraphRunner(PrefillGraphs):
     def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor]]:
         with use_kernel_config(self.kernel_config):  # the engine's kernels, whoever calls
             self._stage_padding(key)  # the warm-up and the capture run on padding inputs
-            s = torch.cuda.Stream(self.device)
-            s.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(s):
-                for _ in range(2):  # warm-up: cuBLAS handles and workspaces, lazy module init
-                    self._forward(key)
-            torch.cuda.current_stream(self.device).wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self._forward(key)
-            torch.cuda.synchronize(self.device)
-        return graph, out
+            return capture_graph(lambda: self._forward(key), self.device, self.pool)
 
     def _fill_padding(self, rows: int, n: int, key: tuple[int, int]) -> None:
         """Padding rows [rows, 2b) own the token slots [n, slots), q at most each (then none)."""

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from pyengine.engine.attention_metadata import AttentionMetadata
+from pyengine.engine.cuda_graph_runner import capture_graph
 from pyengine.ops.kernel_config import get_kernel_config, use_kernel_config
 
 
@@ -124,18 +125,7 @@ class DraftChain:
 
     def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm-up and capture on padding inputs (every slot -1, context 0: nothing written or read)."""
-        b, steps = key
         with use_kernel_config(self.kernel_config):
-            self._stage(np.full((0, 1), -1, dtype=np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64), steps)
+            self._stage(np.full((0, 1), -1, dtype=np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64), key[1])
             self._copy()
-            s = torch.cuda.Stream(self.device)
-            s.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    self._forward(key)
-            torch.cuda.current_stream(self.device).wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                tokens = self._forward(key)
-            torch.cuda.synchronize(self.device)
-        return graph, tokens
+            return capture_graph(lambda: self._forward(key), self.device, self.pool)
