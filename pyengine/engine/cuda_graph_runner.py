@@ -408,8 +408,9 @@ class CudaGraphRunner(PrefillGraphs):
     def _run(self, key: tuple[int, int], n: int, token_ids: torch.Tensor | None = None,
              token_patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Copy the staged inputs to the device (then token_ids over the first ids, or token_patch's
-        ids at its indices, device to device), run the step (its graph replayed, else eagerly) and return its logits (all the graph's:
-        the caller keeps its rows'); last_hidden: the first n tokens' hidden states."""
+        ids at its indices, device to device), run the step (its graph replayed, else eagerly) and
+        return its logits (all the graph's: the caller keeps its rows'); last_hidden: the first n
+        tokens' hidden states."""
         b = key[0]
         if self.use_graphs:
             host, dev = self.staged[b]

@@ -196,7 +196,7 @@ class LLMEngine:
             self.num_async_discarded += pending is not None
             drafts = getattr(self.proposer, "device_drafts", None)  # drafts still on the device
             patch = drafts.patch_for(batch) if drafts is not None else None
-            logits = self.runner.execute(batch) if patch is None else self.runner.execute(batch, patch)
+            logits = self.runner.execute(batch, *(() if patch is None else (patch,)))
             if patch is not None:
                 drafts.resolve(self.scheduler, batch)
             if self._all_greedy_single(batch, logits):

@@ -125,22 +125,21 @@ class ModelRunner:
         token_patch: (token indices, ids) on the device that replace the batch's input ids there
         (drafts still on the device: spec_decode/device_drafts.py); they lie in decode rows."""
         self.last_graph_key = None
+        patch = () if token_patch is None else (token_patch,)  # passed on only if given: wrappers keep their signatures
         if self.state_cache is not None:  # prefix caching: checkpoint saves and restores come first
             self.state_cache.apply_copies(batch)
         if self.graph_runner is not None:
             key = self.graph_runner.bucket_for(batch)
             if key is not None:
                 self.last_graph_key = key
-                logits = (self.graph_runner.execute(batch, key) if token_patch is None
-                          else self.graph_runner.execute(batch, key, token_patch))
+                logits = self.graph_runner.execute(batch, key, *patch)
                 if self.keep_hidden:
                     self._keep(batch, self.graph_runner.last_hidden)
                 return logits
             # prefill rows: a prefill graph (None: eager); aux states are read after each replay, which
             # both write from row 0 of the model's aux buffer
             aux = self.model.aux_out if self.keep_aux else None
-            logits = (self.graph_runner.execute_mixed(batch, self.keep_hidden, aux) if token_patch is None
-                      else self.graph_runner.execute_mixed(batch, self.keep_hidden, aux, token_patch))
+            logits = self.graph_runner.execute_mixed(batch, self.keep_hidden, aux, *patch)
             if logits is not None:
                 if self.keep_hidden:
                     self._keep(batch, self.graph_runner.last_hidden, aux_taken=aux is not None)

@@ -28,28 +28,27 @@ class DeviceDrafts:
         self.seq_ids: np.ndarray | None = None  # rows with drafts on the device, this step
         self.counts = np.zeros(0, dtype=np.int64)
         self.values: torch.Tensor | None = None  # [sum counts] int64 on the device, row after row
-        self.host: torch.Tensor | None = None  # their host copy (pinned on CUDA), valid after `ready`
-        self.ready: torch.cuda.Event | None = None  # recorded after the copy (None on the CPU)
+        self.host: torch.Tensor | None = None  # their host copy (pinned on CUDA), valid after `copied`
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None  # recorded after the copy
         self._pinned: torch.Tensor | None = None  # reused host buffer
-        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self._order: tuple | None = None  # (batch, _batch_order(batch)) from patch_for, for resolve
 
     def clear(self) -> None:
-        self.seq_ids, self.values, self.host, self.ready = None, None, None, None
+        self.seq_ids, self.values, self.host, self._order = None, None, None, None
 
     def hold(self, seq_ids: np.ndarray, counts: np.ndarray, values: torch.Tensor) -> None:
         """This step's drafts: row i (seq_ids[i]) has counts[i] of them in `values` (device int64,
         row after row); their copy to the host starts now, behind the work that computes them."""
         self.seq_ids, self.counts, self.values = np.asarray(seq_ids, np.int64), np.asarray(counts, np.int64), values
         n = values.shape[0]
-        if self.device.type == "cpu":
-            self.host, self.ready = values, None
+        if self.copied is None:  # the CPU: the values are the host's
+            self.host = values
             return
         if self._pinned is None or self._pinned.shape[0] < n:
             self._pinned = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
         self.host = self._pinned[:n]
         self.host.copy_(values, non_blocking=True)
-        self.ready = self._event
-        self.ready.record()
+        self.copied.record()
 
     def _batch_order(self, batch) -> tuple[np.ndarray, np.ndarray | None] | None:
         """(destination token index in the batch, index into values; None: values as they are) of
@@ -77,6 +76,7 @@ class DeviceDrafts:
         """(token indices, their ids) on the device for the runner to write over the batch's
         placeholders (ModelRunner.execute's token_patch); None: nothing to patch."""
         both = self._batch_order(batch)
+        self._order = (batch, both)
         if both is None:
             return None
         assert self.values is not None
@@ -88,12 +88,14 @@ class DeviceDrafts:
 
     def resolve(self, scheduler, batch) -> None:
         """The drafts' values into the scheduler's draft rows and the batch's input ids (after the
-        step's forward is launched: the wait is for the chain, which the forward follows)."""
-        both = self._batch_order(batch)
+        step's forward is launched with patch_for(batch): the wait is for the chain, which the
+        forward follows)."""
+        assert self._order is not None and self._order[0] is batch, "resolve() follows patch_for() of its batch"
+        both, self._order = self._order[1], None
         if both is None:
             return
-        if self.ready is not None:
-            self.ready.synchronize()
+        if self.copied is not None:
+            self.copied.synchronize()
         assert self.host is not None
         values = self.host.numpy() if both[1] is None else self.host.numpy()[both[1]]
         values = values.astype(np.int32)

@@ -81,11 +81,9 @@ class MtpProposer:
         self.graphs: HeadGraphs | None = None
         self.chain: DraftChain | None = None
         if g is not None and getattr(self.layer, "supports_cuda_graphs", True):
-            # the layer's input states: an EAGLE-3 head's own width, an MTP layer's the target's
-            width = getattr(getattr(self.layer, "config", None), "hidden_size", runner.config.hidden_size)
             self.set_graphs(HeadGraphs(self.layer, self.kv_cache, self.block_size, self.device, g.max_rows, g.max_q,
                                        g.width * self.block_size, catch_up_tokens=self.CATCH_UP_GRAPH_TOKENS,
-                                       prev_width=(width, self.layer.dtype)))
+                                       prev_width=self._input_width()))
 
     @property
     def drafting_module(self) -> Any:
@@ -97,11 +95,15 @@ class MtpProposer:
         and greedy rows' chained drafts through one DraftChain replay (None: all eager, step by
         step). On a CPU device the static-buffer paths run eagerly (tests)."""
         self.graphs = graphs
-        self.chain: DraftChain | None = None
+        self.chain = None
         if graphs is not None and self.k > 1:
-            width = getattr(getattr(self.layer, "config", None), "hidden_size", self.runner.config.hidden_size)
             self.chain = DraftChain(self.layer, self.kv_cache, self.block_size, self.device, graphs.buckets,
-                                    graphs.width, self.k - 1, (width, self.layer.dtype), graphs.pool)
+                                    graphs.width, self.k - 1, self._input_width(), graphs.pool)
+
+    def _input_width(self) -> tuple[int, torch.dtype]:
+        """(width, dtype) of the layer's input states: an EAGLE-3 head's own width, an MTP layer's the target's."""
+        width = getattr(getattr(self.layer, "config", None), "hidden_size", self.runner.config.hidden_size)
+        return width, self.layer.dtype
 
     @torch.inference_mode()
     def propose(self, scheduler: _C.Scheduler, view: _C.DecodeView, max_drafts: np.ndarray) -> None:

@@ -142,8 +142,8 @@ def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None) -> Graph
     """rows -> cost[d], d = 0..k, of a ModelRunner's graph-replayed steps: the measured replay of the
     rows' bucket graph of query length d + 1 (CudaGraphRunner.measure_step_costs, run here once),
     plus for d > 0 the device's host overhead, a fixed part and one per row (a step with drafts is
-    not launched ahead, so its host work is not hidden behind the GPU) and, with a drafting layer on graphs (drafter_graphs:
-    its HeadGraphs), d of its forwards (HeadGraphs.measure_forward_seconds, run here once: a
+    not launched ahead, so its host work is not hidden behind the GPU) and, with a drafting layer
+    on graphs (drafter_graphs: its HeadGraphs), d of its forwards (HeadGraphs.measure_forward_seconds, run here once: a
     catch-up and d - 1 chained drafts, each waited for). None when the runner replays no graphs."""
     graphs = getattr(runner, "graph_runner", None)
     if graphs is None or not graphs.use_graphs:
