@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--per-category", type=int, default=0,
                     help="N prompts of each Spec-Bench category, interleaved (0: the first --num-prompts)")
-    ap.add_argument("--eagle3", help="an EAGLE-3 head directory: adds method eagle3_adaptive")
+    ap.add_argument("--eagle3", help="an EAGLE-3 head directory: adds methods eagle3_adaptive and eagle3_fixed")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--capture", default="all", choices=["all", "lazy"],
                     help="all: every CUDA graph captured before the warm-up; lazy: on first use")
@@ -97,6 +97,8 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if args.eagle3:
         METHODS["eagle3_adaptive"] = ({"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": 4}, True)
+        METHODS["eagle3_fixed"] = ({"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": 4,
+                                    "adaptive_draft_length": False}, True)  # every step drafts: the drafting step's cost
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         ap.error(f"unknown --methods {unknown} (known: {sorted(METHODS)}; eagle3_adaptive needs --eagle3 DIR)")
