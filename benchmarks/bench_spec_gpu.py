@@ -168,6 +168,9 @@ def main() -> None:
                          "identical_to_plain": tokens == reference,
                          "graphs_captured_up_front": captured, "capture_s": round(capture_s, 2),
                          "graphs_captured_in_timed_run": (len(g.graphs) if g else 0) - graphs0}
+            va = getattr(llm.engine, "verify_ahead", None)
+            if va is not None:  # verify steps launched ahead (warm-up included), and those whose prediction held
+                row[name]["verify_ahead"] = {"launched": va.num_launched, "confirmed": va.num_confirmed}
             if batch == 1 and args.per_category:  # one request at a time: its own seconds
                 cat_tokens: dict = {}
                 for o, cat in zip(outs, categories):

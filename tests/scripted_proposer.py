@@ -26,6 +26,20 @@ class ScriptedProposer:
             drafts = list(self.script(seq_id, scheduler.token_ids(seq_id)))[:n]
             scheduler.set_draft_tokens(seq_id, drafts)
 
+    def predict(self, scheduler: Any, seq_ids: np.ndarray, drafts: np.ndarray, num_drafts: np.ndarray,
+                lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """PredictingProposer.predict: the script's drafts after the tokens and the drafts in flight."""
+        out = np.zeros((len(seq_ids), 1 + int(lengths.max(initial=0))), dtype=np.int32)
+        counts = np.zeros(len(seq_ids), dtype=np.int32)
+        starts = np.cumsum(num_drafts) - num_drafts
+        for i, (seq_id, s, d, n) in enumerate(zip(seq_ids.tolist(), starts.tolist(), num_drafts.tolist(),
+                                                  lengths.tolist())):
+            tokens = list(scheduler.token_ids(seq_id)) + drafts[s:s + d].tolist()
+            got = list(self.script(seq_id, tokens))[:1 + n]
+            out[i, :len(got)] = got
+            counts[i] = len(got)
+        return out, counts
+
     def forget(self, seq_ids: Sequence[int], finished: bool) -> None:
         pass
 

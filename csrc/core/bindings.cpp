@@ -37,6 +37,30 @@ const int32_t* nonempty(const IntArray& tokens) {
   return tokens.data();
 }
 
+// The rows of a step launched ahead of a verify step's result (pyengine/engine/verify_ahead.py):
+// for each running request seq_ids[i], whose drafts in flight are the next ext_counts[i] tokens of
+// ext, predict(seq, drafts, m, limit, out) writes up to limit = 1 + min(lengths[i], k) tokens that
+// would follow if all of them are accepted. Returns (tokens [rows, 1 + k], counts [rows]).
+template <typename Predict>
+py::tuple predict_rows(const Scheduler& s, const SeqIdArray& ids, const IntArray& ext, const IntArray& ext_counts,
+                       const IntArray& lengths, Predict predict) {
+  PE_CHECK(ids.size() == ext_counts.size() && ids.size() == lengths.size(),
+           "seq_ids, draft counts and lengths differ in length");
+  const int32_t k = s.config().num_spec_tokens;
+  py::array_t<int32_t> out({static_cast<py::ssize_t>(ids.size()), static_cast<py::ssize_t>(k + 1)});
+  py::array_t<int32_t> counts(ids.size());
+  int64_t used = 0;
+  for (py::ssize_t i = 0; i < ids.size(); ++i) {
+    const int32_t m = ext_counts.data()[i];
+    PE_CHECK(m >= 0 && used + m <= ext.size(), "draft counts exceed the drafts given");
+    const int32_t limit = 1 + std::clamp<int32_t>(lengths.data()[i], 0, k);
+    counts.mutable_data()[i] = static_cast<int32_t>(
+        predict(s.sequence(ids.data()[i]), ext.data() + used, m, limit, out.mutable_data() + i * (k + 1)));
+    used += m;
+  }
+  return py::make_tuple(out, counts);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -168,6 +192,27 @@ PYBIND11_MODULE(_C, m) {
              }
              s.set_draft_tokens_batch(ids.data(), counts.data(), ids.size(), flat.data(), used);
            }, py::arg("proposer"), py::arg("seq_ids"), py::arg("max_drafts"))
+      .def("predict_suffix", [](const Scheduler& s, SuffixProposer& p, SeqIdArray ids, IntArray drafts,
+                                IntArray num_drafts, IntArray lengths) {
+             return predict_rows(s, ids, drafts, num_drafts, lengths,
+                                 [&p](const Sequence& seq, const int32_t* ext, int32_t m, int32_t limit, int32_t* out) {
+                                   return p.predict(seq.seq_id, seq.token_ids.data(), seq.num_tokens(),
+                                                    seq.num_prompt_tokens, ext, m, limit, out);
+                                 });
+           }, py::arg("proposer"), py::arg("seq_ids"), py::arg("draft_token_ids"), py::arg("num_drafts"),
+           py::arg("lengths"))
+      .def("predict_ngram", [](const Scheduler& s, int32_t min_n, int32_t max_n, SeqIdArray ids, IntArray drafts,
+                               IntArray num_drafts, IntArray lengths) {
+             std::vector<int32_t> buf;
+             return predict_rows(s, ids, drafts, num_drafts, lengths,
+                                 [&](const Sequence& seq, const int32_t* ext, int32_t m, int32_t limit, int32_t* out) {
+                                   buf.assign(seq.token_ids.begin(), seq.token_ids.end());
+                                   buf.insert(buf.end(), ext, ext + m);
+                                   return propose_ngram_tokens(buf.data(), static_cast<int64_t>(buf.size()), min_n,
+                                                               max_n, limit, out);
+                                 });
+           }, py::arg("min_n"), py::arg("max_n"), py::arg("seq_ids"), py::arg("draft_token_ids"),
+           py::arg("num_drafts"), py::arg("lengths"))
       .def("decode_view", &Scheduler::decode_view)
       .def("token_ids_from", [](const Scheduler& s, SeqIdArray ids, SeqIdArray starts) {
              // Each request's committed tokens from starts[i] on, concatenated, and the row offsets.

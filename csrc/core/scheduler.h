@@ -27,8 +27,9 @@ struct SchedulerConfig {
   bool enable_chunked_prefill = true;
   int32_t num_spec_tokens = 0;    // k: the most drafts a row may carry
   int32_t drafter_lookahead = 0;  // KV positions a draft model writes past the verify tokens
-  // Async decode: a decode row without drafts also gets the block of its next position where one
-  // is free (never by preempting), so the step launched ahead finds its slot in the table.
+  // Async decode: a decode row also gets the blocks of the next step's positions where they are
+  // free (never by preempting; a verify row: 1 + num_spec_tokens of them, with a host-side
+  // proposer), so a step launched ahead finds its slots in the table.
   bool decode_lookahead = false;
   int32_t num_state_slots = 0;    // > 0 for hybrid models: each request holds 1 + k slots
   // Hybrid models with prefix caching: the recurrent state at every position that is a multiple of

@@ -38,14 +38,32 @@ Choice most_frequent(const SuffixHistory& history, const std::vector<SuffixHisto
 
 }  // namespace
 
-int32_t SuffixProposer::propose(int64_t seq_id, const int32_t* tokens, int64_t n, int64_t prompt_len, int32_t k,
-                                int32_t* out) {
+SuffixProposer::Request& SuffixProposer::index(int64_t seq_id, const int32_t* tokens, int64_t n, int64_t prompt_len) {
   Request& r = requests_[seq_id];
   if (r.history.size() == 0) r.prompt_len = prompt_len;
   for (int64_t p = r.history.size(); p < n; ++p) r.history.append(tokens[p], true);
+  return r;
+}
+
+int32_t SuffixProposer::propose(int64_t seq_id, const int32_t* tokens, int64_t n, int64_t prompt_len, int32_t k,
+                                int32_t* out) {
+  const Request& r = index(seq_id, tokens, n, prompt_len);
   if (k <= 0 || n == 0) return 0;
+  return chain(r, std::vector<int32_t>(tokens + n - std::min<int64_t>(n, config_.max_depth), tokens + n), k, out);
+}
+
+int32_t SuffixProposer::predict(int64_t seq_id, const int32_t* tokens, int64_t n, int64_t prompt_len,
+                                const int32_t* ext, int32_t m, int32_t k, int32_t* out) {
+  const Request& r = index(seq_id, tokens, n, prompt_len);
+  if (k <= 0 || n + m == 0) return 0;
+  const int64_t depth = config_.max_depth;
+  std::vector<int32_t> ctx(tokens + n - std::min<int64_t>(n, std::max<int64_t>(0, depth - m)), tokens + n);
+  ctx.insert(ctx.end(), ext + std::max<int64_t>(0, m - depth), ext + m);
+  return chain(r, std::move(ctx), k, out);
+}
+
+int32_t SuffixProposer::chain(const Request& r, std::vector<int32_t> ctx, int32_t k, int32_t* out) {
   const int32_t depth = config_.max_depth;
-  std::vector<int32_t> ctx(tokens + n - std::min<int64_t>(n, depth), tokens + n);
   const SuffixHistory* sources[3] = {&r.history, &recent_, &older_};
   for (int s = 0; s < 3; ++s) sources[s]->search(ctx.data(), static_cast<int64_t>(ctx.size()), depth, found_[s]);
   int32_t num = 0, cap = k;

@@ -35,6 +35,12 @@ class SuffixProposer {
   // prompt_len are its prompt), then write up to k drafts for its next position to out; returns
   // how many.
   int32_t propose(int64_t seq_id, const int32_t* tokens, int64_t n, int64_t prompt_len, int32_t k, int32_t* out);
+  // For a step launched before this one's result: the tokens that would follow tokens[0, n) and
+  // the in-flight drafts ext[0, m) if every draft is accepted (the first: the token the target is
+  // expected to add after them, then its drafts), up to k, written to out; returns how many.
+  // Indexes tokens[indexed, n) as propose does; ext is not committed and stays out of the index.
+  int32_t predict(int64_t seq_id, const int32_t* tokens, int64_t n, int64_t prompt_len, const int32_t* ext, int32_t m,
+                  int32_t k, int32_t* out);
   // The request left: a finished one's output joins the shared cache (two generations of about
   // max_cached_tokens / 2 tokens each: the older one is dropped when the newer fills); a preempted
   // one keeps its index (its committed tokens stay).
@@ -46,6 +52,10 @@ class SuffixProposer {
     SuffixHistory history;  // its committed tokens indexed so far
     int64_t prompt_len = 0;
   };
+
+  Request& index(int64_t seq_id, const int32_t* tokens, int64_t n, int64_t prompt_len);
+  // The draft chain after ctx (the last max_depth tokens of a context), up to k tokens.
+  int32_t chain(const Request& r, std::vector<int32_t> ctx, int32_t k, int32_t* out);
 
   SuffixConfig config_;
   std::unordered_map<int64_t, Request> requests_;

@@ -193,15 +193,10 @@ class CudaGraphRunner(PrefillGraphs):
     def bucket_for(self, batch) -> tuple[int, int] | None:
         """(bucket rows, q) when the step can replay a graph, else None."""
         rows = len(batch.context_lens)
-        if rows == 0 or rows > self.max_rows:
-            return None
         qsl = np.asarray(batch.query_start_loc)
         n = int(qsl[-1])
-        lens = np.diff(qsl)
-        q = int(lens.max())
-        if int(lens.min()) < 1 or q > self.max_q:
-            return None
-        if int(lens.min()) != q and not get_kernel_config().graph_ragged_verify:
+        key = self._key(rows, np.diff(qsl))
+        if key is None:
             return None
         li = np.asarray(batch.logits_indices)
         if len(li) != n or (n and (li[0] != 0 or li[-1] != n - 1)):
@@ -213,8 +208,18 @@ class CudaGraphRunner(PrefillGraphs):
             return None
         if self.state_cache is not None and int(batch.num_decode_rows) != rows:
             return None
-        b = next(x for x in self.buckets if x >= rows)
-        return b, q
+        return key
+
+    def _key(self, rows: int, lens: np.ndarray) -> tuple[int, int] | None:
+        """(bucket rows, q) of a step of `rows` rows with these query lengths, if a graph runs it."""
+        if rows == 0 or rows > self.max_rows:
+            return None
+        q = int(lens.max())
+        if int(lens.min()) < 1 or q > self.max_q:
+            return None
+        if int(lens.min()) != q and not get_kernel_config().graph_ragged_verify:
+            return None
+        return next(x for x in self.buckets if x >= rows), q
 
     def step_costs(self, rows: int) -> np.ndarray | None:
         """Seconds of one replay of the decode/verify graph of `rows`' bucket for query lengths
@@ -343,26 +348,50 @@ class CudaGraphRunner(PrefillGraphs):
         rows = len(batch.context_lens)
         if q != 1 or len(batch.input_ids) != rows or rows > b:
             return None
-        B = self.block_size
         pos = np.asarray(batch.positions, dtype=np.int64) + 1
         ctx = np.asarray(batch.context_lens, dtype=np.int32) + 1
-        if int(ctx.max()) > self.width * B:
-            return None
         # a copy: the batch's arrays are reused
         table = np.array(batch.block_tables if tables is None else tables, dtype=np.int32)
-        cols = pos // B
-        if int(cols.max()) >= table.shape[1] or table.shape[1] > self.width:
+        return self._launch(key, np.array(batch.seq_ids), np.arange(rows + 1), None, pos, ctx, table, token_ids)
+
+    @torch.inference_mode()
+    def launch_verify(self, seq_ids: np.ndarray, query_start_loc: np.ndarray, input_ids: np.ndarray,
+                      positions: np.ndarray, context_lens: np.ndarray, tables: np.ndarray) -> PendingStep | None:
+        """Launch a decode/verify step given in full on the host (verify ahead: its rows' tokens
+        and drafts predicted, positions, context lengths and block tables), replayed as its bucket's
+        graph. None (nothing launched) where no graph runs it or a row's table lacks a block."""
+        key = self._key(len(seq_ids), np.diff(query_start_loc))
+        if key is None:
             return None
-        blocks = table[np.arange(rows), cols]
+        pending = self._launch(key, seq_ids, query_start_loc, input_ids, positions, context_lens, tables)
+        if pending is not None:
+            pending.input_ids, pending.query_start_loc = input_ids, query_start_loc
+            pending.num_draft_tokens = np.diff(query_start_loc).astype(np.int32) - 1
+        return pending
+
+    def _launch(self, key: tuple[int, int], seq_ids: np.ndarray, query_start_loc: np.ndarray,
+                input_ids: np.ndarray | None, pos: np.ndarray, ctx: np.ndarray, table: np.ndarray,
+                token_ids: torch.Tensor | None = None) -> PendingStep | None:
+        """Stage and replay a step whose slots come from the rows' block tables (None where a
+        position's block is missing or the step does not fit the graphs)."""
+        B, rows = self.block_size, len(seq_ids)
+        if int(ctx.max()) > self.width * B or table.shape[1] > self.width:
+            return None
+        cols = pos // B
+        if int(cols.max()) >= table.shape[1]:
+            return None
+        row_of = np.repeat(np.arange(rows), np.diff(query_start_loc))
+        blocks = table[row_of, cols]
         if (blocks < 0).any():  # -1: no block there yet
             return None
         slots = blocks.astype(np.int64) * B + pos % B
-        seq_ids = np.array(batch.seq_ids)
         if self.use_graphs and key not in self.graphs:
             return None
-        self._stage(key, rows, np.arange(rows + 1), None, pos, slots, ctx, table)
-        logits = self._run(key, rows, token_ids)[:rows]
-        return PendingStep(key, logits, seq_ids, pos, slots, ctx, table, cols + 1)
+        n = int(query_start_loc[rows])
+        self._stage(key, rows, query_start_loc, input_ids, pos, slots, ctx, table)
+        logits = self._run(key, n, token_ids)[:n]
+        num_blocks = (ctx.astype(np.int64) - 1) // B + 1  # the table entries each row's context spans
+        return PendingStep(key, logits, seq_ids, pos, slots, ctx, table, num_blocks)
 
     @torch.inference_mode()
     def execute(self, batch, key: tuple[int, int],

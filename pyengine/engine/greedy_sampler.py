@@ -60,7 +60,12 @@ class GreedySampler:
         LLMEngine._sample gives them: row r's num_logits[r] logits rows start its 1 + d_r target
         positions (d_r its drafts, none for prefill rows); first_bad None when every logits row
         that gave a token was finite, else per row the first of its tokens whose was not (-1: none)."""
-        _, host, fin_host, ready = self.start(logits)
+        return self.accept(batch, *self.start(logits)[1:])
+
+    def accept(self, batch, host: torch.Tensor, fin_host: torch.Tensor,
+               ready: torch.cuda.Event | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """verify() after start(logits) (host, fin_host, ready: what start returned): the engine
+        may launch the next step between the two."""
         if ready is not None:
             ready.synchronize()
         target = host.numpy()

@@ -28,6 +28,12 @@ step would see (a step without drafts teaches the policy only that its rows foun
 first), and the next step proposes with that plan. Proposers that read the target's hidden states
 (MTP, EAGLE-3) get a copy of this step's (ModelRunner.hold_hidden: the launched replay overwrites
 the graphs' buffers), and a launched step that is used leaves its own (adopt_launched).
+
+A greedy verify step with a proposer on the host (ngram, suffix) launches the next verify step
+ahead, its tokens and drafts predicted as if every row accepts all its drafts (verify ahead,
+pyengine/engine/verify_ahead.py); the next step proposes nothing and takes the predicted drafts
+when this step committed the predicted tokens, and the scheduler's batch must again be exactly the
+launched one.
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
 from pyengine.spec_decode.rejection_sampler import RejectionSampler
 from pyengine.engine.sampler import RequestGenerators
 from pyengine.engine.step_records import TokenTexts, record_logits, record_logprobs
+from pyengine.engine.verify_ahead import VerifyAhead
 from pyengine.sampling_params import SamplingParams
 from pyengine.spec_decode.config import SpeculativeConfig
 from pyengine.spec_decode.draft_length import DraftLengthPolicy
@@ -122,6 +129,11 @@ class LLMEngine:
         self.num_async_discarded = 0  # launched forwards whose step was not the predicted one
         self.greedy = GreedySampler(cfg.max_num_seqs)  # all-greedy steps: argmax where the logits are
         self._next_plan: tuple[np.ndarray, np.ndarray] | None = None  # (seq ids, draft lengths) planned ahead
+        self._lengths: tuple[np.ndarray, np.ndarray] | None = None  # (seq ids, the last plan's draft lengths)
+        # verify ahead (module docstring): graph steps, no recurrent state, a proposer that predicts
+        graphs = runner.graph_runner
+        self.verify_ahead = VerifyAhead() if (
+            self.decode_lookahead and graphs.state_cache is None and hasattr(self.proposer, "predict")) else None
         self._observed = False  # this step's rows were shown to the draft-length policy already
         self.num_logprob_requests = 0  # unfinished requests that asked for logprobs
         self.token_texts = TokenTexts(tokenizer)  # token id -> its text, for Logprob.decoded_token
@@ -191,7 +203,10 @@ class LLMEngine:
             self.num_async_steps += 1
             self.runner.adopt_launched(batch, pending.key)
             logits = pending.logits
-            tokens, counts, first_bad = self._sample_greedy(batch, logits, pending.key)
+            if batch.num_draft_tokens.any():  # verify ahead
+                tokens, counts, first_bad = self._verify_greedy(batch, logits, pending.key)
+            else:
+                tokens, counts, first_bad = self._sample_greedy(batch, logits, pending.key)
         else:
             self.num_async_discarded += pending is not None
             drafts = getattr(self.proposer, "device_drafts", None)  # drafts still on the device
@@ -202,7 +217,7 @@ class LLMEngine:
             if self._all_greedy_single(batch, logits):
                 tokens, counts, first_bad = self._sample_greedy(batch, logits, self.runner.last_graph_key)
             elif self._all_greedy(batch):
-                tokens, counts, first_bad = self.greedy.verify(batch, logits)
+                tokens, counts, first_bad = self._verify_greedy(batch, logits, self.runner.last_graph_key)
             else:
                 tokens, counts, first_bad = self._sample(batch, logits)
         if first_bad is not None:
@@ -213,6 +228,10 @@ class LLMEngine:
             if self._pending is not None:
                 self._pending = None
                 self.num_async_discarded += 1
+        elif (self._pending is not None and self._pending.expected is not None
+              and not self.verify_ahead.confirm(self._pending, tokens, counts)):
+            self._pending = None  # launched for tokens this step did not commit
+            self.num_async_discarded += 1
         num_committed, reasons = self.scheduler.update(tokens, counts)
         if first_bad is not None:
             num_committed[filler_rows] = 0  # a filler token is not output
@@ -241,6 +260,13 @@ class LLMEngine:
         view = self.scheduler.decode_view()
         if not view.num_rows:
             return
+        pending = self._pending
+        if pending is not None and pending.drafts is not None:  # verify ahead, confirmed
+            if np.array_equal(view.seq_ids, pending.seq_ids):
+                self.scheduler.set_draft_tokens_batch(pending.seq_ids, *pending.drafts)
+                return
+            self._pending = None
+            self.num_async_discarded += 1
         plan, self._next_plan = self._next_plan, None
         if self.draft_length is None:
             max_drafts = np.full(view.num_rows, self.k, dtype=np.int32)
@@ -251,6 +277,7 @@ class LLMEngine:
                 self._pending = None
                 self.num_async_discarded += 1
             max_drafts = self.draft_length.draft_lengths(view.request_slots, view.seq_ids, self._can_finish_last(view))
+        self._lengths = (np.array(view.seq_ids), max_drafts)
         self.proposer.propose(self.scheduler, view, max_drafts)
 
     @staticmethod
@@ -326,6 +353,30 @@ class LLMEngine:
         finite = fin_host.numpy()
         first_bad = None if finite.all() else np.where(finite, -1, 0).astype(np.int64)
         return tokens, np.ones(batch.num_rows, dtype=np.int32), first_bad
+
+    def _verify_greedy(self, batch, logits: torch.Tensor,
+                       key: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """GreedySampler.verify, with the next verify step launched ahead between its start and its
+        wait where it may be (verify ahead, module docstring)."""
+        started = self.greedy.start(logits)[1:]
+        if key is not None and self._may_launch_verify(batch):
+            self._pending = self.verify_ahead.launch(self.scheduler, self.proposer, self.runner.graph_runner, batch,
+                                                    self._lengths[1])
+        return self.greedy.accept(batch, *started)
+
+    def _may_launch_verify(self, batch) -> bool:
+        """Launch the next verify step now? A step of decode / verify rows with drafts, as
+        _may_launch_next asks of a decode step (no recorded logits or logprobs, no request that
+        can be admitted), its rows those of the last plan, and predictions holding of late."""
+        if self.verify_ahead is None or self.cfg.record_logits or self.num_logprob_requests:
+            return False
+        if batch.num_decode_rows != batch.num_rows or not batch.num_draft_tokens.any():
+            return False
+        if self.scheduler.num_waiting and self.scheduler.num_running < self.cfg.max_num_seqs:
+            return False
+        if self._lengths is None or not np.array_equal(self._lengths[0], batch.seq_ids):
+            return False
+        return self.verify_ahead.worth_trying()
 
     def _may_launch_next(self, batch, key: tuple[int, int]) -> bool:
         """Launch the next decode step now? Only where it is likely to be the step the scheduler

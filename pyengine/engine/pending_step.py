@@ -1,5 +1,6 @@
-"""A decode step launched ahead (async decode, CudaGraphRunner.launch_next): what it ran with, and
-the test that the scheduler's next batch is that step."""
+"""A step launched ahead (async decode, CudaGraphRunner.launch_next; a verify step after a verify
+step, pyengine/engine/verify_ahead.py): what it ran with, and the test that the scheduler's next
+batch is that step."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,12 +22,19 @@ class PendingStep:
     block_tables: np.ndarray
     num_blocks: np.ndarray  # per row, the table entries its forward read (its context's blocks)
     input_ids: np.ndarray | None = field(default=None)  # the launching step's tokens, once the host has them
+    query_start_loc: np.ndarray | None = field(default=None)  # None: one token per row
+    num_draft_tokens: np.ndarray | None = field(default=None)  # None: none
+    # verify ahead: the tokens and counts per row the launching step must commit for this step to
+    # follow, and the drafts per row (flat, counts) the scheduler is given for it
+    expected: tuple[np.ndarray, np.ndarray] | None = field(default=None)
+    drafts: tuple[np.ndarray, np.ndarray] | None = field(default=None)
 
     def matches(self, batch) -> bool:
         """Is `batch` exactly the step that was launched (rows, order and every input the forward
         reads, of the block tables each row's context blocks: a table may have gained a block past
         them since, the next step's lookahead)? Then its logits are the ones this batch would compute."""
         rows = len(self.seq_ids)
+        drafts = batch.num_draft_tokens
         return (self.input_ids is not None and batch.num_rows == rows and batch.num_decode_rows == rows
                 and np.array_equal(batch.seq_ids, self.seq_ids)
                 and np.array_equal(batch.input_ids, self.input_ids)
@@ -34,7 +42,9 @@ class PendingStep:
                 and np.array_equal(batch.slot_mapping, self.slot_mapping)
                 and np.array_equal(batch.context_lens, self.context_lens)
                 and self._same_blocks(np.asarray(batch.block_tables))
-                and not batch.num_draft_tokens.any())
+                and (not drafts.any() if self.num_draft_tokens is None
+                     else np.array_equal(drafts, self.num_draft_tokens)
+                     and np.array_equal(batch.query_start_loc, self.query_start_loc)))
 
     def _same_blocks(self, tables: np.ndarray) -> bool:
         need = int(self.num_blocks.max(initial=0))

@@ -18,5 +18,10 @@ class NgramProposer:
     def propose(self, scheduler: _C.Scheduler, view: _C.DecodeView, max_drafts: np.ndarray) -> None:
         scheduler.propose_ngram(self.min_n, self.max_n, view.seq_ids, max_drafts)
 
+    def predict(self, scheduler: _C.Scheduler, seq_ids: np.ndarray, drafts: np.ndarray, num_drafts: np.ndarray,
+                lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Proposer.predict: the lookup over the tokens and the drafts in flight."""
+        return scheduler.predict_ngram(self.min_n, self.max_n, seq_ids, drafts, num_drafts, lengths)
+
     def forget(self, seq_ids: Sequence[int], finished: bool) -> None:
         """Nothing to forget: the lookup keeps no state between steps."""

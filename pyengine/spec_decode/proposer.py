@@ -24,6 +24,18 @@ class Proposer(Protocol):
         ...
 
 
+class PredictingProposer(Proposer, Protocol):
+    """A proposer on the host (ngram, suffix) that can also draft for the step after the one in
+    flight, as if every row accepts all its drafts (pyengine/engine/verify_ahead.py)."""
+
+    def predict(self, scheduler: _C.Scheduler, seq_ids: np.ndarray, drafts: np.ndarray, num_drafts: np.ndarray,
+                lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows seq_ids carry num_drafts[i] drafts in flight (the next ones of drafts, int32). Per
+        row up to 1 + lengths[i] tokens that would follow them: the token the target is expected to
+        add after them, then drafts. Returns (tokens [rows, 1 + k] int32, counts [rows])."""
+        ...
+
+
 def build_proposer(spec: SpeculativeConfig, runner: Any, get_request: Callable[[int], Any], seed: int,
                    max_model_len: int, draft: tuple | None = None) -> Proposer:
     """The proposer for spec.method. runner: the target's ModelRunner (a draft model shares its

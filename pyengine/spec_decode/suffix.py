@@ -20,6 +20,11 @@ class SuffixProposer:
     def propose(self, scheduler: _C.Scheduler, view: _C.DecodeView, max_drafts: np.ndarray) -> None:
         scheduler.propose_suffix(self.impl, view.seq_ids, max_drafts)
 
+    def predict(self, scheduler: _C.Scheduler, seq_ids: np.ndarray, drafts: np.ndarray, num_drafts: np.ndarray,
+                lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Proposer.predict: the chain after the drafts in flight."""
+        return scheduler.predict_suffix(self.impl, seq_ids, drafts, num_drafts, lengths)
+
     def forget(self, seq_ids: Sequence[int], finished: bool) -> None:
         """A finished request's tokens join the shared cache; a preempted one keeps its index."""
         for seq_id in seq_ids:

@@ -1,0 +1,96 @@
+"""Verify ahead: a greedy verify step launches the NEXT verify step before it has its own result.
+
+With a proposer on the host (ngram, suffix) a row's next drafts depend on this step only through
+the tokens it commits. Assume every row accepts all its drafts, then the token its proposer
+expects after them (PredictingProposer.predict: the draft chain continued past the drafts in
+flight); the next step follows: each row's predicted token and up to as many drafts as this
+step's plan gave it, at the positions after this step's, in the blocks the scheduler reserved
+(SchedulerConfig.decode_lookahead). It is launched on its graph before this step's wait, so the
+GPU runs it while the host commits this step and schedules the next.
+
+It is used only if this step commits exactly the predicted tokens (confirm), the next step's
+decode rows are the same, the scheduler is handed the predicted drafts as those rows' drafts, and
+its batch then equals the launched one (PendingStep.matches); otherwise it is discarded, as a
+decode step launched ahead is (pyengine/engine/llm_engine.py). Outputs do not change: a greedy
+verify step commits the target's argmax continuation whatever the drafts, and a used step is the
+step the scheduler asks for. Its K/V writes lie past every row's committed tokens, in blocks the
+row holds alone, so a discarded one is overwritten before anything reads there.
+
+A wrong prediction costs a replay that the real step queues behind; a right one hides the host's
+part of a step. Launches go on while at least HIT_RATE of recent predictions held (decayed
+counts); below it, one chance in PROBE_EVERY still launches, to keep the estimate current.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pyengine.engine.pending_step import PendingStep
+from pyengine.spec_decode.proposer import PredictingProposer
+
+
+class VerifyAhead:
+    HIT_RATE = 0.4
+    PROBE_EVERY = 16
+    DECAY = 0.9
+
+    def __init__(self) -> None:
+        self.tries = self.hits = 1.0  # decayed counts of checked predictions; optimistic start
+        self.chances = 0  # chances passed up since the last launch (below HIT_RATE)
+        self.num_launched = self.num_confirmed = 0
+
+    def worth_trying(self) -> bool:
+        if self.hits >= self.HIT_RATE * self.tries:
+            return True
+        self.chances += 1
+        if self.chances < self.PROBE_EVERY:
+            return False
+        self.chances = 0
+        return True
+
+    def launch(self, scheduler, proposer: PredictingProposer, graph_runner, batch,
+               lengths: np.ndarray) -> PendingStep | None:
+        """Predict and launch the step after `batch` (its rows all decode / verify rows, lengths:
+        the most drafts this step's plan gave each row). None: nothing launched (a row the next
+        step would not run, no prediction for a row, or no graph / block for the step)."""
+        rows = batch.num_rows
+        d = np.asarray(batch.num_draft_tokens, dtype=np.int32)
+        left = np.asarray(batch.tokens_left, dtype=np.int64) - d - 1  # after all drafts and the next token
+        if (left < 1).any():
+            return None
+        seq_ids = np.array(batch.seq_ids)
+        cu = np.cumsum(d) - d
+        starts = np.asarray(batch.query_start_loc, dtype=np.int64)[:-1] + 1
+        drafts = np.asarray(batch.input_ids)[np.arange(int(d.sum())) + np.repeat(starts - cu, d)].astype(np.int32)
+        limit = np.minimum(np.asarray(lengths, dtype=np.int64), left - 1).astype(np.int32)
+        pred, counts = proposer.predict(scheduler, seq_ids, drafts, d, limit)
+        if (counts < 1).any():
+            return None
+        qsl = np.zeros(rows + 1, dtype=np.int64)
+        qsl[1:] = np.cumsum(counts)
+        take = np.arange(pred.shape[1])[None, :] < counts[:, None]
+        first = np.asarray(batch.context_lens, dtype=np.int64)  # each row's next position
+        positions = np.repeat(first - qsl[:-1], counts) + np.arange(int(qsl[-1]))
+        pending = graph_runner.launch_verify(seq_ids, qsl, pred[take].astype(np.int64), positions,
+                                             (first + counts).astype(np.int32), scheduler.block_tables(seq_ids))
+        if pending is None:
+            return None
+        self.num_launched += 1
+        # this step must commit each row's drafts and then its predicted token
+        expected = np.empty(int(d.sum()) + rows, dtype=np.int32)
+        ends = np.cumsum(d + 1) - 1
+        expected[ends] = pred[:, 0]
+        expected[np.setdiff1d(np.arange(len(expected)), ends, assume_unique=True)] = drafts
+        pending.expected = (expected, d + 1)
+        take[:, 0] = False
+        pending.drafts = (pred[take], (counts - 1).astype(np.int32))
+        return pending
+
+    def confirm(self, pending: PendingStep, tokens: np.ndarray, counts: np.ndarray) -> bool:
+        """Did the launching step commit what `pending` was predicted from (tokens and counts per
+        row, as the sampler gives them)?"""
+        expected, expected_counts = pending.expected
+        ok = np.array_equal(counts, expected_counts) and np.array_equal(tokens, expected)
+        self.tries = self.DECAY * self.tries + 1.0
+        self.hits = self.DECAY * self.hits + ok
+        self.num_confirmed += ok
+        return ok

@@ -1,0 +1,210 @@
+"""Verify ahead (pyengine/engine/verify_ahead.py): a greedy verify step launches the next verify
+step, its tokens and drafts predicted as if every row accepts all its drafts. Run on the CPU
+through the graph runner's padded path (there the "launch" computes at once), so the prediction,
+the confirmation, the match and every discard path run: outputs must equal plain decoding's, token
+for token and finish reason for finish reason, with ngram and suffix, fixed and adaptive lengths,
+1-3 rows, block sizes 2 / 16 (launched steps that cross blocks), stop ids and strings, ragged
+max_tokens, and preemption."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pyengine import LLM, SamplingParams
+from pyengine.engine.cuda_graph_runner import CudaGraphRunner
+from pyengine.engine.llm_engine import LLMEngine
+from tests.test_spec_decode import make_prompts
+from tests.tiny_models import make_checkpoint
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny_llama_verify_ahead"))
+    make_checkpoint("llama_gqa_untied", path)
+    return path
+
+
+def graph_llm(tiny: str, spec: dict | None, **kw) -> LLM:
+    """An LLM whose runner has the graph runner's padded path (q up to K + 1), its engine made
+    after it as on a GPU: the scheduler then reserves the next step's blocks."""
+    llm = LLM(model=tiny, device="cpu", speculative_config=spec, **kw)
+    e = llm.engine
+    r = e.runner
+    r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, r.block_size, r.device, e.cfg.max_num_seqs, K + 1,
+                                     e.cfg.max_model_len + K + 1 + r.block_size)
+    llm.engine = LLMEngine(r, e.model_config, e.tokenizer, e.cfg, draft_model=e.draft_model)
+    return llm
+
+
+def outputs(llm: LLM, prompts, params) -> list[tuple]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text, o.error) for o in outs]
+
+
+def looping_prompt() -> list[int]:
+    # the tiny random model falls into a short loop on this one, so the proposers predict well
+    return make_prompts(2, seed=5)[0]
+
+
+@pytest.mark.parametrize("method", ["suffix", "ngram"])
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("block_size", [16, 2])
+def test_verify_ahead_equals_plain(tiny: str, method: str, adaptive: bool, block_size: int) -> None:
+    """The real proposers' predictions on a looping continuation: nearly every verify step is
+    launched by the one before, and the tokens are plain decoding's."""
+    prompts = [looping_prompt()]
+    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    plain = outputs(LLM(model=tiny, device="cpu", block_size=block_size), prompts, params)
+    spec = {"method": method, "num_speculative_tokens": K, "adaptive_draft_length": adaptive,
+            "prompt_lookup_min": 1, "prompt_lookup_max": 3, "step_cost": (1.0, 0.01)}
+    llm = graph_llm(tiny, spec, block_size=block_size)
+    assert outputs(llm, prompts, params) == plain
+    va = llm.engine.verify_ahead
+    assert va.num_confirmed >= 10, (va.num_launched, va.num_confirmed)
+    assert llm.engine.num_async_steps >= va.num_confirmed
+
+
+def oracle(prompts, answers, wrong_every: int):
+    """A script drafting each request's plain continuation, wrong at every wrong_every-th position."""
+    def script(seq_id: int, tokens: list[int]) -> list[int]:
+        for prompt, answer in zip(prompts, answers):
+            n = len(tokens) - len(prompt)
+            if tokens[:len(prompt)] == list(prompt) and 0 <= n < len(answer):
+                return [(t + 1) % 96 if (n + j) % wrong_every == wrong_every - 1 else t
+                        for j, t in enumerate(answer[n:n + K + 1])]
+        return []
+    return script
+
+
+@pytest.mark.parametrize("rows,block_size", [(1, 16), (3, 2), (3, 16)])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_verify_ahead_with_an_oracle(tiny: str, rows: int, block_size: int, adaptive: bool) -> None:
+    """Drafts and predictions from the plain continuation, wrong at every 9th position: launched
+    steps are used where every row's prediction held and discarded elsewhere; 3 rows of ragged
+    lengths; tokens equal plain decoding's."""
+    from tests.scripted_proposer import ScriptedProposer
+
+    prompts = make_prompts(rows, seed=rows)
+    params = [SamplingParams(temperature=0, max_tokens=30 + 9 * i, ignore_eos=True) for i in range(rows)]
+    plain = outputs(LLM(model=tiny, device="cpu", block_size=block_size), prompts, params)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "adaptive_draft_length": adaptive,
+            "step_cost": (1.0, 0.01)}
+    llm = graph_llm(tiny, spec, block_size=block_size, max_num_seqs=rows)
+    llm.engine.proposer = ScriptedProposer(oracle(prompts, [p[0] for p in plain], 9))
+    assert outputs(llm, prompts, params) == plain
+    va = llm.engine.verify_ahead
+    assert va.num_confirmed > 0 and va.num_launched > va.num_confirmed, (va.num_launched, va.num_confirmed)
+
+
+def test_verify_ahead_stops_and_preemption(tiny: str) -> None:
+    """Stop ids and strings end rows at steps a prediction does not know of; a small KV pool
+    preempts rows (the blocks reserved ahead are optional: they never preempt anyone)."""
+    prompts = make_prompts(10, seed=5)
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = outputs(LLM(model=tiny, device="cpu", block_size=4), prompts, free)
+    params = []
+    for i, (toks, _, text, _) in enumerate(base):
+        if i % 3 == 0:
+            params.append(SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[toks[11]]))
+        elif i % 3 == 1:
+            words = text.split()
+            params.append(SamplingParams(temperature=0, max_tokens=40, stop=[words[min(13, len(words) - 1)]]))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=20 + 5 * i, ignore_eos=True))
+    plain = outputs(LLM(model=tiny, device="cpu", block_size=4), prompts, params)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "adaptive_draft_length": False}
+    llm = graph_llm(tiny, spec, block_size=4, max_num_seqs=4, num_kv_blocks=22, max_model_len=128)
+    from tests.scripted_proposer import ScriptedProposer
+    llm.engine.proposer = ScriptedProposer(oracle(prompts, [p[0] for p in base], 11))
+    assert outputs(llm, prompts, params) == plain
+    assert any(p[1] == "stop" for p in plain)
+    assert llm.stats()["num_preemptions"] > 0
+    assert llm.engine.verify_ahead.num_confirmed > 0
+
+
+def test_a_wrong_prediction_is_never_used(tiny: str) -> None:
+    """Predictions whose token after the drafts is always wrong: every launched step is discarded
+    (none confirmed), the outputs stay plain decoding's, and the launches stop below the hit rate
+    but for the probes."""
+    prompts = [looping_prompt()]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    plain = outputs(LLM(model=tiny, device="cpu"), prompts, params)
+    llm = graph_llm(tiny, {"method": "suffix", "num_speculative_tokens": K, "adaptive_draft_length": False})
+    va, proposer = llm.engine.verify_ahead, llm.engine.proposer
+    predict = proposer.predict
+
+    def wrong(*args):
+        tokens, counts = predict(*args)
+        tokens = tokens.copy()
+        tokens[:, 0] = (tokens[:, 0] + 1) % 96
+        return tokens, counts
+
+    proposer.predict = wrong
+    assert outputs(llm, prompts, params) == plain
+    assert va.num_launched > 0 and va.num_confirmed == 0
+    steps = llm.stats()["num_steps"]
+    assert va.num_launched <= 4 + steps // va.PROBE_EVERY, (va.num_launched, steps)
+
+
+def test_predict_continues_past_the_drafts(tiny: str) -> None:
+    """Scheduler.predict_suffix / predict_ngram: the chain after the tokens and the drafts in
+    flight, its first token the one after the drafts."""
+    from pyengine import _C
+
+    sc = _C.SchedulerConfig()
+    sc.num_spec_tokens, sc.max_model_len, sc.block_size, sc.num_kv_blocks = 4, 64, 4, 16
+    sc.max_num_seqs, sc.max_num_batched_tokens = 2, 64
+    s = _C.Scheduler(sc)
+    tokens = [5, 6, 7, 8, 9, 10, 11, 5, 6]
+    s.add_request(0, tokens, 30)
+    s.schedule()
+    s.update(np.array([7], dtype=np.int32), np.array([1], dtype=np.int32))  # ... 5 6 7 committed
+    ids, drafts, counts = np.array([0]), np.array([8, 9], dtype=np.int32), np.array([2], dtype=np.int32)
+    suffix = _C.SuffixProposer()
+    for got in (s.predict_suffix(suffix, ids, drafts, counts, np.array([2], dtype=np.int32)),
+                s.predict_ngram(1, 3, ids, drafts, counts, np.array([2], dtype=np.int32))):
+        pred, n = got
+        assert n.tolist() == [3] and pred[0, :3].tolist() == [10, 11, 5]
+    # lengths cap the drafts after the predicted token
+    pred, n = s.predict_ngram(1, 3, ids, drafts, counts, np.array([0], dtype=np.int32))
+    assert n.tolist() == [1] and pred[0, 0] == 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["suffix", "ngram"])
+def test_verify_ahead_gpu_smollm2(method: str) -> None:
+    """On CUDA graphs with SmolLM2 (bf16): verify steps launched ahead and used, tokens identical
+    to plain decoding's at batch 1 and 4."""
+    import os
+
+    from pyengine.loader import default_model_path
+
+    path = os.environ.get("PYENGINE_SMOLLM2_GGUF")
+    if not path:
+        try:
+            path = default_model_path()
+        except ValueError as exc:
+            pytest.skip(str(exc))
+    texts = ["Repeat after me three times: the quick brown fox jumps over the lazy dog.",
+             "Copy this list exactly: apples, pears, plums, cherries, grapes, lemons, limes.",
+             "Write a short poem about the sea.", "Count from one to twenty in words."]
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    plain = LLM(model=path, device="cuda", num_kv_blocks=1024)
+    convs = [[{"role": "user", "content": t}] for t in texts]
+    ref = [o.outputs[0].token_ids for o in plain.chat(convs, params, use_tqdm=False)]
+    del plain
+    for batch in (1, 4):
+        llm = LLM(model=path, device="cuda", num_kv_blocks=1024, max_num_seqs=batch,
+                  speculative_config={"method": method, "num_speculative_tokens": K})
+        got = [o.outputs[0].token_ids for o in llm.chat(convs, params, use_tqdm=False)]
+        assert got == ref
+        va = llm.engine.verify_ahead
+        print(f"{method} batch {batch}: launched {va.num_launched}, confirmed {va.num_confirmed}")
+        if batch == 1:
+            assert va.num_confirmed > 0
+        del llm
+        torch.cuda.empty_cache()
