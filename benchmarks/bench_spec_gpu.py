@@ -54,6 +54,7 @@ def time_steps(llm: LLM, per_request: dict) -> dict:
 
     def timed() -> list:
         verify0, prefill0 = engine.scheduler.stats()["num_verify_rows"], engine.counters["prefill_tokens"]
+        used0 = engine.verify_ahead.num_used if engine.verify_ahead is not None else 0
         mixed0 = graphs.num_mixed if graphs else 0
         start = time.perf_counter()
         out = step()
@@ -62,6 +63,7 @@ def time_steps(llm: LLM, per_request: dict) -> dict:
         kind = "graph" if graphed else "eager"
         kind += "_prefill" if engine.counters["prefill_tokens"] > prefill0 else ""
         kind += "_drafts" if engine.scheduler.stats()["num_verify_rows"] > verify0 else ""
+        kind += "_ahead" if engine.verify_ahead is not None and engine.verify_ahead.num_used > used0 else ""
         k = kinds.setdefault(kind, {"steps": 0, "seconds": 0.0})
         k["steps"] += 1
         k["seconds"] += seconds
@@ -147,6 +149,8 @@ def main() -> None:
             llm.chat(mirrored, params, use_tqdm=False)
             replays0, steps0, async0 = g.num_replays if g else 0, llm.stats()["num_steps"], llm.engine.num_async_steps
             graphs0 = len(g.graphs) if g else 0
+            va = getattr(llm.engine, "verify_ahead", None)
+            va0 = (va.num_launched, va.num_confirmed, va.num_used) if va is not None else None
             per_request: dict = {}
             kinds = time_steps(llm, per_request)
             sync()
@@ -168,9 +172,9 @@ def main() -> None:
                          "identical_to_plain": tokens == reference,
                          "graphs_captured_up_front": captured, "capture_s": round(capture_s, 2),
                          "graphs_captured_in_timed_run": (len(g.graphs) if g else 0) - graphs0}
-            va = getattr(llm.engine, "verify_ahead", None)
-            if va is not None:  # verify steps launched ahead (warm-up included), and those whose prediction held
-                row[name]["verify_ahead"] = {"launched": va.num_launched, "confirmed": va.num_confirmed}
+            if va is not None:  # verify steps launched ahead in the timed run, whose prediction held, used
+                row[name]["verify_ahead"] = {"launched": va.num_launched - va0[0], "confirmed": va.num_confirmed - va0[1],
+                                             "used": va.num_used - va0[2]}
             if batch == 1 and args.per_category:  # one request at a time: its own seconds
                 cat_tokens: dict = {}
                 for o, cat in zip(outs, categories):

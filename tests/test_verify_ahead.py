@@ -63,15 +63,18 @@ def test_verify_ahead_equals_plain(tiny: str, method: str, adaptive: bool, block
     llm = graph_llm(tiny, spec, block_size=block_size)
     assert outputs(llm, prompts, params) == plain
     va = llm.engine.verify_ahead
-    assert va.num_confirmed >= 10, (va.num_launched, va.num_confirmed)
-    assert llm.engine.num_async_steps >= va.num_confirmed
+    assert va.num_used >= 10, (va.num_launched, va.num_confirmed, va.num_used)
+    assert llm.engine.num_async_steps >= va.num_used
 
 
-def oracle(prompts, answers, wrong_every: int):
-    """A script drafting each request's plain continuation, wrong at every wrong_every-th position."""
+def oracle(prompts, answers, wrong_every: int, gap: int = 0):
+    """A script drafting each request's plain continuation, wrong at every wrong_every-th position
+    (and with gap: nothing at every gap-th position)."""
     def script(seq_id: int, tokens: list[int]) -> list[int]:
         for prompt, answer in zip(prompts, answers):
             n = len(tokens) - len(prompt)
+            if gap and n % gap == gap - 1:
+                continue
             if tokens[:len(prompt)] == list(prompt) and 0 <= n < len(answer):
                 return [(t + 1) % 96 if (n + j) % wrong_every == wrong_every - 1 else t
                         for j, t in enumerate(answer[n:n + K + 1])]
@@ -96,7 +99,7 @@ def test_verify_ahead_with_an_oracle(tiny: str, rows: int, block_size: int, adap
     llm.engine.proposer = ScriptedProposer(oracle(prompts, [p[0] for p in plain], 9))
     assert outputs(llm, prompts, params) == plain
     va = llm.engine.verify_ahead
-    assert va.num_confirmed > 0 and va.num_launched > va.num_confirmed, (va.num_launched, va.num_confirmed)
+    assert va.num_used > 0 and va.num_launched > va.num_confirmed, (va.num_launched, va.num_confirmed, va.num_used)
 
 
 def test_verify_ahead_stops_and_preemption(tiny: str) -> None:
@@ -203,8 +206,36 @@ def test_verify_ahead_gpu_smollm2(method: str) -> None:
         got = [o.outputs[0].token_ids for o in llm.chat(convs, params, use_tqdm=False)]
         assert got == ref
         va = llm.engine.verify_ahead
-        print(f"{method} batch {batch}: launched {va.num_launched}, confirmed {va.num_confirmed}")
+        print(f"{method} batch {batch}: launched {va.num_launched}, confirmed {va.num_confirmed}, used {va.num_used}")
         if batch == 1:
-            assert va.num_confirmed > 0
+            assert va.num_used > 0
         del llm
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_verify_ahead_from_a_decode_step(tiny: str, rows: int) -> None:
+    """A decode step whose next step is planned to draft (the policy drafts every 3rd step here)
+    launches that verify step ahead, its token and drafts predicted (_plan_next's lengths)."""
+    from tests.scripted_proposer import ScriptedProposer
+    from tests.test_async_decode import EveryNthStep
+
+    prompts = make_prompts(rows, seed=rows + 1)
+    params = [SamplingParams(temperature=0, max_tokens=40 + 9 * i, ignore_eos=True) for i in range(rows)]
+    plain = outputs(LLM(model=tiny, device="cpu"), prompts, params)
+    llm = graph_llm(tiny, {"method": "ngram", "num_speculative_tokens": K}, max_num_seqs=rows)
+    eng = llm.engine
+    eng.proposer = ScriptedProposer(oracle(prompts, [p[0] for p in plain], 13))
+    eng.draft_length = EveryNthStep(K, 3)
+    va, launch = eng.verify_ahead, eng.verify_ahead.launch
+    from_decode = []
+
+    def counted(scheduler, proposer, graph_runner, batch, lengths):
+        pending = launch(scheduler, proposer, graph_runner, batch, lengths)
+        if not batch.num_draft_tokens.any():
+            from_decode.append(pending is not None)
+        return pending
+
+    va.launch = counted
+    assert outputs(llm, prompts, params) == plain
+    assert sum(from_decode) >= 2 and va.num_used >= 3, (from_decode, va.num_used)

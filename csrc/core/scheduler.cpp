@@ -141,11 +141,11 @@ std::shared_ptr<ScheduledBatch> Scheduler::schedule() {
     if (!seq->is_decode()) continue;
     if (budget < 1) break;
     int64_t drafts = std::min<int64_t>(seq->num_drafts, draft_budget);
-    // The next step's positions, reserved now where free (a step launched ahead): one after a
-    // decode row (async decode), the next verify step's 1 + k after a verify row (verify ahead).
+    // The next step's positions, reserved now where free (a step launched ahead): a decode
+    // step's one (async decode), or under speculation a verify step's 1 + k (verify ahead).
     int64_t ahead = 0;
     if (config_.decode_lookahead && config_.drafter_lookahead == 0)
-      ahead = std::clamp<int64_t>(tokens_left(*seq) - 1 - drafts, 0, drafts == 0 ? 1 : 1 + config_.num_spec_tokens);
+      ahead = std::clamp<int64_t>(tokens_left(*seq) - 1 - drafts, 0, 1 + config_.num_spec_tokens);
     bool self_preempted = false;
     while (!block_manager_.can_append(seq->kv, seq->num_computed, 1 + drafts + config_.drafter_lookahead + ahead)) {
       if (ahead > 0) {  // optional, like drafts

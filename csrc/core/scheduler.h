@@ -28,8 +28,8 @@ struct SchedulerConfig {
   int32_t num_spec_tokens = 0;    // k: the most drafts a row may carry
   int32_t drafter_lookahead = 0;  // KV positions a draft model writes past the verify tokens
   // Async decode: a decode row also gets the blocks of the next step's positions where they are
-  // free (never by preempting; a verify row: 1 + num_spec_tokens of them, with a host-side
-  // proposer), so a step launched ahead finds its slots in the table.
+  // free (never by preempting; 1 + num_spec_tokens of them under speculation with a host-side
+  // proposer: a verify step launched ahead), so a step launched ahead finds its slots in the table.
   bool decode_lookahead = false;
   int32_t num_state_slots = 0;    // > 0 for hybrid models: each request holds 1 + k slots
   // Hybrid models with prefix caching: the recurrent state at every position that is a multiple of

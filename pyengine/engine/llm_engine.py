@@ -203,6 +203,8 @@ class LLMEngine:
             self.num_async_steps += 1
             self.runner.adopt_launched(batch, pending.key)
             logits = pending.logits
+            if pending.expected is not None:
+                self.verify_ahead.num_used += 1
             if batch.num_draft_tokens.any():  # verify ahead
                 tokens, counts, first_bad = self._verify_greedy(batch, logits, pending.key)
             else:
@@ -264,6 +266,7 @@ class LLMEngine:
         if pending is not None and pending.drafts is not None:  # verify ahead, confirmed
             if np.array_equal(view.seq_ids, pending.seq_ids):
                 self.scheduler.set_draft_tokens_batch(pending.seq_ids, *pending.drafts)
+                self._next_plan = None
                 return
             self._pending = None
             self.num_async_discarded += 1
@@ -345,10 +348,14 @@ class LLMEngine:
             tables = self.scheduler.block_tables(batch.seq_ids) if self.decode_lookahead else None
             self.runner.hold_hidden()  # the proposer reads this step's hidden states next step
             self._pending = self.runner.graph_runner.launch_next(batch, key, tok, tables)
+        elif key is not None and (lengths := self._verify_ahead_lengths(batch)) is not None:
+            self._lengths = self._next_plan  # the next step drafts as planned (_plan_next)
+            self._pending = self.verify_ahead.launch(self.scheduler, self.proposer, self.runner.graph_runner, batch,
+                                                    lengths)
         if ready is not None:
             ready.synchronize()
         tokens = host.numpy().astype(np.int32)  # a copy: the pinned buffer is reused next step
-        if self._pending is not None:
+        if self._pending is not None and self._pending.expected is None:
             self._pending.input_ids = tokens.astype(np.int64)
         finite = fin_host.numpy()
         first_bad = None if finite.all() else np.where(finite, -1, 0).astype(np.int64)
@@ -359,24 +366,28 @@ class LLMEngine:
         """GreedySampler.verify, with the next verify step launched ahead between its start and its
         wait where it may be (verify ahead, module docstring)."""
         started = self.greedy.start(logits)[1:]
-        if key is not None and self._may_launch_verify(batch):
+        if key is not None and (lengths := self._verify_ahead_lengths(batch)) is not None:
             self._pending = self.verify_ahead.launch(self.scheduler, self.proposer, self.runner.graph_runner, batch,
-                                                    self._lengths[1])
+                                                    lengths)
         return self.greedy.accept(batch, *started)
 
-    def _may_launch_verify(self, batch) -> bool:
-        """Launch the next verify step now? A step of decode / verify rows with drafts, as
-        _may_launch_next asks of a decode step (no recorded logits or logprobs, no request that
-        can be admitted), its rows those of the last plan, and predictions holding of late."""
+    def _verify_ahead_lengths(self, batch) -> np.ndarray | None:
+        """Launch the next verify step now (verify ahead)? The most drafts per row it may carry, or
+        None. A step of decode / verify rows, as _may_launch_next asks of a decode step (no recorded
+        logits or logprobs, no request that can be admitted), whose next step drafts: a verify
+        step's rows draft again as this step's plan said (_lengths), a decode step's as planned for
+        the next step (_plan_next, which ran when it asked to launch a decode step and found drafts);
+        and predictions holding of late."""
         if self.verify_ahead is None or self.cfg.record_logits or self.num_logprob_requests:
-            return False
-        if batch.num_decode_rows != batch.num_rows or not batch.num_draft_tokens.any():
-            return False
+            return None
+        if batch.num_decode_rows != batch.num_rows:
+            return None
         if self.scheduler.num_waiting and self.scheduler.num_running < self.cfg.max_num_seqs:
-            return False
-        if self._lengths is None or not np.array_equal(self._lengths[0], batch.seq_ids):
-            return False
-        return self.verify_ahead.worth_trying()
+            return None
+        plan = self._lengths if batch.num_draft_tokens.any() else self._next_plan
+        if plan is None or not np.array_equal(plan[0], batch.seq_ids) or not plan[1].any():
+            return None
+        return plan[1] if self.verify_ahead.worth_trying() else None
 
     def _may_launch_next(self, batch, key: tuple[int, int]) -> bool:
         """Launch the next decode step now? Only where it is likely to be the step the scheduler

@@ -36,7 +36,7 @@ class VerifyAhead:
     def __init__(self) -> None:
         self.tries = self.hits = 1.0  # decayed counts of checked predictions; optimistic start
         self.chances = 0  # chances passed up since the last launch (below HIT_RATE)
-        self.num_launched = self.num_confirmed = 0
+        self.num_launched = self.num_confirmed = self.num_used = 0  # num_used: counted by the engine
 
     def worth_trying(self) -> bool:
         if self.hits >= self.HIT_RATE * self.tries:
