@@ -239,3 +239,32 @@ def test_verify_ahead_from_a_decode_step(tiny: str, rows: int) -> None:
     va.launch = counted
     assert outputs(llm, prompts, params) == plain
     assert sum(from_decode) >= 2 and va.num_used >= 3, (from_decode, va.num_used)
+
+
+def test_unpredictable_rows_stop_the_predictions(tiny: str) -> None:
+    """A proposer that predicts nothing for one row of three: no step is launched, and after a few
+    tries the predictions are asked for only once in PROBE_EVERY chances (their host cost)."""
+    from tests.scripted_proposer import ScriptedProposer
+
+    prompts = make_prompts(3, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = outputs(LLM(model=tiny, device="cpu"), prompts, params)
+    llm = graph_llm(tiny, {"method": "ngram", "num_speculative_tokens": K, "adaptive_draft_length": False},
+                    max_num_seqs=3)
+    eng = llm.engine
+    eng.proposer = proposer = ScriptedProposer(oracle(prompts, [p[0] for p in plain], 7))
+    predict, calls = proposer.predict, []
+
+    def one_row_unknown(scheduler, seq_ids, *rest):
+        tokens, counts = predict(scheduler, seq_ids, *rest)
+        calls.append(1)
+        counts = counts.copy()
+        counts[-1] = 0
+        return tokens, counts
+
+    proposer.predict = one_row_unknown
+    assert outputs(llm, prompts, params) == plain
+    va = eng.verify_ahead
+    assert va.num_launched == 0
+    verify_steps = eng.scheduler.stats()["num_verify_rows"] // 3
+    assert 2 <= len(calls) <= 3 + verify_steps // va.PROBE_EVERY, (len(calls), verify_steps)

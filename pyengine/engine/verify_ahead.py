@@ -18,7 +18,9 @@ row holds alone, so a discarded one is overwritten before anything reads there.
 
 A wrong prediction costs a replay that the real step queues behind; a right one hides the host's
 part of a step. Launches go on while at least HIT_RATE of recent predictions held (decayed
-counts); below it, one chance in PROBE_EVERY still launches, to keep the estimate current.
+counts; a prediction without a row's next token, or a step that could not be launched, counts as
+failed: its host work was spent); below it, one chance in PROBE_EVERY still tries, to keep the
+estimate current. Large batches, where every row's prediction must hold, soon stop trying.
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ class VerifyAhead:
         limit = np.minimum(np.asarray(lengths, dtype=np.int64), left - 1).astype(np.int32)
         pred, counts = proposer.predict(scheduler, seq_ids, drafts, d, limit)
         if (counts < 1).any():
+            self._count(False)  # the prediction's cost, for nothing: a miss
             return None
         qsl = np.zeros(rows + 1, dtype=np.int64)
         qsl[1:] = np.cumsum(counts)
@@ -73,6 +76,7 @@ class VerifyAhead:
         pending = graph_runner.launch_verify(seq_ids, qsl, pred[take].astype(np.int64), positions,
                                              (first + counts).astype(np.int32), scheduler.block_tables(seq_ids))
         if pending is None:
+            self._count(False)
             return None
         self.num_launched += 1
         # this step must commit each row's drafts and then its predicted token
@@ -90,7 +94,10 @@ class VerifyAhead:
         row, as the sampler gives them)?"""
         expected, expected_counts = pending.expected
         ok = np.array_equal(counts, expected_counts) and np.array_equal(tokens, expected)
-        self.tries = self.DECAY * self.tries + 1.0
-        self.hits = self.DECAY * self.hits + ok
+        self._count(ok)
         self.num_confirmed += ok
         return ok
+
+    def _count(self, hit: bool) -> None:
+        self.tries = self.DECAY * self.tries + 1.0
+        self.hits = self.DECAY * self.hits + hit
