@@ -81,6 +81,9 @@ class EveryNthStep:
     def expects_no_drafts(self) -> bool:
         return not self.last.any()
 
+    def acceptance(self, rows) -> np.ndarray:  # verify ahead's chance: always
+        return np.ones((len(rows), self.k))
+
 
 def drafting_async_equals_sync(target: str, spec: dict, period: int, max_tokens: int,
                                prepare: Callable[[LLM], None] | None = None, **kw) -> LLM:

@@ -268,3 +268,18 @@ def test_unpredictable_rows_stop_the_predictions(tiny: str) -> None:
     assert va.num_launched == 0
     verify_steps = eng.scheduler.stats()["num_verify_rows"] // 3
     assert 2 <= len(calls) <= 3 + verify_steps // va.PROBE_EVERY, (len(calls), verify_steps)
+
+
+def test_the_policy_chance_gates_predictions(tiny: str) -> None:
+    """With the draft-length policy a prediction is made only where its acceptance estimates give it
+    at least MIN_CHANCE: above any chance, none is launched; at 0, as before."""
+    prompts = [looping_prompt()]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    spec = {"method": "suffix", "num_speculative_tokens": K, "step_cost": (1.0, 0.01)}
+    launched = []
+    for min_chance in (1.01, 0.0):
+        llm = graph_llm(tiny, spec)
+        llm.engine.verify_ahead.MIN_CHANCE = min_chance
+        outputs(llm, prompts, params)
+        launched.append(llm.engine.verify_ahead.num_launched)
+    assert launched[0] == 0 and launched[1] >= 10, launched

@@ -387,7 +387,12 @@ class LLMEngine:
         plan = self._lengths if batch.num_draft_tokens.any() else self._next_plan
         if plan is None or not np.array_equal(plan[0], batch.seq_ids) or not plan[1].any():
             return None
-        return plan[1] if self.verify_ahead.worth_trying() else None
+        chance = None
+        if self.draft_length is not None:  # every row accepts all its drafts and the token after them
+            rows = batch.num_rows
+            p = self.draft_length.acceptance(np.asarray(batch.request_slots[:rows], dtype=np.int64))
+            chance = float(np.prod(p[np.arange(rows), np.minimum(batch.num_draft_tokens, self.k - 1)]))
+        return plan[1] if self.verify_ahead.worth_trying(chance) else None
 
     def _may_launch_next(self, batch, key: tuple[int, int]) -> bool:
         """Launch the next decode step now? Only where it is likely to be the step the scheduler
