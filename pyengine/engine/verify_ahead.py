@@ -11,7 +11,7 @@ GPU runs it while the host commits this step and schedules the next.
 It is used only if this step commits exactly the predicted tokens (confirm), the next step's
 decode rows are the same, the scheduler is handed the predicted drafts as those rows' drafts, and
 its batch then equals the launched one (PendingStep.matches); otherwise it is discarded, as a
-decode step launched ahead is (pyengine/engine/llm_engine.py). Outputs do not change: a greedy
+decode step launched ahead is (pyengine/engine/launch_ahead.py). Outputs do not change: a greedy
 verify step commits the target's argmax continuation whatever the drafts, and a used step is the
 step the scheduler asks for. Its K/V writes lie past every row's committed tokens, in blocks the
 row holds alone, so a discarded one is overwritten before anything reads there.
@@ -44,11 +44,16 @@ class VerifyAhead:
         self.chances = 0  # chances passed up since the last launch (below HIT_RATE)
         self.num_launched = self.num_confirmed = self.num_used = 0  # num_used: counted by the engine
 
-    def worth_trying(self, chance: float | None = None) -> bool:
-        """chance: the policy's estimate that every row accepts all its drafts and the token after
-        them (None: no policy)."""
-        if chance is not None and chance < self.MIN_CHANCE:
-            return False
+    def worth_trying(self, batch, policy=None) -> bool:
+        """Predict the step after `batch`? policy: the draft-length policy (None: fixed lengths),
+        whose acceptance estimates give the chance that every row accepts all its drafts and the
+        token after them (P_i at position d_i, the last position's where d_i = k)."""
+        if policy is not None:
+            rows = batch.num_rows
+            p = policy.acceptance(np.asarray(batch.request_slots[:rows], dtype=np.int64))
+            d = np.minimum(np.asarray(batch.num_draft_tokens), p.shape[1] - 1)
+            if float(np.prod(p[np.arange(rows), d])) < self.MIN_CHANCE:
+                return False
         if self.hits >= self.HIT_RATE * self.tries:
             return True
         self.chances += 1
