@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "block_manager.h"
+#include "greedy_accept.h"
 #include "ngram_proposer.h"
 #include "scheduler.h"
 #include "suffix_proposer.h"
@@ -296,6 +297,24 @@ PYBIND11_MODULE(_C, m) {
            }, py::arg("seq_id"), py::arg("token_ids"), py::arg("k"), py::arg("prompt_len") = 0)
       .def("forget", &SuffixProposer::forget, py::arg("seq_id"), py::arg("finished"))
       .def_property_readonly("num_cached_tokens", &SuffixProposer::num_cached_tokens);
+
+  m.def("greedy_accept", [](py::array_t<int64_t, py::array::c_style | py::array::forcecast> argmax,
+                            py::array_t<bool, py::array::c_style | py::array::forcecast> finite, IntArray num_logits,
+                            IntArray num_drafts, IntArray query_start_loc, IntArray input_ids) {
+    // greedy_accept.h: (tokens, counts, first_bad or None)
+    const py::ssize_t rows = num_logits.size();
+    PE_CHECK(finite.size() == argmax.size() && num_drafts.size() == rows && query_start_loc.size() >= rows,
+             "greedy_accept: argmax / finite / per-row arrays differ in length");
+    int64_t total = 0;
+    for (py::ssize_t r = 0; r < rows; ++r) total += num_logits.data()[r];
+    PE_CHECK(total <= argmax.size(), "greedy_accept: num_logits exceed the argmax rows");
+    GreedyAccepted a = greedy_accept(argmax.data(), finite.data(), argmax.size(), num_logits.data(), num_drafts.data(),
+                                     query_start_loc.data(), rows, input_ids.data(), input_ids.size());
+    py::object bad = a.any_bad ? py::object(py::array_t<int64_t>(rows, a.first_bad.data())) : py::object(py::none());
+    return py::make_tuple(py::array_t<int32_t>(a.tokens.size(), a.tokens.data()),
+                          py::array_t<int32_t>(rows, a.counts.data()), bad);
+  }, py::arg("argmax"), py::arg("finite"), py::arg("num_logits"), py::arg("num_drafts"), py::arg("query_start_loc"),
+     py::arg("input_ids"));
 
   m.def("propose_ngram", [](IntArray tokens, int32_t min_n, int32_t max_n, int32_t k) {
     std::vector<int32_t> out(std::max(k, 0));

@@ -4,8 +4,8 @@ Where every row of a step is greedy, the tokens the rejection sampler would give
 the argmax of each logits row alone: a decode row takes its argmax; a verify row keeps its drafts
 while each equals the argmax at its position, then takes the argmax after the last one kept. So a
 step needs one argmax and one finite check where the logits are, one copy to pinned host memory and
-one wait, and the acceptance bookkeeping in NumPy on the host (the general sampler runs a dozen
-small torch ops per step there). The copies are asynchronous, so the engine can launch the next
+one wait, and the acceptance bookkeeping in one C++ call on the host (csrc/core/greedy_accept.h;
+the general sampler runs a dozen small torch ops per step there). The copies are asynchronous, so the engine can launch the next
 step's forward between start() and the wait (async decode).
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pyengine import _C
 from pyengine.engine.sampler import finite_rows
 from pyengine.spec_decode.rejection_sampler import greedy_argmax
 
@@ -68,33 +69,5 @@ class GreedySampler:
         may launch the next step between the two."""
         if ready is not None:
             ready.synchronize()
-        target = host.numpy()
-        finite = fin_host.numpy()
-        num_logits = np.asarray(batch.num_logits, dtype=np.int64)
-        d = np.asarray(batch.num_draft_tokens, dtype=np.int64)
-        starts = np.cumsum(num_logits) - num_logits
-        k = int(d.max(initial=0))
-        accepted = np.zeros(len(d), dtype=np.int64)
-        if k:
-            cols = np.arange(k)
-            valid = cols[None, :] < d[:, None]
-            qs = np.asarray(batch.query_start_loc, dtype=np.int64)[:-1]
-            ids = np.asarray(batch.input_ids)
-            drafts = ids[np.minimum(qs[:, None] + 1 + cols, len(ids) - 1)]
-            argmax = target[np.minimum(starts[:, None] + cols, max(len(target) - 1, 0))]
-            accepted = np.cumprod(valid & (drafts == argmax), axis=1).sum(axis=1)
-        counts = np.where(num_logits > 0, accepted + 1, 0)
-        total = int(counts.sum())
-        offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
-        idx = np.repeat(starts, counts) + offsets
-        tokens = target[idx].astype(np.int32)
-        first_bad = None
-        ok = finite[idx]
-        if not ok.all():
-            first_bad = np.full(len(counts), -1, dtype=np.int64)
-            rows = np.repeat(np.arange(len(counts)), counts)
-            bad = np.nonzero(~ok)[0]
-            # per row its first bad offset: the bad entries come in row order, offsets rising
-            first = np.unique(rows[bad], return_index=True)
-            first_bad[first[0]] = offsets[bad[first[1]]]
-        return tokens, counts.astype(np.int32), first_bad
+        return _C.greedy_accept(host.numpy(), fin_host.numpy(), batch.num_logits, batch.num_draft_tokens,
+                                batch.query_start_loc, batch.input_ids)
