@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from pyengine import SamplingParams
-from pyengine.engine.cuda_graph_runner import CudaGraphRunner, default_buckets
+from pyengine.engine.cuda_graph_runner import CudaGraphRunner
+from pyengine.engine.graph_capture import default_buckets
 from tests.spec_harness import run
 from tests.tiny_models import make_checkpoint
 from tests.test_spec_decode import make_prompts

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pyengine import LLM, SamplingParams
-from pyengine.engine.cuda_graph_runner import CudaGraphRunner, default_token_buckets, graph_shape
+from pyengine.engine.cuda_graph_runner import CudaGraphRunner
+from pyengine.engine.graph_capture import default_token_buckets, graph_shape
 from pyengine.engine.step_parts import rows_of
 from tests.test_spec_decode import make_prompts
 from tests.tiny_models import make_checkpoint

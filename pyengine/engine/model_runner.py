@@ -38,7 +38,8 @@ class ModelRunner:
         self.graph_runner = None
         self.last_graph_key: tuple[int, int] | None = None  # the graph the last execute() replayed
         if cuda_graphs and max_model_len is not None:
-            from pyengine.engine.cuda_graph_runner import CudaGraphRunner, graphs_supported
+            from pyengine.engine.cuda_graph_runner import CudaGraphRunner
+            from pyengine.engine.graph_capture import graphs_supported
 
             ok, _ = graphs_supported(model, config, dtype, device)
             if ok:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pyengine.engine.attention_metadata import AttentionMetadata
-from pyengine.engine.cuda_graph_runner import capture_graph
+from pyengine.engine.graph_capture import capture_graph
 from pyengine.ops.kernel_config import get_kernel_config, use_kernel_config
 
 

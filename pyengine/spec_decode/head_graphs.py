@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pyengine.engine.cuda_graph_runner import CudaGraphRunner, graph_shape, last_tokens
+from pyengine.engine.cuda_graph_runner import CudaGraphRunner
+from pyengine.engine.graph_capture import graph_shape, last_tokens
 
 
 @dataclass
