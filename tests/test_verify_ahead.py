@@ -283,3 +283,31 @@ def test_the_policy_chance_gates_predictions(tiny: str) -> None:
         outputs(llm, prompts, params)
         launched.append(llm.engine.verify_ahead.num_launched)
     assert launched[0] == 0 and launched[1] >= 10, launched
+
+
+def test_an_abort_between_steps_discards_the_launched_step(tiny: str) -> None:
+    """A request aborted while a verify step launched for it is pending (a client that went away):
+    the launched step is discarded, the others' tokens stay plain decoding's, and the aborted
+    request's blocks are free at once."""
+    from tests.scripted_proposer import ScriptedProposer
+
+    prompts = make_prompts(3, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = outputs(LLM(model=tiny, device="cpu"), prompts, params)
+    llm = graph_llm(tiny, {"method": "ngram", "num_speculative_tokens": K, "adaptive_draft_length": False},
+                    max_num_seqs=3)
+    eng = llm.engine
+    eng.proposer = ScriptedProposer(oracle(prompts, [p[0] for p in plain], 1000))
+    reqs = [eng.add_request(p, params) for p in prompts]
+    aborted = False
+    while eng.has_unfinished():
+        eng.step()
+        if not aborted and eng._pending is not None and eng._pending.expected is not None:
+            free = eng.scheduler.num_free_blocks
+            assert eng.abort_request(reqs[1].request_id)
+            aborted = True
+            assert eng.scheduler.num_free_blocks > free
+    assert aborted and eng.num_async_discarded > 0
+    assert reqs[1].finish_reason == "abort"
+    for i in (0, 2):
+        assert reqs[i].output_token_ids == plain[i][0]
