@@ -311,3 +311,13 @@ def test_an_abort_between_steps_discards_the_launched_step(tiny: str) -> None:
     assert reqs[1].finish_reason == "abort"
     for i in (0, 2):
         assert reqs[i].output_token_ids == plain[i][0]
+
+
+def test_async_decode_off_turns_verify_ahead_off(tiny: str) -> None:
+    prompts = [looping_prompt()]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    spec = {"method": "suffix", "num_speculative_tokens": K, "adaptive_draft_length": False}
+    llm = graph_llm(tiny, spec, async_decode=False)
+    assert llm.engine.verify_ahead is None
+    assert outputs(llm, prompts, params) == outputs(LLM(model=tiny, device="cpu"), prompts, params)
+    assert llm.engine.num_async_steps == 0 and llm.stats()["num_accepted_tokens"] > 0
