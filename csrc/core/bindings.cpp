@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "block_manager.h"
+#include "draft_policy.h"
 #include "greedy_accept.h"
 #include "ngram_proposer.h"
 #include "scheduler.h"
@@ -297,6 +298,35 @@ PYBIND11_MODULE(_C, m) {
            }, py::arg("seq_id"), py::arg("token_ids"), py::arg("k"), py::arg("prompt_len") = 0)
       .def("forget", &SuffixProposer::forget, py::arg("seq_id"), py::arg("finished"))
       .def_property_readonly("num_cached_tokens", &SuffixProposer::num_cached_tokens);
+
+  m.def("observe_draft_rows", [](py::array_t<double, py::array::c_style> trials,
+                                 py::array_t<double, py::array::c_style> accepts,
+                                 py::array_t<double, py::array::c_style> asked, py::array_t<double, py::array::c_style> found,
+                                 py::array_t<int64_t, py::array::c_style> idle,
+                                 py::array_t<int64_t, py::array::c_style> probes,
+                                 py::array_t<int64_t, py::array::c_style> planned,
+                                 py::array_t<double, py::array::c_style> pool_trials,
+                                 py::array_t<double, py::array::c_style> pool_accepts, SeqIdArray slots,
+                                 IntArray num_drafts, IntArray num_committed, double decay, bool graph_steps) {
+    // draft_policy.h: the policy's arrays updated in place; (asked_any, drafts_any, unfilled_probes_any)
+    const py::ssize_t n = asked.size(), k = pool_trials.size();
+    PE_CHECK(trials.ndim() == 2 && trials.shape(0) == n && trials.shape(1) == k && accepts.ndim() == 2 &&
+                 accepts.shape(0) == n && accepts.shape(1) == k && idle.ndim() == 2 && idle.shape(0) == n &&
+                 idle.shape(1) == k && found.size() == n && probes.size() == n && planned.size() == n &&
+                 pool_accepts.size() == k,
+             "observe_draft_rows: the policy's arrays disagree in shape");
+    PE_CHECK(num_drafts.size() == slots.size() && num_committed.size() == slots.size(),
+             "observe_draft_rows: slots, num_drafts and num_committed differ in length");
+    const DraftPolicyCounts c{trials.mutable_data(), accepts.mutable_data(), asked.mutable_data(), found.mutable_data(),
+                              idle.mutable_data(), probes.data(), planned.data(), pool_trials.mutable_data(),
+                              pool_accepts.mutable_data(), n, static_cast<int32_t>(k)};
+    const DraftPolicyObserved o = observe_draft_rows(c, slots.data(), num_drafts.data(), num_committed.data(),
+                                                     slots.size(), decay, graph_steps);
+    return py::make_tuple(o.asked_any, o.drafts_any, o.unfilled_probes_any);
+  }, py::arg("trials").noconvert(), py::arg("accepts").noconvert(), py::arg("asked").noconvert(),
+     py::arg("found").noconvert(), py::arg("idle").noconvert(), py::arg("probes").noconvert(),
+     py::arg("planned").noconvert(), py::arg("pool_trials").noconvert(), py::arg("pool_accepts").noconvert(),
+     py::arg("slots"), py::arg("num_drafts"), py::arg("num_committed"), py::arg("decay"), py::arg("graph_steps"));
 
   m.def("greedy_accept", [](py::array_t<int64_t, py::array::c_style | py::array::forcecast> argmax,
                             py::array_t<bool, py::array::c_style | py::array::forcecast> finite, IntArray num_logits,

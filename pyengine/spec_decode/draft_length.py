@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from pyengine import _C
 from pyengine.spec_decode.step_cost import (DEFAULT_STEP_COST, GraphCosts, StepCost, check_step_cost,
                                             device_rates, drafter_cost_share, runner_graph_costs,
                                             runner_step_cost)
@@ -310,48 +311,28 @@ class DraftLengthPolicy:
 
     def observe_rows(self, slots: np.ndarray, num_drafts: np.ndarray, num_committed: np.ndarray) -> None:
         """The decode rows of a step (request slots): drafts verified and tokens committed per row
-        (rows this step's plan asked nothing of are ignored)."""
+        (rows this step's plan asked nothing of are ignored). The counts are updated in one C++
+        pass (csrc/core/draft_policy.h): for each row asked, asked += 1 (decayed); an unfilled probe
+        on graph steps waits an interval; with no drafts found anywhere only `found` decays; else
+        `found` counts the rows with drafts, an accepted probe wipes the row's evidence from its
+        position on, and each row with drafts decays its trials / accepts at every position and adds
+        this step's (position j tried once drafts 0..j-1 were accepted, passed if accepted), as do
+        the batch's pooled counts, and its verified positions are no longer idle."""
         if not self._planned_any:  # the plan asked nothing of any row
             return
-        slots = np.asarray(slots, dtype=np.int64)
-        asked = np.nonzero(self.planned[slots] > 0)[0]
-        if not len(asked):
+        asked_any, drafts_any, unfilled_probes = _C.observe_draft_rows(
+            self.trials, self.accepts, self.asked, self.found, self.idle, self.probes, self.planned,
+            self.pool_trials, self.pool_accepts, np.asarray(slots, dtype=np.int64), num_drafts, num_committed,
+            self.decay, self.graph_costs is not None)
+        if not asked_any:
             return
-        rows = slots[asked]
-        drafts = np.asarray(num_drafts)[asked]
-        self.asked[rows] = self.decay * self.asked[rows] + 1.0
-        unfilled_probes = rows[(self.probes[rows] >= 0) & (drafts == 0)]
-        if self.graph_costs is not None and len(unfilled_probes):
+        if not drafts_any:  # nothing was found: no evidence but that
             # graph steps: an unfilled probe is not repeated at once (another row's filled probe would
-            # make the next step a padded verify step too): the row was asked, it waits an interval
-            self.idle[unfilled_probes, self.probes[unfilled_probes]] = 0
-        if not drafts.any():  # nothing was found: no evidence but that
-            self.found[rows] *= self.decay
-            repeat = self._unfilled if self.graph_costs is None or not len(unfilled_probes) else None
+            # make the next step a padded verify step too)
+            repeat = self._unfilled if self.graph_costs is None or not unfilled_probes else None
             self._quiet, self._unfilled = repeat or self._quiet, None
             return
         self._quiet = self._unfilled = None
-        accepted = np.asarray(num_committed)[asked] - 1
-        self.found[rows] = self.decay * self.found[rows] + (drafts > 0)
-        cols = np.arange(self.k)
-        verified = cols[None, :] < drafts[:, None]  # [rows, k]: position j verified
-        tried = verified & (cols[None, :] <= accepted[:, None])  # ... after all earlier ones were accepted
-        passed = cols[None, :] < accepted[:, None]
-        # An accepted probe: the row's acceptance has changed, forget its evidence from there on.
-        start = self.probes[rows]
-        forget = (start >= 0) & (accepted > start)
-        if forget.any():
-            wipe = forget[:, None] & (cols[None, :] >= start[:, None])
-            self.trials[rows] = np.where(wipe, 0.0, self.trials[rows])
-            self.accepts[rows] = np.where(wipe, 0.0, self.accepts[rows])
-        has = drafts > 0  # rows with evidence this step: their counts decay, at every position
-        if has.any():
-            seen = rows[has]
-            self.trials[seen] = self.decay * self.trials[seen] + tried[has]
-            self.accepts[seen] = self.decay * self.accepts[seen] + passed[has]
-            self.pool_trials = self.decay * self.pool_trials + tried.sum(axis=0)
-            self.pool_accepts = self.decay * self.pool_accepts + passed.sum(axis=0)
-            self.idle[seen] = np.where(verified[has], 0, self.idle[seen])
 
     # ---- internals -------------------------------------------------------------------------------
     def _claim(self, slots: np.ndarray, seq_ids: np.ndarray) -> None:
