@@ -82,21 +82,29 @@ def oracle(prompts, answers, wrong_every: int, gap: int = 0):
     return script
 
 
+def oracle_llm(tiny: str, prompts, params, wrong_every: int, adaptive: bool = False,
+               block_size: int = 16) -> tuple[LLM, list]:
+    """Plain decoding's outputs, and an LLM on the graph path with one row per prompt whose
+    proposer drafts them (oracle)."""
+    from tests.scripted_proposer import ScriptedProposer
+
+    plain = outputs(LLM(model=tiny, device="cpu", block_size=block_size), prompts, params)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "adaptive_draft_length": adaptive,
+            "step_cost": (1.0, 0.01)}
+    llm = graph_llm(tiny, spec, block_size=block_size, max_num_seqs=len(prompts))
+    llm.engine.proposer = ScriptedProposer(oracle(prompts, [p[0] for p in plain], wrong_every))
+    return llm, plain
+
+
 @pytest.mark.parametrize("rows,block_size", [(1, 16), (3, 2), (3, 16)])
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_verify_ahead_with_an_oracle(tiny: str, rows: int, block_size: int, adaptive: bool) -> None:
     """Drafts and predictions from the plain continuation, wrong at every 9th position: launched
     steps are used where every row's prediction held and discarded elsewhere; 3 rows of ragged
     lengths; tokens equal plain decoding's."""
-    from tests.scripted_proposer import ScriptedProposer
-
     prompts = make_prompts(rows, seed=rows)
     params = [SamplingParams(temperature=0, max_tokens=30 + 9 * i, ignore_eos=True) for i in range(rows)]
-    plain = outputs(LLM(model=tiny, device="cpu", block_size=block_size), prompts, params)
-    spec = {"method": "ngram", "num_speculative_tokens": K, "adaptive_draft_length": adaptive,
-            "step_cost": (1.0, 0.01)}
-    llm = graph_llm(tiny, spec, block_size=block_size, max_num_seqs=rows)
-    llm.engine.proposer = ScriptedProposer(oracle(prompts, [p[0] for p in plain], 9))
+    llm, plain = oracle_llm(tiny, prompts, params, 9, adaptive, block_size)
     assert outputs(llm, prompts, params) == plain
     va = llm.engine.verify_ahead
     assert va.num_used > 0 and va.num_launched > va.num_confirmed, (va.num_launched, va.num_confirmed, va.num_used)
@@ -244,15 +252,11 @@ def test_verify_ahead_from_a_decode_step(tiny: str, rows: int) -> None:
 def test_unpredictable_rows_stop_the_predictions(tiny: str) -> None:
     """A proposer that predicts nothing for one row of three: no step is launched, and after a few
     tries the predictions are asked for only once in PROBE_EVERY chances (their host cost)."""
-    from tests.scripted_proposer import ScriptedProposer
-
     prompts = make_prompts(3, seed=4)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    plain = outputs(LLM(model=tiny, device="cpu"), prompts, params)
-    llm = graph_llm(tiny, {"method": "ngram", "num_speculative_tokens": K, "adaptive_draft_length": False},
-                    max_num_seqs=3)
+    llm, plain = oracle_llm(tiny, prompts, params, 7)
     eng = llm.engine
-    eng.proposer = proposer = ScriptedProposer(oracle(prompts, [p[0] for p in plain], 7))
+    proposer = eng.proposer
     predict, calls = proposer.predict, []
 
     def one_row_unknown(scheduler, seq_ids, *rest):
@@ -289,15 +293,10 @@ def test_an_abort_between_steps_discards_the_launched_step(tiny: str) -> None:
     """A request aborted while a verify step launched for it is pending (a client that went away):
     the launched step is discarded, the others' tokens stay plain decoding's, and the aborted
     request's blocks are free at once."""
-    from tests.scripted_proposer import ScriptedProposer
-
     prompts = make_prompts(3, seed=6)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain = outputs(LLM(model=tiny, device="cpu"), prompts, params)
-    llm = graph_llm(tiny, {"method": "ngram", "num_speculative_tokens": K, "adaptive_draft_length": False},
-                    max_num_seqs=3)
+    llm, plain = oracle_llm(tiny, prompts, params, 1000)
     eng = llm.engine
-    eng.proposer = ScriptedProposer(oracle(prompts, [p[0] for p in plain], 1000))
     reqs = [eng.add_request(p, params) for p in prompts]
     aborted = False
     while eng.has_unfinished():
