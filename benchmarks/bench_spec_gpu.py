@@ -79,6 +79,20 @@ def time_steps(llm: LLM, per_request: dict) -> dict:
     return kinds
 
 
+def spec_bench_rows(path: str, per_category: int = 0, num_prompts: int = 64) -> list[dict]:
+    """Spec-Bench lines: per_category N: N of each category, interleaved (category 1, 2, ..., 13,
+    then the second of each, ...); 0: the first num_prompts."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not per_category:
+        return rows[:num_prompts]
+    by_cat: dict[str, list] = {}
+    for r in rows:
+        by_cat.setdefault(r["category"], []).append(r)
+    picked = [cat[:per_category] for cat in by_cat.values()]
+    return [c[i] for i in range(per_category) for c in picked if i < len(c)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", required=True)
@@ -104,16 +118,7 @@ def main() -> None:
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         ap.error(f"unknown --methods {unknown} (known: {sorted(METHODS)}; eagle3_adaptive needs --eagle3 DIR)")
-    with open(args.prompts) as f:
-        rows_in = [json.loads(line) for line in f if line.strip()]
-    if args.per_category:
-        by_cat: dict[str, list] = {}
-        for r in rows_in:
-            by_cat.setdefault(r["category"], []).append(r)
-        picked = [cat[:args.per_category] for cat in by_cat.values()]
-        rows_in = [c[i] for i in range(args.per_category) for c in picked if i < len(c)]
-    else:
-        rows_in = rows_in[:args.num_prompts]
+    rows_in = spec_bench_rows(args.prompts, args.per_category, args.num_prompts)
     questions = [r["turns"][0] for r in rows_in]
     categories = [r.get("category", "") for r in rows_in]
     if cuda:

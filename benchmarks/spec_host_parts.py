@@ -8,7 +8,6 @@ themselves cost a little; compare parts, not totals, across runs.
 """
 import argparse
 import collections
-import json
 import os
 import sys
 import time
@@ -16,6 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_spec_gpu import spec_bench_rows  # noqa: E402
 from pyengine import LLM, SamplingParams  # noqa: E402
 
 
@@ -42,13 +42,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the parts timed are those of CUDA-graph steps)")
-    by_category: dict = {}
-    for line in open(args.prompts):
-        if line.strip():
-            row = json.loads(line)
-            by_category.setdefault(row["category"], []).append(row["turns"][0])
-    questions = [c[i] for i in range(max(map(len, by_category.values()))) for c in by_category.values() if i < len(c)]
-    questions = questions[:max(args.batch, args.num_prompts)]
+    interleaved = spec_bench_rows(args.prompts, per_category=1 << 30)  # every line, categories interleaved
+    questions = [r["turns"][0] for r in interleaved[:max(args.batch, args.num_prompts)]]
     spec = None if args.method == "plain" else {"method": args.method, "num_speculative_tokens": 4}
     llm = LLM(args.gguf, device="cuda", dtype="bfloat16", max_num_seqs=args.batch, max_model_len=2048,
               speculative_config=spec)
@@ -77,7 +72,7 @@ def main() -> None:
     torch.cuda.Event.synchronize = lambda event: timed("WAIT for the GPU", event_sync)(event)
     eng.runner.execute = timed("runner.execute", eng.runner.execute)
     eng.outputs.process = timed("outputs.process", eng.outputs.process)
-    for name in ("_propose", "_commit", "_verify_greedy", "_sample_greedy", "_plan_next", "_verify_ahead_lengths",
+    for name in ("_propose", "_commit", "_verify_greedy", "_sample_greedy", "_plan_next", "_launch_verify",
                  "_may_launch_next"):
         setattr(eng, name, timed("engine." + name, getattr(eng, name)))
     if eng.proposer is not None:

@@ -47,9 +47,7 @@ SuffixProposer::Request& SuffixProposer::index(int64_t seq_id, const int32_t* to
 
 int32_t SuffixProposer::propose(int64_t seq_id, const int32_t* tokens, int64_t n, int64_t prompt_len, int32_t k,
                                 int32_t* out) {
-  const Request& r = index(seq_id, tokens, n, prompt_len);
-  if (k <= 0 || n == 0) return 0;
-  return chain(r, std::vector<int32_t>(tokens + n - std::min<int64_t>(n, config_.max_depth), tokens + n), k, out);
+  return predict(seq_id, tokens, n, prompt_len, nullptr, 0, k, out);  // no drafts in flight
 }
 
 int32_t SuffixProposer::predict(int64_t seq_id, const int32_t* tokens, int64_t n, int64_t prompt_len,

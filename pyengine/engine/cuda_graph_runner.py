@@ -44,7 +44,6 @@ Graph safety:
 """
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
@@ -294,11 +293,7 @@ class CudaGraphRunner(PrefillGraphs):
         key = self._key(len(seq_ids), np.diff(query_start_loc))
         if key is None:
             return None
-        pending = self._launch(key, seq_ids, query_start_loc, input_ids, positions, context_lens, tables)
-        if pending is not None:
-            pending.input_ids, pending.query_start_loc = input_ids, query_start_loc
-            pending.num_draft_tokens = np.diff(query_start_loc).astype(np.int32) - 1
-        return pending
+        return self._launch(key, seq_ids, query_start_loc, input_ids, positions, context_lens, tables)
 
     def _launch(self, key: tuple[int, int], seq_ids: np.ndarray, query_start_loc: np.ndarray,
                 input_ids: np.ndarray | None, pos: np.ndarray, ctx: np.ndarray, table: np.ndarray,
@@ -322,7 +317,7 @@ class CudaGraphRunner(PrefillGraphs):
         self._stage(key, rows, query_start_loc, input_ids, pos, slots, ctx, table)
         logits = self._run(key, n, token_ids)[:n]
         num_blocks = (ctx.astype(np.int64) - 1) // B + 1  # the table entries each row's context spans
-        return PendingStep(key, logits, seq_ids, pos, slots, ctx, table, num_blocks)
+        return PendingStep(key, logits, seq_ids, pos, slots, ctx, table, num_blocks, query_start_loc, input_ids)
 
     @torch.inference_mode()
     def execute(self, batch, key: tuple[int, int],

@@ -5,8 +5,8 @@ the argmax of each logits row alone: a decode row takes its argmax; a verify row
 while each equals the argmax at its position, then takes the argmax after the last one kept. So a
 step needs one argmax and one finite check where the logits are, one copy to pinned host memory and
 one wait, and the acceptance bookkeeping in one C++ call on the host (csrc/core/greedy_accept.h;
-the general sampler runs a dozen small torch ops per step there). The copies are asynchronous, so the engine can launch the next
-step's forward between start() and the wait (async decode).
+the general sampler runs a dozen small torch ops per step there). The copies are asynchronous, so
+the engine can launch the next step's forward between start() and the wait (async decode).
 """
 from __future__ import annotations
 

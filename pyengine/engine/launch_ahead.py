@@ -54,10 +54,8 @@ class LaunchAhead:
             tables = self.scheduler.block_tables(batch.seq_ids) if self.decode_lookahead else None
             self.runner.hold_hidden()  # the proposer reads this step's hidden states next step
             self._pending = self.runner.graph_runner.launch_next(batch, key, tok, tables)
-        elif key is not None and (lengths := self._verify_ahead_lengths(batch)) is not None:
-            self._lengths = self._next_plan  # the next step drafts as planned (_plan_next)
-            self._pending = self.verify_ahead.launch(self.scheduler, self.proposer, self.runner.graph_runner, batch,
-                                                    lengths)
+        elif key is not None:
+            self._launch_verify(batch)
         if ready is not None:
             ready.synchronize()
         tokens = host.numpy().astype(np.int32)  # a copy: the pinned buffer is reused next step
@@ -72,22 +70,24 @@ class LaunchAhead:
         """GreedySampler.verify, with the next verify step launched ahead between its start and its
         wait where it may be (verify ahead, module docstring)."""
         started = self.greedy.start(logits)[1:]
-        if key is not None and (lengths := self._verify_ahead_lengths(batch)) is not None:
-            self._pending = self.verify_ahead.launch(self.scheduler, self.proposer, self.runner.graph_runner, batch,
-                                                    lengths)
+        if key is not None:
+            self._launch_verify(batch)
         return self.greedy.accept(batch, *started)
 
-    def _verify_ahead_lengths(self, batch) -> np.ndarray | None:
-        """Launch the next verify step now (verify ahead)? The most drafts per row it may carry, or
-        None: where _may_launch_ahead allows it and the next step drafts, a verify step's rows
-        again as this step's plan said (_lengths), a decode step's as planned for the next step
-        (_plan_next, which ran when it asked to launch a decode step and found drafts planned)."""
+    def _launch_verify(self, batch) -> None:
+        """Launch the next verify step now (verify ahead), where _may_launch_ahead allows it and
+        the next step drafts: a verify step's rows again as this step's plan said (_lengths), a
+        decode step's as planned for the next step (_plan_next, which ran when it asked to launch a
+        decode step and found drafts planned), and VerifyAhead.worth_trying agrees."""
         if self.verify_ahead is None or not self._may_launch_ahead(batch):
-            return None
+            return
         plan = self._lengths if batch.num_draft_tokens.any() else self._next_plan
         if plan is None or not np.array_equal(plan[0], batch.seq_ids) or not plan[1].any():
-            return None
-        return plan[1] if self.verify_ahead.worth_trying(batch, self.draft_length) else None
+            return
+        if self.verify_ahead.worth_trying(batch, self.draft_length):
+            self._lengths = plan  # the launched step drafts as planned
+            self._pending = self.verify_ahead.launch(self.scheduler, self.proposer, self.runner.graph_runner, batch,
+                                                    plan[1])
 
     def _may_launch_ahead(self, batch) -> bool:
         """What every step launched ahead needs: async decode on graphs without recurrent state,

@@ -11,8 +11,8 @@ import torch
 
 @dataclass
 class PendingStep:
-    """A decode step launched before its batch was scheduled: the inputs it ran with, and its
-    logits (a view of the graph's static output, valid until the next replay)."""
+    """A decode / verify step launched before its batch was scheduled: the inputs it ran with, and
+    its logits (a view of the graph's static output, valid until the next replay)."""
     key: tuple[int, int]
     logits: torch.Tensor
     seq_ids: np.ndarray
@@ -21,9 +21,9 @@ class PendingStep:
     context_lens: np.ndarray
     block_tables: np.ndarray
     num_blocks: np.ndarray  # per row, the table entries its forward read (its context's blocks)
-    input_ids: np.ndarray | None = field(default=None)  # the launching step's tokens, once the host has them
-    query_start_loc: np.ndarray | None = field(default=None)  # None: one token per row
-    num_draft_tokens: np.ndarray | None = field(default=None)  # None: none
+    # every row a decode / verify row: its query length is 1 + its drafts
+    query_start_loc: np.ndarray
+    input_ids: np.ndarray | None = field(default=None)  # async decode: the launching step's tokens, once known
     # verify ahead: the tokens and counts per row the launching step must commit for this step to
     # follow, and the drafts per row (flat, counts) the scheduler is given for it
     expected: tuple[np.ndarray, np.ndarray] | None = field(default=None)
@@ -34,17 +34,14 @@ class PendingStep:
         reads, of the block tables each row's context blocks: a table may have gained a block past
         them since, the next step's lookahead)? Then its logits are the ones this batch would compute."""
         rows = len(self.seq_ids)
-        drafts = batch.num_draft_tokens
         return (self.input_ids is not None and batch.num_rows == rows and batch.num_decode_rows == rows
                 and np.array_equal(batch.seq_ids, self.seq_ids)
                 and np.array_equal(batch.input_ids, self.input_ids)
                 and np.array_equal(batch.positions, self.positions)
                 and np.array_equal(batch.slot_mapping, self.slot_mapping)
                 and np.array_equal(batch.context_lens, self.context_lens)
-                and self._same_blocks(np.asarray(batch.block_tables))
-                and (not drafts.any() if self.num_draft_tokens is None
-                     else np.array_equal(drafts, self.num_draft_tokens)
-                     and np.array_equal(batch.query_start_loc, self.query_start_loc)))
+                and np.array_equal(batch.query_start_loc, self.query_start_loc)
+                and self._same_blocks(np.asarray(batch.block_tables)))
 
     def _same_blocks(self, tables: np.ndarray) -> bool:
         need = int(self.num_blocks.max(initial=0))
