@@ -34,6 +34,32 @@ py::array view(const Vec& v, py::handle owner, std::vector<py::ssize_t> shape = 
 
 using SeqIdArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
+using BoolArray = py::array_t<bool, py::array::c_style | py::array::forcecast>;
+using DoubleArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+// DraftLengthPolicy._arrays: (trials, accepts, asked, found, idle, probes, planned, pool_trials,
+// pool_accepts), viewed in place, so each must already have its dtype and be C-contiguous.
+using PolicyArrays = py::tuple;
+
+template <typename T>
+T* policy_array(const PolicyArrays& a, size_t i, py::ssize_t size) {
+  using Array = py::array_t<T, py::array::c_style>;
+  PE_CHECK(py::isinstance<Array>(a[i]), "draft policy array ", i, " has the wrong dtype or layout");
+  auto arr = py::reinterpret_borrow<Array>(a[i]);
+  PE_CHECK(arr.size() == size, "draft policy array ", i, " has ", arr.size(), " values, expected ", size);
+  return arr.mutable_data();
+}
+
+DraftPolicyCounts policy_counts(const PolicyArrays& a) {
+  PE_CHECK(a.size() == 9, "the draft policy's arrays: 9 expected, got ", a.size());
+  const py::ssize_t k = py::len(a[7]), n = py::len(a[2]);
+  return DraftPolicyCounts{policy_array<double>(a, 0, n * k), policy_array<double>(a, 1, n * k),
+                           policy_array<double>(a, 2, n), policy_array<double>(a, 3, n),
+                           policy_array<int64_t>(a, 4, n * k), policy_array<int64_t>(a, 5, n),
+                           policy_array<int64_t>(a, 6, n), policy_array<double>(a, 7, k),
+                           policy_array<double>(a, 8, k), n, static_cast<int32_t>(k)};
+}
+
 const int32_t* nonempty(const IntArray& tokens) {
   PE_CHECK(tokens.size() > 0, "cannot allocate an empty prompt");
   return tokens.data();
@@ -299,34 +325,41 @@ PYBIND11_MODULE(_C, m) {
       .def("forget", &SuffixProposer::forget, py::arg("seq_id"), py::arg("finished"))
       .def_property_readonly("num_cached_tokens", &SuffixProposer::num_cached_tokens);
 
-  m.def("observe_draft_rows", [](py::array_t<double, py::array::c_style> trials,
-                                 py::array_t<double, py::array::c_style> accepts,
-                                 py::array_t<double, py::array::c_style> asked, py::array_t<double, py::array::c_style> found,
-                                 py::array_t<int64_t, py::array::c_style> idle,
-                                 py::array_t<int64_t, py::array::c_style> probes,
-                                 py::array_t<int64_t, py::array::c_style> planned,
-                                 py::array_t<double, py::array::c_style> pool_trials,
-                                 py::array_t<double, py::array::c_style> pool_accepts, SeqIdArray slots,
-                                 IntArray num_drafts, IntArray num_committed, double decay, bool graph_steps) {
-    // draft_policy.h: the policy's arrays updated in place; (asked_any, drafts_any, unfilled_probes_any)
-    const py::ssize_t n = asked.size(), k = pool_trials.size();
-    PE_CHECK(trials.ndim() == 2 && trials.shape(0) == n && trials.shape(1) == k && accepts.ndim() == 2 &&
-                 accepts.shape(0) == n && accepts.shape(1) == k && idle.ndim() == 2 && idle.shape(0) == n &&
-                 idle.shape(1) == k && found.size() == n && probes.size() == n && planned.size() == n &&
-                 pool_accepts.size() == k,
-             "observe_draft_rows: the policy's arrays disagree in shape");
+  // draft_policy.h: the policy's arrays (DraftLengthPolicy._arrays), updated in place
+  m.def("observe_draft_rows", [](PolicyArrays a, SeqIdArray slots, IntArray num_drafts, IntArray num_committed,
+                                 double decay, bool graph_steps) {
+    const DraftPolicyCounts c = policy_counts(a);
     PE_CHECK(num_drafts.size() == slots.size() && num_committed.size() == slots.size(),
              "observe_draft_rows: slots, num_drafts and num_committed differ in length");
-    const DraftPolicyCounts c{trials.mutable_data(), accepts.mutable_data(), asked.mutable_data(), found.mutable_data(),
-                              idle.mutable_data(), probes.data(), planned.data(), pool_trials.mutable_data(),
-                              pool_accepts.mutable_data(), n, static_cast<int32_t>(k)};
     const DraftPolicyObserved o = observe_draft_rows(c, slots.data(), num_drafts.data(), num_committed.data(),
                                                      slots.size(), decay, graph_steps);
     return py::make_tuple(o.asked_any, o.drafts_any, o.unfilled_probes_any);
-  }, py::arg("trials").noconvert(), py::arg("accepts").noconvert(), py::arg("asked").noconvert(),
-     py::arg("found").noconvert(), py::arg("idle").noconvert(), py::arg("probes").noconvert(),
-     py::arg("planned").noconvert(), py::arg("pool_trials").noconvert(), py::arg("pool_accepts").noconvert(),
-     py::arg("slots"), py::arg("num_drafts"), py::arg("num_committed"), py::arg("decay"), py::arg("graph_steps"));
+  }, py::arg("arrays"), py::arg("slots"), py::arg("num_drafts"), py::arg("num_committed"), py::arg("decay"),
+     py::arg("graph_steps"));
+  m.def("padded_draft_lengths", [](PolicyArrays a, SeqIdArray slots, BoolArray eligible, DoubleArray cost, bool closed,
+                                   double margin, double prior_weight) {
+    // the lengths of a graph-replayed step (int64, one per row)
+    const DraftPolicyCounts c = policy_counts(a);
+    PE_CHECK(eligible.size() == slots.size(), "padded_draft_lengths: slots and eligible differ in length");
+    PE_CHECK(cost.size() > c.k, "padded_draft_lengths: ", cost.size(), " step costs for k = ", c.k);
+    py::array_t<int64_t> lengths(slots.size());
+    padded_draft_lengths(c, slots.data(), eligible.data(), slots.size(), cost.data(), closed, margin, prior_weight,
+                         lengths.mutable_data());
+    return lengths;
+  }, py::arg("arrays"), py::arg("slots"), py::arg("eligible"), py::arg("cost"), py::arg("closed"), py::arg("margin"),
+     py::arg("prior_weight"));
+  m.def("schedule_probes", [](PolicyArrays a, SeqIdArray slots, BoolArray eligible,
+                              py::array_t<int64_t, py::array::c_style> lengths, double interval, bool graph_steps,
+                              int64_t steps, int64_t last_probe_step, int64_t probe_every, int64_t probe) {
+    // lengths updated in place; (due, last_probe_step)
+    const DraftPolicyCounts c = policy_counts(a);
+    PE_CHECK(eligible.size() == slots.size() && lengths.size() == slots.size(),
+             "schedule_probes: slots, eligible and lengths differ in length");
+    const ProbeSchedule p = schedule_probes(c, slots.data(), eligible.data(), slots.size(), lengths.mutable_data(),
+                                            interval, graph_steps, steps, last_probe_step, probe_every, probe);
+    return py::make_tuple(p.due, p.last_probe_step);
+  }, py::arg("arrays"), py::arg("slots"), py::arg("eligible"), py::arg("lengths").noconvert(), py::arg("interval"),
+     py::arg("graph_steps"), py::arg("steps"), py::arg("last_probe_step"), py::arg("probe_every"), py::arg("probe"));
 
   m.def("greedy_accept", [](py::array_t<int64_t, py::array::c_style | py::array::forcecast> argmax,
                             py::array_t<bool, py::array::c_style | py::array::forcecast> finite, IntArray num_logits,

@@ -159,32 +159,17 @@ class DraftLengthPolicy:
                 interval = self.probe_every * max(1.0, num_rows / self.k)
             else:
                 lengths = self._padded_lengths(rows, eligible, table, closed=can_finish_last is not None)
-                interval = self.probe_every
-            # The next position of a row left unverified for long enough: probe it (and beyond).
-            can_grow = np.nonzero(eligible & (lengths < self.k))[0]
-            idle = self.idle[rows[can_grow], lengths[can_grow]]
-            stale = can_grow[idle >= interval]
-            if table is not None:
-                # A probe makes the whole batch's step a padded verify step: at most one probe step
-                # per interval, in which every row unverified for half the interval probes, unless
-                # the step drafts anyway (then the probes ride along).
-                if lengths.any() or (len(stale) and self.steps - self.last_probe_step >= interval):
-                    interval /= 2
-                    stale = can_grow[idle >= interval]
-                else:
-                    stale = stale[:0]
-                if len(stale):
-                    self.last_probe_step = self.steps
-            self.probes[rows[stale]] = lengths[stale]
-            lengths[stale] = np.minimum(lengths[stale] + probe, self.k)
-            # Repeat this plan until another row's next position goes stale: at once if it drafts
-            # nothing, else once the proposer has found none of its drafts (observe_rows).
-            waiting = np.setdiff1d(can_grow, stale, assume_unique=True)
-            idle_max = int(self.idle[rows[waiting], lengths[waiting]].max(initial=0))
+                interval = float(self.probe_every)
+            # The next position of a row left unverified for `interval` steps gets a probe there
+            # (and beyond); the plan repeats until another row's goes stale (csrc/core/draft_policy.h):
+            # at once if it drafts nothing, else once the proposer has found none of its drafts
+            # (observe_rows). With graphs a probe makes the whole batch's step a padded verify step:
+            # at most one probe step per interval, in which every row unverified for half the
+            # interval probes, unless the step drafts anyway (then the probes ride along).
+            due, self.last_probe_step = _C.schedule_probes(
+                self._arrays(), rows, eligible, lengths, interval, table is not None, self.steps,
+                self.last_probe_step, self.probe_every, probe)
             last = None if can_finish_last is None else np.array(can_finish_last, dtype=bool)
-            due = self.steps + interval - idle_max
-            if table is not None:
-                due = max(due, self.last_probe_step + self.probe_every)
             plan = (rows.copy(), np.array(seq_ids, dtype=np.int64), last, due, lengths.astype(np.int32))
             if lengths.any():
                 self._unfilled = plan
@@ -230,25 +215,12 @@ class DraftLengthPolicy:
 
     def _padded_lengths(self, rows: np.ndarray, eligible: np.ndarray, cost: np.ndarray, closed: bool) -> np.ndarray:
         """Graph steps: every eligible row drafts the d with the best expected tokens per second
-        (cost[d]: a step whose longest row drafts d), or none (see the class docstring). closed:
-        no request waits, so the run ends when the eligible rows (those that can finish last) all
-        have: a step is saved only when every one of them accepts, and a saved step is worth all R
-        rows' tokens."""
-        p = self.acceptance(rows) * eligible[:, None]
-        h = self.found[rows] / self.asked[rows]
-        if closed:
-            gain = len(rows) * np.prod(h[eligible, None] * p[eligible], axis=0)
-        else:
-            gain = h @ p
-        tokens = len(rows) + np.concatenate(([0.0], np.cumsum(gain)))  # expected tokens by d = 0..k
-        # the step costs cost[d] only if some row's proposer finds drafts, else a decode step's
-        found_any = 1.0 - float(np.prod(1.0 - h[eligible]))
-        seconds = cost[:self.k + 1] * found_any + cost[0] * (1.0 - found_any)
-        rate = tokens / seconds
-        d = int(np.argmax(rate))
-        if d == 0 or rate[d] <= (1.0 + self.margin) * rate[0]:
-            return np.zeros(len(rows), dtype=np.int64)
-        return np.where(eligible, d, 0)
+        (cost[d]: a step whose longest row drafts d), or none (see the class docstring; one C++ pass,
+        csrc/core/draft_policy.h). closed: no request waits, so the run ends when the eligible rows
+        (those that can finish last) all have: a step is saved only when every one of them accepts,
+        and a saved step is worth all R rows' tokens."""
+        return _C.padded_draft_lengths(self._arrays(), rows, eligible, np.asarray(cost, dtype=np.float64),
+                                       closed, self.margin, self.prior_weight)
 
     def _best_lengths(self, rows: np.ndarray, eligible: np.ndarray, a: float, b: float) -> np.ndarray:
         """Greedy marginal allocation of drafts over the eligible rows (see the class docstring).
@@ -321,9 +293,8 @@ class DraftLengthPolicy:
         if not self._planned_any:  # the plan asked nothing of any row
             return
         asked_any, drafts_any, unfilled_probes = _C.observe_draft_rows(
-            self.trials, self.accepts, self.asked, self.found, self.idle, self.probes, self.planned,
-            self.pool_trials, self.pool_accepts, np.asarray(slots, dtype=np.int64), num_drafts, num_committed,
-            self.decay, self.graph_costs is not None)
+            self._arrays(), np.asarray(slots, dtype=np.int64), num_drafts, num_committed, self.decay,
+            self.graph_costs is not None)
         if not asked_any:
             return
         if not drafts_any:  # nothing was found: no evidence but that
@@ -335,6 +306,11 @@ class DraftLengthPolicy:
         self._quiet = self._unfilled = None
 
     # ---- internals -------------------------------------------------------------------------------
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays the C++ passes read and update in place (csrc/core/bindings.cpp, PolicyArrays)."""
+        return (self.trials, self.accepts, self.asked, self.found, self.idle, self.probes, self.planned,
+                self.pool_trials, self.pool_accepts)
+
     def _claim(self, slots: np.ndarray, seq_ids: np.ndarray) -> None:
         """Rows for these slots; a slot whose request changed starts at the batch's estimate."""
         need = int(slots.max(initial=-1)) + 1
