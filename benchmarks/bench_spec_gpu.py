@@ -90,7 +90,8 @@ def spec_bench_rows(path: str, per_category: int = 0, num_prompts: int = 64) -> 
     for r in rows:
         by_cat.setdefault(r["category"], []).append(r)
     picked = [cat[:per_category] for cat in by_cat.values()]
-    return [c[i] for i in range(per_category) for c in picked if i < len(c)]
+    depth = max((len(c) for c in picked), default=0)
+    return [c[i] for i in range(depth) for c in picked if i < len(c)]
 
 
 def main() -> None:
