@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 
 #include "block_manager.h"
 #include "draft_policy.h"
+#include "graph_staging.h"
 #include "greedy_accept.h"
 #include "ngram_proposer.h"
 #include "scheduler.h"
@@ -360,6 +362,30 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(p.due, p.last_probe_step);
   }, py::arg("arrays"), py::arg("slots"), py::arg("eligible"), py::arg("lengths").noconvert(), py::arg("interval"),
      py::arg("graph_steps"), py::arg("steps"), py::arg("last_probe_step"), py::arg("probe_every"), py::arg("probe"));
+
+  m.def("stage_graph_step", [](py::array_t<int64_t, py::array::c_style> h64, py::array_t<int32_t, py::array::c_style> tables,
+                               int64_t T, int64_t R, int64_t padded_rows, int64_t q, int64_t token_slots,
+                               IntArray query_start_loc, std::optional<SeqIdArray> input_ids, SeqIdArray positions,
+                               SeqIdArray slot_mapping, IntArray context_lens, IntArray block_tables) {
+    // graph_staging.h: h64 and tables (CudaGraphRunner's np64, np32) written in place
+    const py::ssize_t rows = context_lens.size();
+    PE_CHECK(query_start_loc.size() == rows + 1, "stage_graph_step: ", query_start_loc.size(),
+             " query starts for ", rows, " rows");
+    const int64_t n = query_start_loc.data()[rows];
+    PE_CHECK(positions.size() >= n && slot_mapping.size() >= n && (!input_ids || input_ids->size() >= n),
+             "stage_graph_step: fewer token inputs than the ", n, " tokens of the step");
+    PE_CHECK(tables.ndim() == 2 && h64.size() >= 3 * T + 2 * R + 1 && tables.shape(0) >= R,
+             "stage_graph_step: the staging buffers are smaller than T and R");
+    const int64_t width = block_tables.ndim() == 2 ? block_tables.shape(1) : 0;
+    PE_CHECK(rows == 0 || (block_tables.ndim() == 2 && block_tables.shape(0) >= rows),
+             "stage_graph_step: block tables must be [rows, width]");
+    const GraphStagingBuffers buf{h64.mutable_data(), tables.mutable_data(), T, R, tables.shape(1)};
+    const GraphStepInputs in{rows, query_start_loc.data(), input_ids ? input_ids->data() : nullptr, positions.data(),
+                             slot_mapping.data(), context_lens.data(), block_tables.data(), width};
+    stage_graph_step(buf, in, padded_rows, q, token_slots);
+  }, py::arg("h64").noconvert(), py::arg("tables").noconvert(), py::arg("T"), py::arg("R"), py::arg("padded_rows"),
+     py::arg("q"), py::arg("token_slots"), py::arg("query_start_loc"), py::arg("input_ids").none(true),
+     py::arg("positions"), py::arg("slot_mapping"), py::arg("context_lens"), py::arg("block_tables"));
 
   m.def("greedy_accept", [](py::array_t<int64_t, py::array::c_style | py::array::forcecast> argmax,
                             py::array_t<bool, py::array::c_style | py::array::forcecast> finite, IntArray num_logits,

@@ -47,6 +47,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pyengine import _C
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.graph_capture import capture_graph, default_buckets, default_token_buckets, graph_shape, last_tokens
 from pyengine.engine.pending_step import PendingStep
@@ -238,8 +239,9 @@ class CudaGraphRunner(PrefillGraphs):
     def _stage_padding(self, key: tuple[int, int]) -> None:
         """Device inputs of padding rows only (slot -1, context 0, PAD state slots): a forward on
         them writes no KV or state and reads none (graph warm-up, capture, timing)."""
-        self.np64[3 * self.T + self.row_cap] = 0  # query_start_loc[0]
-        self._fill_padding(0, 0, key)
+        empty = np.zeros(0, dtype=np.int64)
+        self._stage(key, 0, np.zeros(1, dtype=np.int32), empty, empty, empty, np.zeros(0, dtype=np.int32),
+                    np.zeros((0, 0), dtype=np.int32))
         self.dev_bytes.copy_(self.host_bytes)
         if self.state_cache is not None:
             self.dev_state.copy_(self.host_state)  # PAD slots: live state stays untouched
@@ -249,19 +251,10 @@ class CudaGraphRunner(PrefillGraphs):
             self._stage_padding(key)  # the warm-up and the capture run on padding inputs
             return capture_graph(lambda: self._forward(key), self.device, self.pool)
 
-    def _fill_padding(self, rows: int, n: int, key: tuple[int, int]) -> None:
-        """Padding rows [rows, 2b) own the token slots [n, slots), q at most each (then none)."""
-        b, q, slots, _ = graph_shape(key)
-        T, R, h = self.T, self.row_cap, self.np64
-        lo, hi, r = n, slots, 2 * b
-        h[lo:hi] = 0                      # input ids
-        h[T + lo:T + hi] = 0              # positions
-        h[2 * T + lo:2 * T + hi] = -1     # slots: no KV write
-        h[3 * T + rows:3 * T + r] = 0     # context 0: no keys read
-        ends = np.minimum(n + q * np.arange(1, r - rows + 1), hi)
-        h[3 * T + R + rows + 1:3 * T + R + r + 1] = ends  # query_start_loc of the padding rows
-        self.np_state[rows:r, :-1] = -1   # PAD state slots: no state read or written
-        self.np_state[rows:r, -1] = 1
+    def _fill_state_padding(self, rows: int, padded_rows: int) -> None:
+        """Hybrid models: padding rows [rows, 2b) get PAD state slots (no state read or written)."""
+        self.np_state[rows:padded_rows, :-1] = -1
+        self.np_state[rows:padded_rows, -1] = 1
 
     @torch.inference_mode()
     def launch_next(self, batch, key: tuple[int, int], token_ids: torch.Tensor,
@@ -346,19 +339,16 @@ class CudaGraphRunner(PrefillGraphs):
     def _stage(self, key: tuple[int, int], rows: int, query_start_loc, input_ids, positions, slot_mapping,
                context_lens, block_tables) -> None:
         """A step's inputs into the host staging buffers (input_ids None: left as they are, the
-        device copy of launch_next replaces them), padding up to the bucket."""
-        n = int(query_start_loc[rows])
-        if self.copy_done is not None:
-            self.copy_done.synchronize()  # the previous step's copy has left the staging buffers
-        T, R, h = self.T, self.row_cap, self.np64
-        if input_ids is not None:
-            h[0:n] = input_ids
-        h[T:T + n] = positions
-        h[2 * T:2 * T + n] = slot_mapping
-        h[3 * T:3 * T + rows] = context_lens
-        h[3 * T + R:3 * T + R + rows + 1] = query_start_loc
-        self._fill_padding(rows, n, key)
-        self.np32[:rows, :block_tables.shape[1]] = block_tables
+        device copy of launch_next replaces them), with padding rows [rows, 2b) that own the token
+        slots after the step's tokens, q at most each (then none), slot -1 (no KV write), context 0
+        (no keys read) and PAD state slots: csrc/core/graph_staging.h."""
+        if self.copy_done is not None:  # the previous step's copy has left the staging buffers
+            self.copy_done.synchronize()
+        b, q, slots, _ = graph_shape(key)
+        _C.stage_graph_step(self.np64, self.np32, self.T, self.row_cap, 2 * b, q, slots, query_start_loc, input_ids,
+                            positions, slot_mapping, context_lens, block_tables)
+        if self.state_cache is not None:
+            self._fill_state_padding(rows, 2 * b)
 
     def _run(self, key: tuple[int, int], n: int, token_ids: torch.Tensor | None = None,
              token_patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
