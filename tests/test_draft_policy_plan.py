@@ -11,67 +11,29 @@ from pyengine.spec_decode.draft_length import DraftLengthPolicy
 
 
 class ReferencePolicy(DraftLengthPolicy):
-    """The plan as NumPy computed it before the port (observe_rows is shared)."""
+    """The plan's two C++ parts as NumPy computed them before the port (the rest is shared)."""
 
-    def draft_lengths(self, slots: np.ndarray, seq_ids: np.ndarray,
-                      can_finish_last: np.ndarray | None = None) -> np.ndarray:
-        rows = np.asarray(slots, dtype=np.int64)
-        num_rows = len(rows)
-        self._unfilled = None
-        repeat = self._still_quiet(rows, seq_ids, can_finish_last)
-        if repeat is not None:
-            self.steps += 1
-            self.idle[rows] += 1
-            return repeat
-        self._claim(rows, np.asarray(seq_ids, dtype=np.int64))
-        self.planned[:] = 0
-        self.probes[:] = -1
-        self._planned_any = False
-        self._plan_rows = rows
-        if not num_rows:
-            return np.zeros(0, dtype=np.int32)
-        self.steps += 1
-        self.idle[rows] += 1
-        eligible = np.ones(num_rows, dtype=bool) if can_finish_last is None else np.asarray(can_finish_last, dtype=bool)
-        probe = max(1, min(self.k, round(self.k / num_rows)))
-        if self.steps <= self.WARMUP_STEPS:
-            probed = np.arange(num_rows) < max(1, self.k // probe)
-            lengths = np.where(eligible & probed, probe, 0)
-        else:
-            table = self.graph_costs(num_rows) if self.graph_costs is not None else None
-            if table is None:
-                lengths = self._best_lengths(rows, eligible, *self.cost_line())
-                interval = self.probe_every * max(1.0, num_rows / self.k)
+    def _schedule_probes(self, rows: np.ndarray, eligible: np.ndarray, lengths: np.ndarray, interval: float,
+                         graph_steps: bool, probe: int) -> float:
+        can_grow = np.nonzero(eligible & (lengths < self.k))[0]
+        idle = self.idle[rows[can_grow], lengths[can_grow]]
+        stale = can_grow[idle >= interval]
+        if graph_steps:
+            if lengths.any() or (len(stale) and self.steps - self.last_probe_step >= interval):
+                interval /= 2
+                stale = can_grow[idle >= interval]
             else:
-                lengths = self._padded_lengths(rows, eligible, table, closed=can_finish_last is not None)
-                interval = self.probe_every
-            can_grow = np.nonzero(eligible & (lengths < self.k))[0]
-            idle = self.idle[rows[can_grow], lengths[can_grow]]
-            stale = can_grow[idle >= interval]
-            if table is not None:
-                if lengths.any() or (len(stale) and self.steps - self.last_probe_step >= interval):
-                    interval /= 2
-                    stale = can_grow[idle >= interval]
-                else:
-                    stale = stale[:0]
-                if len(stale):
-                    self.last_probe_step = self.steps
-            self.probes[rows[stale]] = lengths[stale]
-            lengths[stale] = np.minimum(lengths[stale] + probe, self.k)
-            waiting = np.setdiff1d(can_grow, stale, assume_unique=True)
-            idle_max = int(self.idle[rows[waiting], lengths[waiting]].max(initial=0))
-            last = None if can_finish_last is None else np.array(can_finish_last, dtype=bool)
-            due = self.steps + interval - idle_max
-            if table is not None:
-                due = max(due, self.last_probe_step + self.probe_every)
-            plan = (rows.copy(), np.array(seq_ids, dtype=np.int64), last, due, lengths.astype(np.int32))
-            if lengths.any():
-                self._unfilled = plan
-            else:
-                self._quiet = plan
-        self.planned[rows] = lengths
-        self._planned_any = bool(lengths.any())
-        return lengths.astype(np.int32)
+                stale = stale[:0]
+            if len(stale):
+                self.last_probe_step = self.steps
+        self.probes[rows[stale]] = lengths[stale]
+        lengths[stale] = np.minimum(lengths[stale] + probe, self.k)
+        waiting = np.setdiff1d(can_grow, stale, assume_unique=True)
+        idle_max = int(self.idle[rows[waiting], lengths[waiting]].max(initial=0))
+        due = self.steps + interval - idle_max
+        if graph_steps:
+            due = max(due, self.last_probe_step + self.probe_every)
+        return due
 
     def _padded_lengths(self, rows: np.ndarray, eligible: np.ndarray, cost: np.ndarray, closed: bool) -> np.ndarray:
         p = self.acceptance(rows) * eligible[:, None]

@@ -160,15 +160,7 @@ class DraftLengthPolicy:
             else:
                 lengths = self._padded_lengths(rows, eligible, table, closed=can_finish_last is not None)
                 interval = float(self.probe_every)
-            # The next position of a row left unverified for `interval` steps gets a probe there
-            # (and beyond); the plan repeats until another row's goes stale (csrc/core/draft_policy.h):
-            # at once if it drafts nothing, else once the proposer has found none of its drafts
-            # (observe_rows). With graphs a probe makes the whole batch's step a padded verify step:
-            # at most one probe step per interval, in which every row unverified for half the
-            # interval probes, unless the step drafts anyway (then the probes ride along).
-            due, self.last_probe_step = _C.schedule_probes(
-                self._arrays(), rows, eligible, lengths, interval, table is not None, self.steps,
-                self.last_probe_step, self.probe_every, probe)
+            due = self._schedule_probes(rows, eligible, lengths, interval, table is not None, probe)
             last = None if can_finish_last is None else np.array(can_finish_last, dtype=bool)
             plan = (rows.copy(), np.array(seq_ids, dtype=np.int64), last, due, lengths.astype(np.int32))
             if lengths.any():
@@ -212,6 +204,20 @@ class DraftLengthPolicy:
             return None
         self._quiet = quiet
         return quiet[4]
+
+    def _schedule_probes(self, rows: np.ndarray, eligible: np.ndarray, lengths: np.ndarray, interval: float,
+                         graph_steps: bool, probe: int) -> float:
+        """The next position of a row left unverified for `interval` steps gets a probe there (and
+        beyond: lengths and probes updated in place); returns the step from which the plan stops
+        repeating, when another row's next position goes stale (the plan repeats at once if it
+        drafts nothing, else once the proposer has found none of its drafts: observe_rows). With
+        graphs a probe makes the whole batch's step a padded verify step: at most one probe step per
+        interval, in which every row unverified for half the interval probes, unless the step
+        drafts anyway (then the probes ride along). One C++ pass (csrc/core/draft_policy.h)."""
+        due, self.last_probe_step = _C.schedule_probes(
+            self._arrays(), rows, eligible, lengths, interval, graph_steps, self.steps, self.last_probe_step,
+            self.probe_every, probe)
+        return due
 
     def _padded_lengths(self, rows: np.ndarray, eligible: np.ndarray, cost: np.ndarray, closed: bool) -> np.ndarray:
         """Graph steps: every eligible row drafts the d with the best expected tokens per second
