@@ -62,15 +62,20 @@ def reference(batch, logits):
     return out.flat_tokens.numpy().astype(np.int32), counts, first_bad
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("nan", [False, True])
-def test_verify_equals_the_rejection_sampler_on_greedy_rows(nan: bool) -> None:
+def test_verify_equals_the_rejection_sampler_on_greedy_rows(nan: bool, device: str) -> None:
+    """On CUDA the argmax and finite flags come from one kernel (hipkernels/sampling/greedy_rows.h)."""
     rng = np.random.default_rng(7 + nan)
     sampler = GreedySampler(4)
     saw_accept = saw_bad = 0
     for _ in range(300):
         batch, logits = random_step(rng, nan)
         want = reference(batch, logits)
-        got = sampler.verify(batch, logits)
+        got = sampler.verify(batch, logits.to(device))
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
         assert (got[2] is None) == (want[2] is None)
         if want[2] is not None:

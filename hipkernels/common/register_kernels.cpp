@@ -7,4 +7,5 @@ void register_kernels(pybind11::module_& m) {
   register_layer_ops_kernels(k);
   register_gemm_kernels(k);
   register_ssm_kernels(k);
+  register_sampling_kernels(k);
 }

@@ -12,3 +12,4 @@ void register_attention_kernels(pybind11::module_& k);
 void register_layer_ops_kernels(pybind11::module_& k);
 void register_gemm_kernels(pybind11::module_& k);
 void register_ssm_kernels(pybind11::module_& k);
+void register_sampling_kernels(pybind11::module_& k);

@@ -3,10 +3,11 @@
 Where every row of a step is greedy, the tokens the rejection sampler would give are a function of
 the argmax of each logits row alone: a decode row takes its argmax; a verify row keeps its drafts
 while each equals the argmax at its position, then takes the argmax after the last one kept. So a
-step needs one argmax and one finite check where the logits are, one copy to pinned host memory and
-one wait, and the acceptance bookkeeping in one C++ call on the host (csrc/core/greedy_accept.h;
-the general sampler runs a dozen small torch ops per step there). The copies are asynchronous, so
-the engine can launch the next step's forward between start() and the wait (async decode).
+step needs one argmax and one finite check where the logits are (one kernel on CUDA), one copy to
+pinned host memory and one wait, and the acceptance bookkeeping in one C++ call on the host
+(csrc/core/greedy_accept.h; the general sampler runs a dozen small torch ops per step there). The
+copy is asynchronous, so the engine can launch the next step's forward between start() and the
+wait (async decode).
 """
 from __future__ import annotations
 
@@ -22,17 +23,25 @@ try:  # both reductions in one C++ call on CPU logits (the same values as the Nu
 except ImportError:  # no extension with the CPU ops
     argmax_finite = None
 
+try:  # ... and in one kernel on CUDA logits
+    from pyengine.ops.cuda.sampling import greedy_rows_into
+except ImportError:  # no extension with the GPU kernels
+    greedy_rows_into = None
+
 
 class GreedySampler:
     def __init__(self, min_rows: int) -> None:
         self.min_rows = min_rows  # buffers hold at least this many rows
-        self._tok_dev = self._tok_host = self._fin_dev = self._fin_host = None
+        # [argmax of N rows | their finite flags]: on the device, and its pinned host copy
+        self._dev = self._host = None
         self._ready: torch.cuda.Event | None = None
 
     def start(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
         """Argmax and finite flag of each logits row: (device argmax, host argmax, host finite
         flags, the event to wait for before reading the host tensors; None on the CPU, where they
-        are ready). The host tensors are reused by the next call."""
+        are ready). The host tensors are reused by the next call. On CUDA one kernel computes both
+        into one int64 buffer (hipkernels/sampling/greedy_rows.h; torch ops where it does not
+        take the logits) and one copy brings them to the host; the flags are then int64 0 / 1."""
         n = logits.shape[0]
         if not logits.is_cuda:
             both = None if argmax_finite is None else argmax_finite(logits)
@@ -40,21 +49,18 @@ class GreedySampler:
                 return both[0], both[0], both[1], None
             tok = greedy_argmax(logits)
             return tok, tok, finite_rows(logits, tok), None
-        if self._tok_dev is None or self._tok_dev.shape[0] < n:
-            size = max(n, self.min_rows)
-            self._tok_dev = torch.empty(size, dtype=torch.int64, device=logits.device)
-            self._tok_host = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            self._fin_dev = torch.empty(size, dtype=torch.bool, device=logits.device)
-            self._fin_host = torch.empty(size, dtype=torch.bool, pin_memory=True)
+        if self._dev is None or self._dev.shape[0] < 2 * n:
+            size = 2 * max(n, self.min_rows)
+            self._dev = torch.empty(size, dtype=torch.int64, device=logits.device)
+            self._host = torch.empty(size, dtype=torch.int64, pin_memory=True)
             self._ready = torch.cuda.Event()
-        tok, host = self._tok_dev[:n], self._tok_host[:n]
-        fin, fin_host = self._fin_dev[:n], self._fin_host[:n]
-        torch.argmax(logits, dim=-1, out=tok)
-        fin.copy_(finite_rows(logits, tok))  # before a launched step's replay overwrites the logits
-        host.copy_(tok, non_blocking=True)
-        fin_host.copy_(fin, non_blocking=True)
+        dev, host = self._dev[:2 * n], self._host[:2 * n]
+        if greedy_rows_into is None or not greedy_rows_into(logits, dev):
+            torch.argmax(logits, dim=-1, out=dev[:n])
+            dev[n:].copy_(finite_rows(logits, dev[:n]))  # before a launched step's replay overwrites the logits
+        host.copy_(dev, non_blocking=True)
         self._ready.record()
-        return tok, host, fin_host, self._ready
+        return dev[:n], host[:n], host[n:], self._ready
 
     def verify(self, batch, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(tokens, counts per row, first_bad) of a step whose rows are all greedy, as
