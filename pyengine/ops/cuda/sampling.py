@@ -16,5 +16,6 @@ def greedy_rows_into(logits: torch.Tensor, out: torch.Tensor) -> bool:
     assert out.dtype == torch.int64 and out.is_contiguous() and out.numel() >= 2 * logits.shape[0]
     p = params(kernels.GreedyRowsParams, logits=logits.data_ptr(), out=out.data_ptr(), num_rows=logits.shape[0],
                vocab=logits.shape[1], row_stride=row_stride(logits))
-    kernels.greedy_rows(p, stream(logits.device))
+    with torch.cuda.device(logits.device):  # the launch goes to the logits' device, whichever is current
+        kernels.greedy_rows(p, stream(logits.device))
     return True
