@@ -62,13 +62,18 @@ def reference(batch, logits):
     return out.flat_tokens.numpy().astype(np.int32), counts, first_bad
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=GPU), pytest.param("cuda-torch-ops", marks=GPU)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("nan", [False, True])
-def test_verify_equals_the_rejection_sampler_on_greedy_rows(nan: bool, device: str) -> None:
-    """On CUDA the argmax and finite flags come from one kernel (hipkernels/sampling/greedy_rows.h)."""
+def test_verify_equals_the_rejection_sampler_on_greedy_rows(nan: bool, device: str, monkeypatch) -> None:
+    """On CUDA the argmax and finite flags come from one kernel (hipkernels/sampling/greedy_rows.h),
+    or from torch ops where the kernel does not run (cuda-torch-ops)."""
+    if device == "cuda-torch-ops":
+        monkeypatch.setattr("pyengine.engine.greedy_sampler.greedy_rows_into", None)
+        device = "cuda"
     rng = np.random.default_rng(7 + nan)
     sampler = GreedySampler(4)
     saw_accept = saw_bad = 0
