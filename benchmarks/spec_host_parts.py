@@ -1,7 +1,7 @@
 """Where a step's host time goes: wall-clock timers around the engine's step parts (schedule,
 execute, the greedy sampler's start / accept and its wait for the GPU, propose, the draft-length
-policy, commit, ...), per step kind (with drafts or not), in microseconds per step. SmolLM2 on
-CUDA graphs, Spec-Bench first turns interleaved by category, greedy. A diagnostic: the timers
+policy, commit, ...), per step kind (with drafts or not; with prefill rows or not), in microseconds
+per step. SmolLM2 on CUDA graphs, Spec-Bench first turns interleaved by category, greedy. A diagnostic: the timers
 themselves cost a little; compare parts, not totals, across runs.
 
     python3 benchmarks/spec_host_parts.py --gguf S.gguf --prompts spec_bench.jsonl --batch 16 --method suffix
@@ -70,7 +70,14 @@ def main() -> None:
         setattr(eng.greedy, name, timed("greedy." + name, getattr(eng.greedy, name)))
     event_sync = torch.cuda.Event.synchronize
     torch.cuda.Event.synchronize = lambda event: timed("WAIT for the GPU", event_sync)(event)
-    eng.runner.execute = timed("runner.execute", eng.runner.execute)
+    execute = timed("runner.execute", eng.runner.execute)
+
+    def execute_noting_prefill(batch, *a, **kw):
+        if int(batch.num_decode_rows) != len(batch.context_lens):
+            step_parts["has prefill rows"] = 0.0
+        return execute(batch, *a, **kw)
+
+    eng.runner.execute = execute_noting_prefill
     eng.outputs.process = timed("outputs.process", eng.outputs.process)
     for name in ("_propose", "_commit", "_verify_greedy", "_sample_greedy", "_plan_next", "_launch_verify",
                  "_may_launch_next"):
@@ -89,7 +96,8 @@ def main() -> None:
         step_parts.clear()
         start = time.perf_counter()
         out = step()
-        kind = kinds["drafts" if "greedy.accept" in step_parts else "no drafts"]
+        kind = "drafts" if "greedy.accept" in step_parts else "no drafts"
+        kind = kinds[kind + (" + prefill" if "has prefill rows" in step_parts else "")]
         kind[0] += 1
         kind[1] += time.perf_counter() - start
         for name, seconds in step_parts.items():
@@ -106,6 +114,8 @@ def main() -> None:
     for kind, (n, seconds, parts) in kinds.items():
         print(f"  {kind}: {n} steps, {1e6 * seconds / n:.0f} us/step")
         for name, part in sorted(parts.items(), key=lambda x: -x[1]):
+            if name == "has prefill rows":  # a marker, not a part
+                continue
             print(f"    {name:32s} {1e6 * part / n:7.0f}")
 
 
