@@ -1,8 +1,8 @@
 """Where a step's host time goes: wall-clock timers around the engine's step parts (schedule,
 execute, the greedy sampler's start / accept and its wait for the GPU, propose, the draft-length
 policy, commit, ...), per step kind (with drafts or not; with prefill rows or not), in microseconds
-per step. SmolLM2 on CUDA graphs, Spec-Bench first turns interleaved by category, greedy. A diagnostic: the timers
-themselves cost a little; compare parts, not totals, across runs.
+per step. SmolLM2 on CUDA graphs, Spec-Bench first turns interleaved by category, greedy. A
+diagnostic: the timers themselves cost a little; compare parts, not totals, across runs.
 
     python3 benchmarks/spec_host_parts.py --gguf S.gguf --prompts spec_bench.jsonl --batch 16 --method suffix
 """
