@@ -94,9 +94,10 @@ class VerifyAhead:
         self.num_launched += 1
         # this step must commit each row's drafts and then its predicted token
         expected = np.empty(int(d.sum()) + rows, dtype=np.int32)
-        ends = np.cumsum(d + 1) - 1
-        expected[ends] = pred[:, 0]
-        expected[np.setdiff1d(np.arange(len(expected)), ends, assume_unique=True)] = drafts
+        is_end = np.zeros(len(expected), dtype=bool)
+        is_end[np.cumsum(d + 1) - 1] = True  # each row's last token: the predicted one
+        expected[is_end] = pred[:, 0]
+        expected[~is_end] = drafts
         pending.expected = (expected, d + 1)
         take[:, 0] = False
         pending.drafts = (pred[take], (counts - 1).astype(np.int32))
