@@ -36,7 +36,8 @@ def main() -> None:
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--prompts", required=True, help="Spec-Bench jsonl (turns[0] of each line)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--method", default="suffix", choices=["plain", "ngram", "suffix"], help="k = 4, adaptive")
+    ap.add_argument("--method", default="suffix", choices=["plain", "ngram", "suffix", "eagle3"], help="k = 4, adaptive")
+    ap.add_argument("--eagle3", help="the EAGLE-3 head directory (method eagle3; default: the shipped head)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=192)
     args = ap.parse_args()
@@ -45,6 +46,9 @@ def main() -> None:
     interleaved = spec_bench_rows(args.prompts, per_category=1 << 30)  # every line, categories interleaved
     questions = [r["turns"][0] for r in interleaved[:max(args.batch, args.num_prompts)]]
     spec = None if args.method == "plain" else {"method": args.method, "num_speculative_tokens": 4}
+    if args.method == "eagle3":
+        spec["model"] = args.eagle3 or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                    "pyengine", "heads", "smollm2-135m-instruct-eagle3")
     llm = LLM(args.gguf, device="cuda", dtype="bfloat16", max_num_seqs=args.batch, max_model_len=2048,
               speculative_config=spec)
     llm.engine.runner.graph_runner.capture_all()
@@ -84,6 +88,24 @@ def main() -> None:
         setattr(eng, name, timed("engine." + name, getattr(eng, name)))
     if eng.proposer is not None:
         eng.proposer.propose = timed("proposer.propose", eng.proposer.propose)
+    if getattr(eng.proposer, "ring", None) is not None:  # a drafting layer (MTP, EAGLE-3)
+        head = eng.proposer
+        for name in ("_forward", "_catch_up_hidden", "_chain_steps"):
+            setattr(head, name, timed("layer." + name, getattr(head, name)))
+        head.ring.keep = timed("layer.ring.keep", head.ring.keep)
+        if head.graphs is not None:
+            head.graphs.run = timed("layer.graphs.run", head.graphs.run)
+            key_for = head.graphs.key_for
+
+            def key_for_noting_eager(feed):
+                key = key_for(feed)
+                if key is None:  # the layer's forward runs eagerly: counted (a count, not seconds)
+                    step_parts["layer eager forwards (count)"] = step_parts.get("layer eager forwards (count)", 0) + 1e-6
+                return key
+
+            head.graphs.key_for = key_for_noting_eager
+        if head.chain is not None:
+            head.chain.run = timed("layer.chain.run", head.chain.run)
     if eng.draft_length is not None:
         for name in ("draft_lengths", "observe_rows"):
             setattr(eng.draft_length, name, timed("policy." + name, getattr(eng.draft_length, name)))
@@ -116,7 +138,8 @@ def main() -> None:
         for name, part in sorted(parts.items(), key=lambda x: -x[1]):
             if name == "has prefill rows":  # a marker, not a part
                 continue
-            print(f"    {name:32s} {1e6 * part / n:7.0f}")
+            print(f"    {name:32s} {1e6 * part / n:7.2f} per step" if name.endswith("(count)") else
+                  f"    {name:32s} {1e6 * part / n:7.0f}")
 
 
 if __name__ == "__main__":

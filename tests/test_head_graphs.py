@@ -165,3 +165,19 @@ def test_rows_over_max_q_stay_eager(target: str, head: str) -> None:  # noqa: F8
     assert g.key_for(HeadFeed.build(tables, np.array([0]), np.array([4]), 4)) == (1, -16)
     assert g.key_for(HeadFeed.build(two, np.array([0, 2]), np.array([9, 14]), 4)) == (2, -32)
     assert g.key_for(HeadFeed.build(two, np.array([0, 2]), np.array([19, 14]), 4)) is None  # 33 tokens
+
+
+def test_catch_up_graphs_take_every_bucket_row(target: str, head: str) -> None:  # noqa: F811
+    """Prefill-shaped catch-up graphs hold as many rows as the largest bucket (a drafting step at
+    batch 16 catches up every drafting row's deferred positions at once), past the target's
+    PREFILL_GRAPH_ROWS; more rows than the largest bucket get no key."""
+    llm = LLM(target, device="cpu")
+    layer, _ = load_eagle3(head, llm.model, llm.model_config, torch.device("cpu"), torch.float32)
+    kv = layer.make_kv_cache(64, 4, torch.device("cpu"))
+    g = HeadGraphs(layer, kv, 4, torch.device("cpu"), 16, 3, 32, catch_up_tokens=64)
+    tables = np.arange(64, dtype=np.int32).reshape(16, 4) % 64
+    assert g.prefill_rows == 16
+    twelve = HeadFeed.build(tables[:12], np.zeros(12), np.full(12, 5), 4)  # 60 tokens, rows of 5 > max_q
+    assert g.key_for(twelve) == (16, -64)
+    wide = HeadFeed.build(np.repeat(tables[:1], 17, 0), np.zeros(17), np.full(17, 4), 4)
+    assert g.key_for(wide) is None  # 17 rows: past the largest bucket

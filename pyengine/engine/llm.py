@@ -14,6 +14,7 @@ from pyengine.loader import load_model
 from pyengine.engine.kv_budget import (CPU_KV_CACHE_BYTES, StatePoolPlan, cache_budget_bytes, default_num_kv_blocks,
                                        kv_bytes_per_block, plan_state_pool)
 from pyengine.engine.model_runner import ModelRunner
+from pyengine.engine.prefill_graphs import PREFILL_GRAPH_TOKENS
 from pyengine.engine.invariance import cpu_invariance_problem, resolve_batch_invariant
 from pyengine.ops.kernel_config import KernelConfig, set_kernel_config, use_kernel_config
 from pyengine.outputs import CompletionOutput, RequestOutput
@@ -47,9 +48,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 _INT32_MAX = 2**31 - 1
 MAX_NUM_SEQS = 1 << 16  # rows of a step: the scheduler and CUDA graph buffers are sized by it
-# Steps with prefill rows of up to this many tokens replay prefill graphs (CudaGraphRunner.execute_mixed):
-# an eager step costs the Python of every layer, ~10 ms for SmolLM2; longer prefills amortise it
-PREFILL_GRAPH_TOKENS = 2048
 
 
 def _positive(name: str, value: Any, allow_none: bool = False, limit: int = _INT32_MAX) -> None:

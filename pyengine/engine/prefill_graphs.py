@@ -19,6 +19,9 @@ from pyengine.engine.step_parts import StepPart, rows_of
 # prefill rows in one prefill graph: more (a first wave of admissions) run eagerly; the cap keeps the
 # graphs (buckets x token capacities) few enough to capture at start-up (CudaGraphRunner.capture_all)
 PREFILL_GRAPH_ROWS = 8
+# Steps with prefill rows of up to this many tokens replay prefill graphs (the LLM's prefill_tokens):
+# an eager step costs the Python of every layer, ~10 ms for SmolLM2; longer prefills amortise it
+PREFILL_GRAPH_TOKENS = 2048
 
 
 class PrefillGraphs:

@@ -26,9 +26,9 @@ Those writes reach position n + k - 3, inside the blocks the previous step reser
 Positions the target did not compute (a prefix-cache hit) are skipped: their MTP entries are
 whatever the block's earlier owner wrote, or zeros. That changes drafts only, never the output.
 
-Where the target replays CUDA graphs, so do the layer's decode catch-ups (deferred ones too, up to
-CATCH_UP_GRAPH_TOKENS tokens) and chained drafts: pyengine/spec_decode/head_graphs.py; prefill
-catch-ups run eagerly. The drafts stay on the device until the verify step is launched
+Where the target replays CUDA graphs, so do the layer's catch-ups (deferred ones and prompts too,
+up to CATCH_UP_GRAPH_TOKENS tokens in a step) and chained drafts: pyengine/spec_decode/head_graphs.py;
+longer catch-ups run eagerly. The drafts stay on the device until the verify step is launched
 (pyengine/spec_decode/device_drafts.py): propose() gives the scheduler placeholders and never waits.
 
 An EAGLE-3 head (pyengine/spec_decode/eagle3.py) drafts the same way: `layer` is any module with
@@ -45,6 +45,7 @@ import torch
 from pyengine import _C
 from pyengine.engine.host_arrays import to_device
 from pyengine.engine.model_runner import ModelRunner
+from pyengine.engine.prefill_graphs import PREFILL_GRAPH_TOKENS
 from pyengine.spec_decode.config import SpeculativeConfig
 from pyengine.spec_decode.device_drafts import PLACEHOLDER, DeviceDrafts
 from pyengine.spec_decode.draft_chain import DraftChain
@@ -55,7 +56,9 @@ from pyengine.spec_decode.hidden_ring import HiddenRing
 
 class MtpProposer:
     RING_POSITIONS = 64  # positions a row may leave un-caught-up (HiddenRing)
-    CATCH_UP_GRAPH_TOKENS = 512  # longer catch-ups than a verify row replay graphs up to this many tokens
+    # catch-ups longer than a verify row replay graphs up to this many tokens (as many as the target's
+    # prefill graphs: a prompt that fits one needs no eager forward of the layer)
+    CATCH_UP_GRAPH_TOKENS = PREFILL_GRAPH_TOKENS
 
     def __init__(self, cfg: SpeculativeConfig, runner: ModelRunner, get_request: Callable[[int], Any], seed: int,
                  max_model_len: int, layer: Any = None) -> None:
