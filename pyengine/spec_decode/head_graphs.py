@@ -17,8 +17,8 @@ Longer catch-ups (rows that deferred theirs for a few steps: HiddenRing; a new r
 replay prefill-shaped graphs (b, -t) of t token slots (16, 32, ... up to catch_up_tokens; any
 bucket's rows, unlike the target's prefill graphs: these are captured on first use, not at start-up),
 which compute the same outputs and last-token logits; longer ones are the caller's: key_for gives
-None, and the proposer runs them eagerly (an eager forward of the layer cost ~1.5 ms of host time on
-the H100, the replay ~0.1-0.3 ms).
+None, and the proposer runs them eagerly (on the H100, EAGLE-3's drafting steps at batch 16 went
+from 4.0-4.2 to 3.0 ms when their catch-ups of more than 8 rows became replays).
 """
 from __future__ import annotations
 
