@@ -160,6 +160,41 @@ def test_graph_replay_equals_eager(seq):
     assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
 
 
+@pytest.mark.usefixtures("gqa_kernel")
+def test_prefill_graph_shape_keeps_each_querys_bits(seq):
+    """A prefill graph's step (CudaGraphRunner stages it so): a 300-token prompt chunk beside decode
+    and verify rows, then padding rows without keys owning the token slots after the step's (one
+    of them most of them), max_context_len an upper bound. The launch numbers only the rows' own
+    query tiles (flat tiles: max_num_tokens); eager and replayed, each query keeps its decode-alone bits."""
+    truth = {}
+    for ctx in CONTEXTS:
+        out, lse, _ = seq.run([(ctx, 1)])
+        truth[ctx] = (out[0], lse[0])
+    rows = [(c, 1) for c in CONTEXTS[:6]] + [(U + 1, 3), (SEQ, 5), (3 * U + 7, 300)]
+    n = sum(q for _, q in rows)
+    slots = 1024  # the graph's token capacity: padding rows own the rest
+    meta = seq.meta(rows + [(0, slots - n - 2), (0, 2), (0, 0), (0, 0)])
+    meta.max_query_len, meta.max_context_len = slots, SEQ + 4 * U
+    positions = torch.cat([torch.arange(e - q, e) for e, q in rows]).to(DEV)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    q = torch.cat([seq.q[positions], torch.randn(slots - n, *seq.q.shape[1:], generator=gen, device=DEV).bfloat16()])
+    eager, eager_lse = ops.paged_attention(q, seq.k, seq.v, meta, seq.d ** -0.5, return_lse=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = ops.paged_attention(q, seq.k, seq.v, meta, seq.d ** -0.5, return_lse=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    checked = 0
+    for t, p in enumerate(positions.tolist()):
+        if p + 1 in truth:
+            o1, l1 = truth[p + 1]
+            for o, l, how in ((eager, eager_lse, "eager"), (out, lse, "replayed")):
+                assert torch.equal(o[t], o1) and torch.equal(l[t], l1), f"context {p + 1}, {how}"
+            checked += 1
+    assert checked >= 9
+    assert torch.all(eager[n:] == 0) and torch.all(torch.isinf(eager_lse[n:])), "padding slots attend to no key"
+
+
 def test_default_mode_keeps_its_split_rule():
     """Without batch_invariant the rule stays per row (<= 16 splits): a query of a verify row and
     the same query in a prefill chunk differ (prefill rows never split), which the fixed rule fixes."""

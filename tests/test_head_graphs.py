@@ -169,7 +169,7 @@ def test_rows_over_max_q_stay_eager(target: str, head: str) -> None:  # noqa: F8
 
 def test_catch_up_graphs_take_every_bucket_row(target: str, head: str) -> None:  # noqa: F811
     """Prefill-shaped catch-up graphs hold as many rows as the largest bucket (a drafting step at
-    batch 16 catches up every drafting row's deferred positions at once), past the target's
+    batch 16 catches up every drafting row's deferred positions at once), whatever the target's
     PREFILL_GRAPH_ROWS; more rows than the largest bucket get no key."""
     llm = LLM(target, device="cpu")
     layer, _ = load_eagle3(head, llm.model, llm.model_config, torch.device("cpu"), torch.float32)

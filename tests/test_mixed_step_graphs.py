@@ -1,8 +1,8 @@
-"""Steps with prefill rows on graphs (CudaGraphRunner.execute_mixed), run on the CPU through the
-runner's static-buffer path: the decode/verify rows replay their decode graph and the prefill rows
-a prefill graph (each row's last-token logits only). Tokens must equal the eager runner's through
-staggered admissions (prefill rows beside decode and verify rows), chunked prefill (chunks that
-want no logits), prefill-only steps and speculation."""
+"""Steps with prefill rows on graphs (one prefill-graph replay per step, pyengine/engine/
+prefill_graphs.py), run on the CPU through the runner's static-buffer path: decode/verify rows and
+prefill rows share the graph, which computes the logits of the staged tokens only. Tokens must equal
+the eager runner's through staggered admissions (prefill rows beside decode and verify rows),
+chunked prefill (chunks that want no logits), prefill-only steps and speculation."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +12,6 @@ import torch
 from pyengine import LLM, SamplingParams
 from pyengine.engine.cuda_graph_runner import CudaGraphRunner
 from pyengine.engine.graph_capture import default_token_buckets, graph_shape
-from pyengine.engine.step_parts import rows_of
 from tests.test_spec_decode import make_prompts
 from tests.tiny_models import make_checkpoint
 
@@ -44,16 +43,20 @@ def staggered(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def spy_keys(g: CudaGraphRunner) -> list[tuple[int, int]]:
-    """The graph keys the runner stages (CPU: no graph is captured, the same buffers run eagerly)."""
+def spy_keys(g: CudaGraphRunner, batches: list | None = None) -> list[tuple[int, int]]:
+    """The graph keys the runner stages (CPU: no graph is captured, the same buffers run eagerly),
+    and each step's batch into `batches` if given."""
     keys: list[tuple[int, int]] = []
-    orig = g._execute_part
+    orig = g.execute
 
-    def spy(part, key, *patch):
+    def spy(batch, key, *patch):
         keys.append(key)
-        return orig(part, key, *patch)
+        if batches is not None:
+            batches.append((key, int(batch.num_decode_rows), int(np.asarray(batch.num_draft_tokens).sum()),
+                            int((np.asarray(batch.num_logits)[batch.num_decode_rows:] == 0).sum())))
+        return orig(batch, key, *patch)
 
-    g._execute_part = spy
+    g.execute = spy
     return keys
 
 
@@ -63,7 +66,8 @@ def test_token_buckets_and_shapes() -> None:
     assert graph_shape((4, 3)) == (4, 3, 12, False)
     assert graph_shape((2, -64)) == (2, 64, 64, True)
     g = CudaGraphRunner(None, [], 16, torch.device("cpu"), 32, 5, 256, prefill_tokens=64)
-    assert g.prefill_keys() == [(b, -t) for b in (1, 2, 4, 8) for t in (16, 32, 64)]
+    assert g.prefill_keys() == [(b, -t) for b in (1, 2, 4, 8, 16, 32) for t in (16, 32, 64) if b <= t]
+    assert g.logits_slots((32, -64)) == 64 and g.logits_slots((4, -64)) == 20
     assert CudaGraphRunner(None, [], 16, torch.device("cpu"), 3, 5, 256, prefill_tokens=16).prefill_keys() == \
         [(1, -16), (2, -16), (3, -16)]
 
@@ -76,8 +80,9 @@ def test_mixed_steps_equal_eager(tiny: str, block_size: int) -> None:
     llm = make_llm(tiny, True, **kw)
     keys = spy_keys(llm.engine.runner.graph_runner)
     assert staggered(llm, prompts) == eager
-    assert llm.engine.runner.graph_runner.num_mixed > 0, "no step with prefill rows took a prefill graph"
-    assert any(q < 0 for _, q in keys), "no prefill graph ran"
+    g = llm.engine.runner.graph_runner
+    assert g.num_mixed > 0, "no step with prefill rows took a prefill graph"
+    assert g.num_mixed == sum(q < 0 for _, q in keys), "a step with prefill rows ran more than one replay"
     assert any(q > 0 for _, q in keys), "no decode graph ran"
 
 
@@ -90,21 +95,12 @@ def test_chunked_prefill_and_speculation_on_graphs(tiny: str) -> None:
     kw = dict(max_num_seqs=3, max_num_batched_tokens=24)
     eager = staggered(make_llm(tiny, False, **kw), prompts)
     llm = make_llm(tiny, True, spec, **kw)
-    seen = []
-    g = llm.engine.runner.graph_runner
-    orig = g.execute_mixed
-
-    def spy(batch, *args):
-        out = orig(batch, *args)
-        if out is not None:
-            seen.append((int(batch.num_decode_rows), int(np.asarray(batch.num_draft_tokens).sum()),
-                         int((np.asarray(batch.num_logits)[batch.num_decode_rows:] == 0).sum())))
-        return out
-
-    g.execute_mixed = spy
+    seen: list = []
+    spy_keys(llm.engine.runner.graph_runner, seen)
     assert staggered(llm, prompts) == eager
-    assert any(d > 0 and drafts > 0 for d, drafts, _ in seen), "no verify rows beside prefill rows on graphs"
-    assert any(no_logits > 0 for _, _, no_logits in seen), "no mid-prompt chunk on a prefill graph"
+    mixed = [(d, drafts, no_logits) for key, d, drafts, no_logits in seen if key[1] < 0]
+    assert any(d > 0 and drafts > 0 for d, drafts, _ in mixed), "no verify rows beside prefill rows on a graph"
+    assert any(no_logits > 0 for _, _, no_logits in mixed), "no mid-prompt chunk on a prefill graph"
 
 
 def test_long_prefill_runs_eagerly(tiny: str) -> None:
@@ -117,41 +113,23 @@ def test_long_prefill_runs_eagerly(tiny: str) -> None:
     assert keys and all(q > 0 or -q <= 16 for _, q in keys)
 
 
-def test_prefill_graph_eligibility(tiny: str) -> None:
-    """Prefill parts of up to PREFILL_GRAPH_ROWS rows and prefill_tokens tokens get a key; more
-    rows, more tokens or a row wanting logits other than its last token's do not."""
-    from pyengine.engine.step_parts import StepPart
+def test_prefill_graph_eligibility() -> None:
+    """Steps of up to PREFILL_GRAPH_ROWS rows and prefill_tokens tokens, each row wanting at most
+    max_q logits, get a key; more rows, more tokens or more logits a row do not."""
+    from types import SimpleNamespace
 
     g = CudaGraphRunner(None, [], 16, torch.device("cpu"), 32, 5, 256, prefill_tokens=64)
 
-    def part(q_lens, logits=None):
+    def batch(q_lens, logits=None):
         qsl = np.concatenate(([0], np.cumsum(q_lens)))
         nl = np.ones(len(q_lens), np.int64) if logits is None else np.array(logits)
-        return StepPart(np.arange(len(q_lens)), np.zeros(qsl[-1]), np.zeros(qsl[-1]), np.zeros(qsl[-1]), qsl,
-                        np.array(q_lens), np.zeros((len(q_lens), 2), np.int32), nl, (qsl[1:] - 1)[nl == 1], 0)
+        return SimpleNamespace(query_start_loc=qsl, context_lens=np.array(q_lens),
+                               block_tables=np.zeros((len(q_lens), 2), np.int32), num_logits=nl)
 
-    assert g.prefill_key_for(part([5, 7, 2])) == (4, -16)
-    assert g.prefill_key_for(part([30, 20], logits=[0, 1])) == (2, -64)
-    assert g.prefill_key_for(part([1] * 9)) is None          # more rows than a prefill graph takes
-    assert g.prefill_key_for(part([40, 30])) is None         # more tokens than the largest capacity
-    bad = part([5, 7])
-    bad.logits_indices = np.array([0, 11])                   # a logits row that is not the row's last token
-    assert g.prefill_key_for(bad) is None
-
-
-def test_rows_of_splits_a_batch(tiny: str) -> None:
-    llm = make_llm(tiny, False, max_num_seqs=4)
-    eng = llm.engine
-    for p in make_prompts(2):
-        eng.add_request(p, SamplingParams(temperature=0, max_tokens=4))
-    eng.step()
-    eng.add_request(make_prompts(3)[2], SamplingParams(temperature=0, max_tokens=4))
-    batch = eng.scheduler.schedule()
-    d = int(batch.num_decode_rows)
-    assert 0 < d < batch.num_rows, "the step should mix decode rows and a prefill row"
-    pre, dec = rows_of(batch, d, batch.num_rows), rows_of(batch, 0, d)
-    assert pre.num_decode_rows == 0 and dec.num_decode_rows == d
-    assert dec.num_tokens + pre.num_tokens == batch.num_tokens
-    assert np.array_equal(np.concatenate([dec.input_ids, pre.input_ids]), batch.input_ids)
-    assert pre.query_start_loc[0] == 0 and np.array_equal(pre.logits_indices, pre.query_start_loc[1:] - 1)
-    assert torch.equal(torch.from_numpy(pre.block_tables), torch.from_numpy(np.asarray(batch.block_tables)[d:]))
+    assert g.prefill_key_for(batch([5, 7, 2])) == (4, -16)
+    assert g.prefill_key_for(batch([30, 20], logits=[0, 1])) == (2, -64)
+    assert g.prefill_key_for(batch([5, 5, 40], logits=[5, 5, 1])) == (4, -64)  # verify rows beside a prompt
+    assert g.prefill_key_for(batch([1] * 17)) == (32, -32)                    # rows bucket 32, t >= b
+    assert g.prefill_key_for(batch([1] * 33)) is None         # more rows than the largest bucket
+    assert g.prefill_key_for(batch([40, 30])) is None         # more tokens than the largest capacity
+    assert g.prefill_key_for(batch([8, 2], logits=[6, 1])) is None  # a row wanting more than max_q logits

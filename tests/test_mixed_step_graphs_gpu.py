@@ -1,8 +1,7 @@
-"""Steps with prefill rows on CUDA graphs (CudaGraphRunner.execute_mixed) on the GPU: the decode rows'
-graph and the prefill rows' graph replay one after the other in the same memory pool, so the first
-replay's outputs must be taken before the second runs. Tiny DeepSeek-V3 at the real MLA widths
-(graphs on), 64-token prefill chunks so that decode rows share steps with prefill chunks: tokens
-equal the eager engine's. Skips without CUDA."""
+"""Steps with prefill rows on CUDA graphs (one prefill-graph replay: decode rows and prefill chunks
+in one graph, the attention grid over the rows' own query tiles) on the GPU. Tiny DeepSeek-V3 at
+the real MLA widths (graphs on), 64-token prefill chunks so that decode rows share steps with
+prefill chunks: tokens equal the eager engine's. Skips without CUDA."""
 from __future__ import annotations
 
 import pytest

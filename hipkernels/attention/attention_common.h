@@ -47,6 +47,43 @@ PE_DEVICE void gqa_row_splits(const PagedAttentionParams& p, int ctx, int q_len,
   *nsplit = q_len > kPagedAttnSplitMaxQueryLen || ctx <= p.split_block ? 1 : (ctx + p.split_block - 1) / p.split_block;
 }
 
+// The grid's y extent for flat tiles (the GQA kernels' blocks of mt query-head pairs), or 0 where
+// the rectangular grid (rows x tiles of max_query_len) has no more blocks. Row r owns
+// ceil(q_len_r * G / mt) tiles, so all rows own at most ceil(max_num_tokens * G / mt) + num_rows.
+inline int flat_tile_slots(const PagedAttentionParams& p, int mt) {
+  if (p.max_num_tokens <= 0) return 0;
+  const int G = p.num_q_heads / p.num_kv_heads;
+  const int64_t rect = (int64_t)p.num_rows * ((p.max_query_len * G + mt - 1) / mt);
+  const int64_t flat = ((int64_t)p.max_num_tokens * G + mt - 1) / mt + p.num_rows;
+  return flat < rect ? (int)flat : 0;
+}
+
+// The row, KV head and first query-head pair of this block's tile of mt pairs (false: the block
+// has none). Rectangular grid: z = row * Hkv + head, y = the row's tile. Flat grid (p.flat_tiles):
+// z = head, and y counts the rows' tiles in row order. Either way a tile is computed by one block
+// the same way, so the schedule never changes a bit.
+PE_DEVICE bool block_tile(const PagedAttentionParams& p, int mt, int* row, int* kvh, int* m_begin) {
+  if (!p.flat_tiles) {
+    *row = blockIdx.z / p.num_kv_heads;
+    *kvh = blockIdx.z - *row * p.num_kv_heads;
+    *m_begin = blockIdx.y * mt;
+    return true;
+  }
+  const int G = p.num_q_heads / p.num_kv_heads;
+  *kvh = blockIdx.z;
+  int y = blockIdx.y;
+  for (int r = 0; r < p.num_rows; ++r) {
+    const int tiles = ((p.query_start_loc[r + 1] - p.query_start_loc[r]) * G + mt - 1) / mt;
+    if (y < tiles) {
+      *row = r;
+      *m_begin = y * mt;
+      return true;
+    }
+    y -= tiles;
+  }
+  return false;
+}
+
 // Two floats -> one 32-bit pair of T (lower index in the lower half), one rounding each: the
 // 16-bit operand pairs of the tensor-core products (P of P V).
 template <typename T>

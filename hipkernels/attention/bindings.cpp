@@ -18,7 +18,7 @@ void register_attention_kernels(py::module_& k) {
       .PE_FIELD(A, block_tables).PE_FIELD(A, query_start_loc).PE_FIELD(A, context_lens)
       .PE_FIELD(A, num_rows).PE_FIELD(A, num_q_heads).PE_FIELD(A, num_kv_heads)
       .PE_FIELD(A, head_dim_qk).PE_FIELD(A, head_dim_v).PE_FIELD(A, block_size).PE_FIELD(A, max_blocks_per_row)
-      .PE_FIELD(A, max_query_len).PE_FIELD(A, max_splits).PE_FIELD(A, split_block).PE_FIELD(A, fixed_splits)
+      .PE_FIELD(A, max_query_len).PE_FIELD(A, max_num_tokens).PE_FIELD(A, max_splits).PE_FIELD(A, split_block).PE_FIELD(A, fixed_splits)
       .PE_FIELD(A, scale)
       .PE_FIELD(A, dtype).PE_FIELD(A, pdl).PE_FIELD(A, num_sms)
       .PE_FIELD(A, gqa_fma).PE_FIELD(A, gqa_pairs_per_block).PE_FIELD(A, mla_small_tile)

@@ -59,6 +59,12 @@ struct PagedAttentionParams {
   int block_size = 0;
   int max_blocks_per_row = 0;
   int max_query_len = 0;  // upper bound over rows
+  // Upper bound of the launch's query tokens (query_start_loc[num_rows]; the q tensor's rows), 0:
+  // unknown. The GQA launchers then number the rows' query tiles one after another along the grid
+  // (flat_tiles) where that takes fewer blocks than rows x tiles of max_query_len: a step of a few
+  // long rows and many short ones (a prompt beside decode rows, a prefill graph's padding rows).
+  int max_num_tokens = 0;
+  bool flat_tiles = false;  // set by the GQA launchers (attention_common.h block_tile)
   int max_splits = 1;     // workspace split dimension: min(kMaxSplits, ceil(max_ctx / split_block)), >= 1
   int split_block = kPagedAttnSplitBlock;  // keys per split unit, a multiple of 64
   bool fixed_splits = false;  // GQA: the batch-invariant split rule above (KernelConfig.batch_invariant)

@@ -26,6 +26,8 @@ using pe_attn::copy_wait;
 using pe_attn::kLog2e;
 using pe_attn::merge_and_store_pair;
 using pe_attn::neg_inf;
+using pe_attn::block_tile;
+using pe_attn::flat_tile_slots;
 using pe_attn::gqa_row_splits;
 using pe_attn::walk_merge_pair;
 using pe_attn::store8;
@@ -76,12 +78,11 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<DQK, DV, LPT, MT, U>()))
   const int Hkv = p.num_kv_heads;
   const int Hq = p.num_q_heads;
   const int G = Hq / Hkv;
-  const int row = blockIdx.z / Hkv;
-  const int kvh = blockIdx.z - row * Hkv;
+  int row, kvh, m_begin;
+  if (!block_tile(p, MT, &row, &kvh, &m_begin)) return;
   const int q0 = p.query_start_loc[row];
   const int q_len = p.query_start_loc[row + 1] - q0;
   const int ctx = p.context_lens[row];
-  const int m_begin = blockIdx.y * MT;
   const int m_count = q_len * G;
   if (m_begin >= m_count) return;
   int nsplit, split_size;
@@ -351,9 +352,13 @@ template <typename T, int DQK, int DV, int LPT, int MT, int U>
 void launch_main(const PagedAttentionParams& p, peStream_t s) {
   const int G = p.num_q_heads / p.num_kv_heads;
   const int m_tiles = (p.max_query_len * G + MT - 1) / MT;
-  const dim3 grid((unsigned)p.max_splits, (unsigned)m_tiles, (unsigned)(p.num_rows * p.num_kv_heads));
+  PagedAttentionParams f = p;
+  const int flat = flat_tile_slots(p, MT);
+  f.flat_tiles = flat > 0;
+  const dim3 grid = f.flat_tiles ? dim3((unsigned)p.max_splits, (unsigned)flat, (unsigned)p.num_kv_heads)
+                                 : dim3((unsigned)p.max_splits, (unsigned)m_tiles, (unsigned)(p.num_rows * p.num_kv_heads));
   // (a launch error is the runtime's last error, which launch_paged_attention returns)
-  (void)pe_launch(paged_attention_kernel<T, DQK, DV, LPT, MT, U, kStages>, grid, dim3(kThreads), 0, s, p.pdl, p);
+  (void)pe_launch(paged_attention_kernel<T, DQK, DV, LPT, MT, U, kStages>, grid, dim3(kThreads), 0, s, p.pdl, f);
 }
 
 // (LPT, U) fix the order of the arithmetic; they depend on the head dim and the group size only

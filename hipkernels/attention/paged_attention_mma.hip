@@ -61,12 +61,11 @@ __global__ void __launch_bounds__(kThreads) paged_attention_mma_kernel(PagedAtte
   const int Hkv = p.num_kv_heads;
   const int Hq = p.num_q_heads;
   const int G = Hq / Hkv;
-  const int row = blockIdx.z / Hkv;
-  const int kvh = blockIdx.z - row * Hkv;
+  int row, kvh, m_begin;
+  if (!block_tile(p, kRows, &row, &kvh, &m_begin)) return;
   const int q0 = p.query_start_loc[row];
   const int q_len = p.query_start_loc[row + 1] - q0;
   const int ctx = p.context_lens[row];
-  const int m_begin = blockIdx.y * kRows;
   const int m_count = q_len * G;
   if (m_begin >= m_count) return;
   int nsplit, split_size;
@@ -290,8 +289,12 @@ int launch(const PagedAttentionParams& p, peStream_t s) {
   if (rc != cudaSuccess) return static_cast<int>(rc);
   const int G = p.num_q_heads / p.num_kv_heads;
   const int m_tiles = (p.max_query_len * G + kRows - 1) / kRows;
-  const dim3 grid((unsigned)p.max_splits, (unsigned)m_tiles, (unsigned)(p.num_rows * p.num_kv_heads));
-  return static_cast<int>(pe_launch(kernel, grid, dim3(kThreads), walks ? kSmem + kWalk : kSmem, s, p.pdl, p));
+  PagedAttentionParams f = p;
+  const int flat = flat_tile_slots(p, kRows);
+  f.flat_tiles = flat > 0;
+  const dim3 grid = f.flat_tiles ? dim3((unsigned)p.max_splits, (unsigned)flat, (unsigned)p.num_kv_heads)
+                                 : dim3((unsigned)p.max_splits, (unsigned)m_tiles, (unsigned)(p.num_rows * p.num_kv_heads));
+  return static_cast<int>(pe_launch(kernel, grid, dim3(kThreads), walks ? kSmem + kWalk : kSmem, s, p.pdl, f));
 }
 
 template <typename T>

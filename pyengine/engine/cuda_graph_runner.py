@@ -7,8 +7,8 @@ replays the graph of (bucket, q = its longest row): the rows' tokens sit packed 
 the graph's b * q token slots, as query_start_loc says; the graph has 2b rows, and the rows after
 the step's own (padding up to the bucket size 1, 2, 4, 8, ..., then as many more) own the token
 slots after its tokens, at most q each, with context length 0 and no KV write (slot -1). The kernels read each row's tokens through query_start_loc, so a row's
-arithmetic is what an eager step gives it; the logits of the unowned slots are dropped. Prefill and
-mixed steps run eagerly (the caller's path).
+arithmetic is what an eager step gives it; the logits of the unowned slots are dropped. Steps with
+prefill rows replay prefill graphs (pyengine/engine/prefill_graphs.py) or run eagerly.
 
 Graph safety:
 - Every input lives in one static device byte buffer, refreshed by a single host-to-device copy
@@ -24,8 +24,7 @@ Graph safety:
   are the same as eager. The split workspace is allocated during capture from the graph's pool.
 - All graphs share one memory pool; only one replays at a time and the logits it returns are
   consumed (sampled) before the next replay: a graph's temporaries may lie where a graph captured
-  after it keeps its static outputs (execute_mixed copies the first replay's outputs
-  before the second).
+  after it keeps its static outputs.
 - launch_next (async decode, pyengine/engine/launch_ahead.py): the decode step after a q = 1 step,
   staged from that step's batch with every row one position further (in the block the scheduler
   reserved ahead where the position starts one), its token ids copied on the device from
@@ -49,7 +48,7 @@ import torch
 
 from pyengine import _C
 from pyengine.engine.attention_metadata import AttentionMetadata
-from pyengine.engine.graph_capture import capture_graph, default_buckets, default_token_buckets, graph_shape, last_tokens
+from pyengine.engine.graph_capture import capture_graph, default_buckets, default_token_buckets, graph_shape
 from pyengine.engine.pending_step import PendingStep
 from pyengine.engine.state_cache import StateMetadata
 from pyengine.engine.prefill_graphs import PrefillGraphs
@@ -74,17 +73,18 @@ class CudaGraphRunner(PrefillGraphs):
         # padding and async-decode logic run in the CPU tests).
         self.use_graphs = device.type == "cuda"
         self.kernel_config = get_kernel_config()  # every capture runs under it (see the module docstring)
-        # prefill graphs (steps with prefill rows, see execute_mixed): token capacities 16, 32, ... up to
-        # prefill_tokens (0: none)
+        # prefill graphs (steps with prefill rows, see prefill_graphs.py): token capacities 16, 32, ...
+        # up to prefill_tokens (0: none)
         self.prefill_buckets = default_token_buckets(prefill_tokens)
         T = max(self.max_rows * self.max_q, prefill_tokens)
         self.T = T
         # A graph of bucket b has 2b rows: the step's rows, then padding rows that own the token
         # slots after the step's tokens (at most q each: the rows' shape limits hold) or none.
         self.row_cap = 2 * self.max_rows
-        # int64 layout: [input_ids T | positions T | slots T | context_lens 2R | query_start_loc 2R + 1],
-        # then int32 [2R, W] tables
-        self.n64 = 3 * T + 2 * self.row_cap + 1
+        # int64 layout: [input_ids T | positions T | slots T | context_lens 2R | query_start_loc 2R + 1 |
+        # a prefill graph's logits tokens max_rows * max_q], then int32 [2R, W] tables
+        self.logits_at = 3 * T + 2 * self.row_cap + 1
+        self.n64 = self.logits_at + (self.max_rows * self.max_q if prefill_tokens else 0)
         pin = self.use_graphs
         nbytes = 8 * self.n64 + 4 * self.row_cap * self.width
         self.host_bytes = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
@@ -109,7 +109,7 @@ class CudaGraphRunner(PrefillGraphs):
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.num_replays = 0
         self.num_eager = 0
-        self.num_mixed = 0  # steps with prefill rows run through a prefill graph (execute_mixed)
+        self.num_mixed = 0  # steps with prefill rows replayed on a prefill graph
         self.replay_seconds: dict[int, np.ndarray] = {}  # bucket -> measured replay seconds, q = 1..max_q
 
     def _split(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +221,7 @@ class CudaGraphRunner(PrefillGraphs):
         return meta, ids, pos
 
     def _forward(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        b, q, n, last_only = graph_shape(key)
+        b, q, n, prefill = graph_shape(key)
         meta, ids, pos = self._meta(key)
         if self.state_cache is None:
             hidden = self.model(ids, pos, meta, self.kv_caches)
@@ -232,8 +232,9 @@ class CudaGraphRunner(PrefillGraphs):
                                   has_initial_state=self.dev_init[:2 * b], query_start_loc=meta.query_start_loc,
                                   num_decode_rows=2 * b, num_decode_tokens=n)
             hidden = self.model(ids, pos, meta, self.kv_caches, state=state)
-        if last_only:
-            return self.model.compute_logits(hidden.index_select(0, last_tokens(meta))), hidden
+        if prefill:  # the tokens _stage_logits names
+            wanted = self.dev64[self.logits_at:self.logits_at + self.logits_slots(key)]
+            return self.model.compute_logits(hidden.index_select(0, wanted)), hidden
         return self.model.compute_logits(hidden), hidden
 
     def _stage_padding(self, key: tuple[int, int]) -> None:
@@ -242,6 +243,8 @@ class CudaGraphRunner(PrefillGraphs):
         empty = np.zeros(0, dtype=np.int64)
         self._stage(key, 0, np.zeros(1, dtype=np.int32), empty, empty, empty, np.zeros(0, dtype=np.int32),
                     np.zeros((0, 0), dtype=np.int32))
+        if key[1] < 0 and self.prefill_buckets:
+            self._stage_logits(key, empty)  # a stale list may name tokens past this graph's slots
         self.dev_bytes.copy_(self.host_bytes)
         if self.state_cache is not None:
             self.dev_state.copy_(self.host_state)  # PAD slots: live state stays untouched
@@ -315,19 +318,22 @@ class CudaGraphRunner(PrefillGraphs):
     @torch.inference_mode()
     def execute(self, batch, key: tuple[int, int],
                 token_patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Logits of every token of a decode/verify step (bucket_for's key); last_hidden its hidden
-        states. token_patch: ModelRunner.execute's."""
-        n = int(batch.query_start_loc[len(batch.context_lens)])
+        """Logits of the step's logits_indices, in order (a decode/verify key: every token; a prefill
+        key: the staged ones); last_hidden its hidden states. token_patch: ModelRunner.execute's."""
+        m = len(batch.logits_indices)
         patch = () if token_patch is None else (token_patch,)
         logits = self._execute_part(batch, key, *patch)
-        return logits if n == len(logits) else logits[:n]
+        self.num_mixed += key[1] < 0
+        return logits if m == len(logits) else logits[:m]
 
     def _execute_part(self, batch, key: tuple[int, int],
                       token_patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Stage a batch (or StepPart), capture its graph on first use, replay: the graph's static logits."""
+        """Stage a batch, capture its graph on first use, replay: the graph's static logits."""
         rows = len(batch.context_lens)
         self._stage(key, rows, batch.query_start_loc, batch.input_ids, batch.positions, batch.slot_mapping,
                     batch.context_lens, batch.block_tables)
+        if key[1] < 0:
+            self._stage_logits(key, batch.logits_indices)
         if self.state_cache is not None:
             self.np_state[:rows, :-1] = np.asarray(batch.state_slots, dtype=np.int32).reshape(rows, -1)
             self.np_state[:rows, -1] = np.maximum(np.asarray(batch.num_accepted_prev, dtype=np.int32), 1)

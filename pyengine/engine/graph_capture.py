@@ -20,8 +20,9 @@ def default_token_buckets(max_tokens: int) -> list[int]:
 
 
 def graph_shape(key: tuple[int, int]) -> tuple[int, int, int, bool]:
-    """(rows b, max query length q, token slots, logits of each row's last token only) of a graph key:
-    decode/verify (b, q): every token's logits, b * q slots; prefill (b, -t): t slots, one row may hold them all."""
+    """(rows b, max query length q, token slots, prefill-shaped) of a graph key: decode/verify (b, q):
+    every token's logits, b * q slots; prefill-shaped (b, -t): t slots, one row may hold them all, the
+    logits of chosen tokens only (a prefill graph's staged list, a drafting layer's rows' last tokens)."""
     b, q = key
     return (b, q, b * q, False) if q > 0 else (b, -q, -q, True)
 

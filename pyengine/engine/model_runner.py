@@ -96,11 +96,10 @@ class ModelRunner:
         self.model.set_aux_layers(layers, self.graph_runner.T if self.graph_runner is not None else 0)
         self.keep_hidden = self.keep_aux = True
 
-    def _keep(self, batch, hidden: torch.Tensor | None, aux_taken: bool = False) -> None:
+    def _keep(self, batch, hidden: torch.Tensor | None) -> None:
         """The step's final hidden states (or aux states: keep_aux) with the rows they belong to:
-        seq ids, first positions, query starts (a proposer that reads them: MTP, EAGLE-3).
-        aux_taken: hidden already holds the aux states (a mixed step's two replays)."""
-        if self.keep_aux and hidden is not None and not aux_taken:
+        seq ids, first positions, query starts (a proposer that reads them: MTP, EAGLE-3)."""
+        if self.keep_aux and hidden is not None:
             aux = self.model.aux_out if self.last_graph_key is not None else self.model.last_aux
             hidden = aux[:hidden.shape[0]]
         self.last_hidden = hidden
@@ -130,20 +129,15 @@ class ModelRunner:
         if self.state_cache is not None:  # prefix caching: checkpoint saves and restores come first
             self.state_cache.apply_copies(batch)
         if self.graph_runner is not None:
-            key = self.graph_runner.bucket_for(batch)
+            g = self.graph_runner
+            key = g.bucket_for(batch)
+            if key is None and int(batch.num_decode_rows) < len(batch.context_lens):
+                key = g.prefill_key_for(batch)  # a step with prefill rows: one prefill graph (None: eager)
             if key is not None:
                 self.last_graph_key = key
-                logits = self.graph_runner.execute(batch, key, *patch)
+                logits = g.execute(batch, key, *patch)
                 if self.keep_hidden:
-                    self._keep(batch, self.graph_runner.last_hidden)
-                return logits
-            # prefill rows: a prefill graph (None: eager); aux states are read after each replay, which
-            # both write from row 0 of the model's aux buffer
-            aux = self.model.aux_out if self.keep_aux else None
-            logits = self.graph_runner.execute_mixed(batch, self.keep_hidden, aux, *patch)
-            if logits is not None:
-                if self.keep_hidden:
-                    self._keep(batch, self.graph_runner.last_hidden, aux_taken=aux is not None)
+                    self._keep(batch, g.last_hidden)
                 return logits
         meta = self.build_metadata(batch)
         input_ids = self._tensor(batch.input_ids)

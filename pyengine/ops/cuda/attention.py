@@ -115,7 +115,7 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         query_start_loc=step["qsl"].data_ptr(), context_lens=step["ctx"].data_ptr(), num_rows=meta.num_rows,
         num_q_heads=num_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_v=head_dim_v,
         block_size=meta.block_size, max_blocks_per_row=tables.shape[1], max_query_len=int(meta.max_query_len),
-        max_splits=max_splits, split_block=SPLIT_BLOCK,
+        max_num_tokens=q.shape[0], max_splits=max_splits, split_block=SPLIT_BLOCK,
         fixed_splits=fixed, scale=float(scale), dtype=DTYPE_CODE[q.dtype],
         pdl=config.pdl, num_sms=num_sms(q.device), gqa_fma=config.gqa_fma,
         gqa_pairs_per_block=config.gqa_pairs_per_block,
