@@ -79,11 +79,14 @@ def time_steps(llm: LLM, per_request: dict) -> dict:
     return kinds
 
 
-def spec_bench_rows(path: str, per_category: int = 0, num_prompts: int = 64) -> list[dict]:
-    """Spec-Bench lines: per_category N: N of each category, interleaved (category 1, 2, ..., 13,
-    then the second of each, ...); 0: the first num_prompts."""
+def spec_bench_rows(path: str, per_category: int = 0, num_prompts: int = 64,
+                    categories: list[str] | None = None) -> list[dict]:
+    """Spec-Bench lines (of these categories only, if given): per_category N: N of each category,
+    interleaved (category 1, 2, ..., 13, then the second of each, ...); 0: the first num_prompts."""
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
+    if categories:
+        rows = [r for r in rows if r.get("category") in categories]
     if not per_category:
         return rows[:num_prompts]
     by_cat: dict[str, list] = {}
@@ -104,6 +107,8 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--per-category", type=int, default=0,
                     help="N prompts of each Spec-Bench category, interleaved (0: the first --num-prompts)")
+    ap.add_argument("--category", default="",
+                    help="only these Spec-Bench categories (comma-separated; e.g. one task at batch 64)")
     ap.add_argument("--eagle3", help="an EAGLE-3 head directory: adds methods eagle3_adaptive and eagle3_fixed")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--capture", default="all", choices=["all", "lazy"],
@@ -119,7 +124,10 @@ def main() -> None:
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         ap.error(f"unknown --methods {unknown} (known: {sorted(METHODS)}; eagle3_adaptive needs --eagle3 DIR)")
-    rows_in = spec_bench_rows(args.prompts, args.per_category, args.num_prompts)
+    categories = [c for c in args.category.split(",") if c]
+    rows_in = spec_bench_rows(args.prompts, args.per_category, args.num_prompts, categories)
+    if not rows_in:
+        ap.error(f"no Spec-Bench prompts in categories {categories}")
     questions = [r["turns"][0] for r in rows_in]
     categories = [r.get("category", "") for r in rows_in]
     if cuda:

@@ -40,10 +40,14 @@ def main() -> None:
     ap.add_argument("--eagle3", help="the EAGLE-3 head directory (method eagle3; default: the shipped head)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--category", default="", help="only these Spec-Bench categories (comma-separated)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the parts timed are those of CUDA-graph steps)")
-    interleaved = spec_bench_rows(args.prompts, per_category=1 << 30)  # every line, categories interleaved
+    categories = [c for c in args.category.split(",") if c]
+    interleaved = spec_bench_rows(args.prompts, per_category=1 << 30, categories=categories)  # categories interleaved
+    if not interleaved:
+        ap.error(f"no Spec-Bench prompts in categories {categories}")
     questions = [r["turns"][0] for r in interleaved[:max(args.batch, args.num_prompts)]]
     spec = None if args.method == "plain" else {"method": args.method, "num_speculative_tokens": 4}
     if args.method == "eagle3":
