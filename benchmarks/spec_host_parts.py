@@ -88,7 +88,7 @@ def main() -> None:
     eng.runner.execute = execute_noting_prefill
     eng.outputs.process = timed("outputs.process", eng.outputs.process)
     for name in ("_propose", "_commit", "_verify_greedy", "_sample_greedy", "_plan_next", "_launch_verify",
-                 "_may_launch_next"):
+                 "_may_launch_next", "_launch_committed"):
         setattr(eng, name, timed("engine." + name, getattr(eng, name)))
     if eng.proposer is not None:
         eng.proposer.propose = timed("proposer.propose", eng.proposer.propose)
@@ -115,6 +115,7 @@ def main() -> None:
             setattr(eng.draft_length, name, timed("policy." + name, getattr(eng.draft_length, name)))
     if eng.verify_ahead is not None:
         eng.verify_ahead.launch = timed("verify_ahead.launch", eng.verify_ahead.launch)
+        eng.verify_ahead.launch_committed = timed("verify_ahead.launch_committed", eng.verify_ahead.launch_committed)
     kinds: dict = collections.defaultdict(lambda: [0, 0.0, collections.defaultdict(float)])
     step = eng.step
 

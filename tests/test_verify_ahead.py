@@ -256,19 +256,21 @@ def test_unpredictable_rows_stop_the_predictions(tiny: str) -> None:
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     llm, plain = oracle_llm(tiny, prompts, params, 7)
     eng = llm.engine
-    proposer = eng.proposer
-    predict, calls = proposer.predict, []
+    proposer, va = eng.proposer, eng.verify_ahead
+    predict, launch, calls = proposer.predict, va.launch, []
 
     def one_row_unknown(scheduler, seq_ids, *rest):
         tokens, counts = predict(scheduler, seq_ids, *rest)
-        calls.append(1)
         counts = counts.copy()
         counts[-1] = 0
         return tokens, counts
 
-    proposer.predict = one_row_unknown
+    def counted(*args):  # a prediction asked for (launch_committed's drafts are not predictions)
+        calls.append(1)
+        return launch(*args)
+
+    proposer.predict, va.launch = one_row_unknown, counted
     assert outputs(llm, prompts, params) == plain
-    va = eng.verify_ahead
     assert va.num_launched == 0
     verify_steps = eng.scheduler.stats()["num_verify_rows"] // 3
     assert 2 <= len(calls) <= 3 + verify_steps // va.PROBE_EVERY, (len(calls), verify_steps)
@@ -320,3 +322,30 @@ def test_async_decode_off_turns_verify_ahead_off(tiny: str) -> None:
     assert llm.engine.verify_ahead is None
     assert outputs(llm, prompts, params) == outputs(LLM(model=tiny, device="cpu"), prompts, params)
     assert llm.engine.num_async_steps == 0 and llm.stats()["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("rows,block_size", [(1, 16), (3, 2)])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_steps_launched_from_committed_tokens(tiny: str, rows: int, block_size: int, adaptive: bool) -> None:
+    """With no predictions (VerifyAhead.launch off), each greedy step launches the next one from
+    the tokens it committed and the proposer's drafts over them (launch_committed): nearly all
+    are used (the next batch is the launched one), every row's accept count varies (the oracle is
+    wrong at every 7th position), 3 rows of ragged lengths end at different steps; tokens equal
+    plain decoding's."""
+    prompts = make_prompts(rows, seed=rows + 10)
+    params = [SamplingParams(temperature=0, max_tokens=30 + 9 * i, ignore_eos=True) for i in range(rows)]
+    llm, plain = oracle_llm(tiny, prompts, params, 7, adaptive, block_size)
+    eng = llm.engine
+    va = eng.verify_ahead
+    va.launch = lambda *args: None
+    assert outputs(llm, prompts, params) == plain
+    verify_steps = eng.scheduler.stats()["num_verify_rows"] // rows
+    assert va.num_launched == 0 and va.num_committed_launches >= verify_steps // 2, \
+        (va.num_committed_launches, verify_steps)
+    assert eng.num_async_steps >= 0.8 * va.num_committed_launches, (eng.num_async_steps, va.num_committed_launches)
+    # without them, far fewer steps run launched ahead (decode steps' launch_next only)
+    llm2, _ = oracle_llm(tiny, prompts, params, 7, adaptive, block_size)
+    llm2.engine.verify_ahead.launch = lambda *args: None
+    llm2.engine._launch_committed = lambda *args: None
+    assert outputs(llm2, prompts, params) == plain
+    assert llm2.engine.num_async_steps < eng.num_async_steps - verify_steps // 2

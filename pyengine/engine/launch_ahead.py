@@ -32,7 +32,10 @@ A greedy verify step with a proposer on the host (ngram, suffix) launches the ne
 ahead, its tokens and drafts predicted as if every row accepts all its drafts (verify ahead,
 pyengine/engine/verify_ahead.py); the next step proposes nothing and takes the predicted drafts
 when this step committed the predicted tokens, and the scheduler's batch must again be exactly the
-launched one.
+launched one. Where nothing was launched ahead (or the prediction failed), a greedy step with such
+a proposer launches the next step as soon as its tokens are committed (_launch_committed: its
+last tokens and the proposer's drafts over them, with the plan the next step would make), before
+the outputs are processed and the next batch scheduled; the same match decides whether it is used.
 """
 from __future__ import annotations
 
@@ -88,6 +91,35 @@ class LaunchAhead:
             self._lengths = plan  # the launched step drafts as planned
             self._pending = self.verify_ahead.launch(self.scheduler, self.proposer, self.runner.graph_runner, batch,
                                                     plan[1])
+
+    def _launch_committed(self, batch, tokens: np.ndarray, counts: np.ndarray) -> None:
+        """After this step's commit (scheduler.update), where no step is launched yet: launch the
+        next one from the committed tokens (VerifyAhead.launch_committed; a proposer on the host),
+        with the plan the next step would make (_next_plan if _plan_next made it, else made here:
+        this step shown to the policy first, as the end of the step would). The host then commits,
+        outputs and schedules while the GPU runs it; the next step uses it if its batch is the
+        launched one. Not after a step with a finished row (it leaves the batch)."""
+        if self.verify_ahead is None or self.runner.last_graph_key is None or not self._may_launch_ahead(batch):
+            return
+        rows = batch.num_rows
+        seq_ids = np.asarray(batch.seq_ids)
+        plan = self._next_plan
+        if plan is None or not np.array_equal(plan[0], seq_ids):
+            view = self.scheduler.decode_view()
+            if not np.array_equal(view.seq_ids, seq_ids):
+                return
+            if self.draft_length is None:
+                lengths = np.full(rows, self.k, dtype=np.int32)
+            else:
+                if not self._observed:
+                    self.draft_length.observe_rows(batch.request_slots[:rows], batch.num_draft_tokens[:rows], counts)
+                    self._observed = True
+                lengths = self.draft_length.draft_lengths(view.request_slots, view.seq_ids, self._can_finish_last(view))
+            plan = self._next_plan = (np.array(view.seq_ids), lengths)
+        pending = self.verify_ahead.launch_committed(self.scheduler, self.proposer, self.runner.graph_runner, batch,
+                                                     tokens, counts, plan[1])
+        if pending is not None:
+            self._pending, self._lengths = pending, plan
 
     def _may_launch_ahead(self, batch) -> bool:
         """What every step launched ahead needs: async decode on graphs without recurrent state,

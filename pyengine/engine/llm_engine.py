@@ -170,6 +170,7 @@ class LLMEngine(LaunchAhead):
         if self.proposer is not None and batch.preempted_seq_ids:
             self.proposer.forget(batch.preempted_seq_ids, finished=False)
         pending, self._pending = self._pending, None
+        greedy = True  # every row's tokens are its argmax (the steps that may launch the next one)
         if pending is not None and pending.matches(batch):
             self.num_async_steps += 1
             self.runner.adopt_launched(batch, pending.key)
@@ -192,6 +193,7 @@ class LLMEngine(LaunchAhead):
             elif self._all_greedy(batch):
                 tokens, counts, first_bad = self._verify_greedy(batch, logits, self.runner.last_graph_key)
             else:
+                greedy = False
                 tokens, counts, first_bad = self._sample(batch, logits)
         if first_bad is not None:
             # NaN / inf logits where a row's token would be committed: the row commits the tokens
@@ -206,6 +208,8 @@ class LLMEngine(LaunchAhead):
             self._pending = None  # launched for tokens this step did not commit
             self.num_async_discarded += 1
         num_committed, reasons = self.scheduler.update(tokens, counts)
+        if first_bad is None and self._pending is None and greedy and not reasons.any():
+            self._launch_committed(batch, tokens, counts)
         if first_bad is not None:
             num_committed[filler_rows] = 0  # a filler token is not output
         if self.cfg.record_logits:

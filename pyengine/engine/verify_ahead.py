@@ -43,6 +43,7 @@ class VerifyAhead:
         self.tries = self.hits = 1.0  # decayed counts of checked predictions; optimistic start
         self.chances = 0  # chances passed up since the last launch (below HIT_RATE)
         self.num_launched = self.num_confirmed = self.num_used = 0  # num_used: counted by the engine
+        self.num_committed_launches = 0  # steps launched from a step's committed tokens (launch_committed)
 
     def worth_trying(self, batch, policy=None) -> bool:
         """Predict the step after `batch`? policy: the draft-length policy (None: fixed lengths),
@@ -81,13 +82,8 @@ class VerifyAhead:
         if (counts < 1).any():
             self._count(False)  # the prediction's cost, for nothing: a miss
             return None
-        qsl = np.zeros(rows + 1, dtype=np.int64)
-        qsl[1:] = np.cumsum(counts)
-        take = np.arange(pred.shape[1])[None, :] < counts[:, None]
         first = np.asarray(batch.context_lens, dtype=np.int64)  # each row's next position
-        positions = np.repeat(first - qsl[:-1], counts) + np.arange(int(qsl[-1]))
-        pending = graph_runner.launch_verify(seq_ids, qsl, pred[take].astype(np.int64), positions,
-                                             (first + counts).astype(np.int32), scheduler.block_tables(seq_ids))
+        pending, take = self._launch_rows(scheduler, graph_runner, seq_ids, first, pred, counts)
         if pending is None:
             self._count(False)
             return None
@@ -102,6 +98,49 @@ class VerifyAhead:
         take[:, 0] = False
         pending.drafts = (pred[take], (counts - 1).astype(np.int32))
         return pending
+
+    def launch_committed(self, scheduler, proposer: PredictingProposer, graph_runner, batch, tokens: np.ndarray,
+                         counts: np.ndarray, lengths: np.ndarray) -> PendingStep | None:
+        """Launch the step after `batch` from what it committed (scheduler.update has taken `tokens`,
+        `counts` per row): each row's last committed token, its next input, then up to lengths[i]
+        drafts, the proposer's over the updated tokens. Nothing is predicted, so the step is used
+        whenever the scheduler's next batch is these rows (PendingStep.matches): the host's commit,
+        outputs and scheduling run while the GPU computes it. None: a row has no token left after
+        its next one, or no graph / block holds the step."""
+        rows = batch.num_rows
+        left = np.asarray(batch.tokens_left, dtype=np.int64) - counts  # after this step's tokens
+        if (left < 1).any():
+            return None
+        seq_ids = np.array(batch.seq_ids)
+        limit = np.minimum(np.asarray(lengths, dtype=np.int64), left - 1)
+        nothing = np.zeros(rows, dtype=np.int32)
+        pred, found = proposer.predict(scheduler, seq_ids, nothing[:0], nothing, np.maximum(limit - 1, 0).astype(np.int32))
+        num_drafts = np.minimum(found, limit)
+        inputs = np.empty((rows, 1 + pred.shape[1]), dtype=np.int64)
+        inputs[:, 0] = tokens[np.cumsum(counts) - 1]  # each row's last committed token
+        inputs[:, 1:] = pred
+        d = np.asarray(batch.num_draft_tokens, dtype=np.int64)
+        first = np.asarray(batch.context_lens, dtype=np.int64) - 1 - d + counts  # that token's position
+        pending, take = self._launch_rows(scheduler, graph_runner, seq_ids, first, inputs, 1 + num_drafts)
+        if pending is None:
+            return None
+        self.num_committed_launches += 1
+        take[:, 0] = False
+        pending.drafts = (inputs[take].astype(np.int32), num_drafts.astype(np.int32))
+        return pending
+
+    @staticmethod
+    def _launch_rows(scheduler, graph_runner, seq_ids: np.ndarray, first: np.ndarray, inputs: np.ndarray,
+                     counts: np.ndarray) -> tuple[PendingStep | None, np.ndarray]:
+        """Launch the decode / verify step whose row i feeds inputs[i, :counts[i]] from position
+        first[i] on, in the blocks the rows' tables hold; and the mask of the inputs it took."""
+        qsl = np.zeros(len(seq_ids) + 1, dtype=np.int64)
+        qsl[1:] = np.cumsum(counts)
+        take = np.arange(inputs.shape[1])[None, :] < counts[:, None]
+        positions = np.repeat(first - qsl[:-1], counts) + np.arange(int(qsl[-1]))
+        pending = graph_runner.launch_verify(seq_ids, qsl, inputs[take].astype(np.int64), positions,
+                                             (first + counts).astype(np.int32), scheduler.block_tables(seq_ids))
+        return pending, take
 
     def confirm(self, pending: PendingStep, tokens: np.ndarray, counts: np.ndarray) -> bool:
         """Did the launching step commit what `pending` was predicted from (tokens and counts per
