@@ -73,3 +73,27 @@ def test_stage_graph_step_rejects_a_step_larger_than_its_graph() -> None:
         _C.stage_graph_step(np64, np32, T, R, 2, 2, 4, *args)  # 6 tokens for a graph of 4 token slots
     with pytest.raises(ValueError, match="2 rows for 1 padded rows"):
         _C.stage_graph_step(np64, np32, T, R, 1, 3, 6, *args)
+
+
+def test_launch_rows_matches_the_tables() -> None:
+    """_C.launch_rows (a step launched ahead, CudaGraphRunner._launch): each row's positions from
+    its first on, its slots through its own table row, context lengths, the table entries each
+    context spans; None where a position's block is missing (-1 or past the table) or a context
+    passes the limit."""
+    rng = np.random.default_rng(3)
+    B, rows, width = 4, 5, 6
+    tables = rng.permutation(rows * width).astype(np.int32).reshape(rows, width)
+    first = np.array([0, 3, 7, 11, 19], dtype=np.int64)
+    counts = np.array([1, 5, 2, 4, 1], dtype=np.int32)
+    qsl, pos, slots, ctx, num_blocks = _C.launch_rows(first, counts, tables, B, width * B)
+    assert qsl.tolist() == [0, 1, 6, 8, 12, 13]
+    want_pos = np.concatenate([np.arange(f, f + c) for f, c in zip(first, counts)])
+    row_of = np.repeat(np.arange(rows), counts)
+    assert pos.tolist() == want_pos.tolist()
+    assert slots.tolist() == (tables[row_of, want_pos // B].astype(np.int64) * B + want_pos % B).tolist()
+    assert ctx.tolist() == (first + counts).tolist() and num_blocks.tolist() == ((first + counts - 1) // B + 1).tolist()
+    missing = tables.copy()
+    missing[1, 1] = -1  # row 1's positions 4..7
+    assert _C.launch_rows(first, counts, missing, B, width * B) is None
+    assert _C.launch_rows(first, counts, tables[:, :4], B, width * B) is None  # row 4's position 19: column 4
+    assert _C.launch_rows(first, counts, tables, B, 19) is None  # row 4's context 20 > 19

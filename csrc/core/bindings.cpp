@@ -363,6 +363,20 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("arrays"), py::arg("slots"), py::arg("eligible"), py::arg("lengths").noconvert(), py::arg("interval"),
      py::arg("graph_steps"), py::arg("steps"), py::arg("last_probe_step"), py::arg("probe_every"), py::arg("probe"));
 
+  m.def("launch_rows", [](SeqIdArray first, IntArray counts, IntArray tables, int64_t block_size,
+                          int64_t max_context) -> py::object {
+    // graph_staging.h: (query_start_loc, positions, slot_mapping, context_lens, num_blocks) or None
+    const py::ssize_t rows = counts.size();
+    PE_CHECK(first.size() == rows && tables.ndim() == 2 && tables.shape(0) >= rows,
+             "launch_rows: first, counts and the table rows must agree");
+    LaunchRows out;
+    if (!launch_rows(first.data(), counts.data(), rows, tables.data(), tables.shape(1), block_size, max_context, &out))
+      return py::none();
+    auto vec = [](const auto& v) { return py::array(v.size(), v.data()); };
+    return py::make_tuple(vec(out.query_start_loc), vec(out.positions), vec(out.slot_mapping), vec(out.context_lens),
+                          vec(out.num_blocks));
+  }, py::arg("first"), py::arg("counts"), py::arg("tables"), py::arg("block_size"), py::arg("max_context"));
+
   m.def("stage_graph_step", [](py::array_t<int64_t, py::array::c_style> h64, py::array_t<int32_t, py::array::c_style> tables,
                                int64_t T, int64_t R, int64_t padded_rows, int64_t q, int64_t token_slots,
                                IntArray query_start_loc, std::optional<SeqIdArray> input_ids, SeqIdArray positions,

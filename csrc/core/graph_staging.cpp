@@ -38,4 +38,30 @@ void stage_graph_step(const GraphStagingBuffers& buf, const GraphStepInputs& in,
   }
 }
 
+bool launch_rows(const int64_t* first, const int32_t* counts, int64_t rows, const int32_t* tables, int64_t width,
+                 int64_t block_size, int64_t max_context, LaunchRows* out) {
+  out->query_start_loc.assign(rows + 1, 0);
+  for (int64_t r = 0; r < rows; ++r) out->query_start_loc[r + 1] = out->query_start_loc[r] + counts[r];
+  const int64_t n = out->query_start_loc[rows];
+  out->positions.resize(n);
+  out->slot_mapping.resize(n);
+  out->context_lens.resize(rows);
+  out->num_blocks.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t ctx = first[r] + counts[r];
+    if (counts[r] < 1 || first[r] < 0 || ctx > max_context) return false;
+    for (int64_t j = 0, t = out->query_start_loc[r]; j < counts[r]; ++j, ++t) {
+      const int64_t p = first[r] + j, col = p / block_size;
+      if (col >= width) return false;
+      const int32_t block = tables[r * width + col];
+      if (block < 0) return false;  // no block there yet
+      out->positions[t] = p;
+      out->slot_mapping[t] = static_cast<int64_t>(block) * block_size + p % block_size;
+    }
+    out->context_lens[r] = static_cast<int32_t>(ctx);
+    out->num_blocks[r] = (ctx - 1) / block_size + 1;
+  }
+  return true;
+}
+
 }  // namespace pyengine

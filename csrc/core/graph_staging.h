@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace pyengine {
 
@@ -31,5 +32,17 @@ struct GraphStepInputs {
 // write) and context 0 (no keys read).
 void stage_graph_step(const GraphStagingBuffers& buf, const GraphStepInputs& in, int64_t padded_rows, int64_t q,
                       int64_t token_slots);
+
+// A step launched ahead (CudaGraphRunner._launch): row r feeds counts[r] tokens from position
+// first[r] on, in the blocks its table row (width entries) holds. Fills query_start_loc (rows + 1),
+// positions and slot_mapping (the step's tokens), context_lens and num_blocks (the table entries
+// each row's context spans) and returns true; false where a position's block is missing (-1 or past
+// the table) or a context exceeds max_context (nothing launched).
+struct LaunchRows {
+  std::vector<int64_t> query_start_loc, positions, slot_mapping, num_blocks;
+  std::vector<int32_t> context_lens;
+};
+bool launch_rows(const int64_t* first, const int32_t* counts, int64_t rows, const int32_t* tables, int64_t width,
+                 int64_t block_size, int64_t max_context, LaunchRows* out);
 
 }  // namespace pyengine

@@ -274,46 +274,37 @@ class CudaGraphRunner(PrefillGraphs):
         rows = len(batch.context_lens)
         if q != 1 or len(batch.input_ids) != rows or rows > b:
             return None
-        pos = np.asarray(batch.positions, dtype=np.int64) + 1
-        ctx = np.asarray(batch.context_lens, dtype=np.int32) + 1
+        first = np.asarray(batch.positions, dtype=np.int64) + 1
         # a copy: the batch's arrays are reused
         table = np.array(batch.block_tables if tables is None else tables, dtype=np.int32)
-        return self._launch(key, np.array(batch.seq_ids), np.arange(rows + 1), None, pos, ctx, table, token_ids)
+        return self._launch(key, np.array(batch.seq_ids), np.ones(rows, dtype=np.int32), None, first, table, token_ids)
 
     @torch.inference_mode()
-    def launch_verify(self, seq_ids: np.ndarray, query_start_loc: np.ndarray, input_ids: np.ndarray,
-                      positions: np.ndarray, context_lens: np.ndarray, tables: np.ndarray) -> PendingStep | None:
-        """Launch a decode/verify step given in full on the host (verify ahead: its rows' tokens
-        and drafts predicted, positions, context lengths and block tables), replayed as its bucket's
-        graph. None (nothing launched) where no graph runs it or a row's table lacks a block."""
-        key = self._key(len(seq_ids), np.diff(query_start_loc))
+    def launch_verify(self, seq_ids: np.ndarray, counts: np.ndarray, input_ids: np.ndarray, first: np.ndarray,
+                      tables: np.ndarray) -> PendingStep | None:
+        """Launch a decode/verify step given in full on the host (verify ahead: row i feeds
+        counts[i] of input_ids, its tokens and drafts, from position first[i] on, in the blocks of
+        its table), replayed as its bucket's graph. None (nothing launched) where no graph runs it
+        or a row's table lacks a block."""
+        key = self._key(len(seq_ids), counts)
         if key is None:
             return None
-        return self._launch(key, seq_ids, query_start_loc, input_ids, positions, context_lens, tables)
+        return self._launch(key, seq_ids, counts, input_ids, first, tables)
 
-    def _launch(self, key: tuple[int, int], seq_ids: np.ndarray, query_start_loc: np.ndarray,
-                input_ids: np.ndarray | None, pos: np.ndarray, ctx: np.ndarray, table: np.ndarray,
-                token_ids: torch.Tensor | None = None) -> PendingStep | None:
+    def _launch(self, key: tuple[int, int], seq_ids: np.ndarray, counts: np.ndarray, input_ids: np.ndarray | None,
+                first: np.ndarray, table: np.ndarray, token_ids: torch.Tensor | None = None) -> PendingStep | None:
         """Stage and replay a step whose slots come from the rows' block tables (None where a
-        position's block is missing or the step does not fit the graphs)."""
-        B, rows = self.block_size, len(seq_ids)
-        if int(ctx.max()) > self.width * B or table.shape[1] > self.width:
+        position's block is missing or the step does not fit the graphs): _C.launch_rows."""
+        if table.shape[1] > self.width or (self.use_graphs and key not in self.graphs):
             return None
-        cols = pos // B
-        if int(cols.max()) >= table.shape[1]:
+        rows = _C.launch_rows(first, counts, table, self.block_size, self.width * self.block_size)
+        if rows is None:
             return None
-        row_of = np.repeat(np.arange(rows), np.diff(query_start_loc))
-        blocks = table[row_of, cols]
-        if (blocks < 0).any():  # -1: no block there yet
-            return None
-        slots = blocks.astype(np.int64) * B + pos % B
-        if self.use_graphs and key not in self.graphs:
-            return None
-        n = int(query_start_loc[rows])
-        self._stage(key, rows, query_start_loc, input_ids, pos, slots, ctx, table)
+        qsl, pos, slots, ctx, num_blocks = rows
+        n = int(qsl[-1])
+        self._stage(key, len(seq_ids), qsl, input_ids, pos, slots, ctx, table)
         logits = self._run(key, n, token_ids)[:n]
-        num_blocks = (ctx.astype(np.int64) - 1) // B + 1  # the table entries each row's context spans
-        return PendingStep(key, logits, seq_ids, pos, slots, ctx, table, num_blocks, query_start_loc, input_ids)
+        return PendingStep(key, logits, seq_ids, pos, slots, ctx, table, num_blocks, qsl, input_ids)
 
     @torch.inference_mode()
     def execute(self, batch, key: tuple[int, int],

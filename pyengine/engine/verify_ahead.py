@@ -134,12 +134,9 @@ class VerifyAhead:
                      counts: np.ndarray) -> tuple[PendingStep | None, np.ndarray]:
         """Launch the decode / verify step whose row i feeds inputs[i, :counts[i]] from position
         first[i] on, in the blocks the rows' tables hold; and the mask of the inputs it took."""
-        qsl = np.zeros(len(seq_ids) + 1, dtype=np.int64)
-        qsl[1:] = np.cumsum(counts)
         take = np.arange(inputs.shape[1])[None, :] < counts[:, None]
-        positions = np.repeat(first - qsl[:-1], counts) + np.arange(int(qsl[-1]))
-        pending = graph_runner.launch_verify(seq_ids, qsl, inputs[take].astype(np.int64), positions,
-                                             (first + counts).astype(np.int32), scheduler.block_tables(seq_ids))
+        pending = graph_runner.launch_verify(seq_ids, counts.astype(np.int32), inputs[take].astype(np.int64), first,
+                                             scheduler.block_tables(seq_ids))
         return pending, take
 
     def confirm(self, pending: PendingStep, tokens: np.ndarray, counts: np.ndarray) -> bool:
