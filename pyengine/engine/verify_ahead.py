@@ -24,6 +24,11 @@ estimate current. Large batches, where every row's prediction must hold, soon st
 the draft-length policy a prediction is also made only where its acceptance estimates give it a
 chance of at least MIN_CHANCE (on an H100 a used step saved ~0.6 ms and a discarded one cost
 about as much, so at a 50% hit rate the two cancelled).
+
+launch_committed is the same launch without the prediction: once a step's tokens are committed
+(scheduler.update), the next step goes out with each row's last token and the proposer's drafts
+over the updated tokens, before the host processes outputs and schedules (LLMEngine's
+_launch_committed). It needs no confirmation, only the scheduler's match.
 """
 from __future__ import annotations
 
