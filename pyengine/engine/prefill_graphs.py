@@ -29,7 +29,8 @@ PREFILL_GRAPH_TOKENS = 2048
 
 
 class PrefillGraphs:
-    """Mixed into CudaGraphRunner: reads its buffers (np64, buckets, max_q, ...) and replays through its execute."""
+    """Mixed into CudaGraphRunner: reads its buffers (np64, buckets, max_q, ...); ModelRunner replays a
+    prefill key through CudaGraphRunner.execute."""
 
     @property
     def prefill_rows(self) -> int:
