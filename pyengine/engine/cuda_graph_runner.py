@@ -132,14 +132,17 @@ class CudaGraphRunner(PrefillGraphs):
         li = np.asarray(batch.logits_indices)
         if len(li) != n or (n and (li[0] != 0 or li[-1] != n - 1)):
             return None
-        bt = np.asarray(batch.block_tables)
-        if bt.ndim != 2 or bt.shape[1] > self.width:
-            return None
-        if int(np.max(batch.context_lens)) > self.width * self.block_size:
+        if not self._tables_fit(batch):
             return None
         if self.state_cache is not None and int(batch.num_decode_rows) != rows:
             return None
         return key
+
+    def _tables_fit(self, batch) -> bool:
+        """The step's block tables and contexts fit the graphs' static width."""
+        bt = np.asarray(batch.block_tables)
+        return bt.ndim == 2 and bt.shape[1] <= self.width and \
+            int(np.max(batch.context_lens)) <= self.width * self.block_size
 
     def _key(self, rows: int, lens: np.ndarray) -> tuple[int, int] | None:
         """(bucket rows, q) of a step of `rows` rows with these query lengths, if a graph runs it."""
@@ -243,7 +246,7 @@ class CudaGraphRunner(PrefillGraphs):
         empty = np.zeros(0, dtype=np.int64)
         self._stage(key, 0, np.zeros(1, dtype=np.int32), empty, empty, empty, np.zeros(0, dtype=np.int32),
                     np.zeros((0, 0), dtype=np.int32))
-        if key[1] < 0 and self.prefill_buckets:
+        if key[1] < 0:
             self._stage_logits(key, empty)  # a stale list may name tokens past this graph's slots
         self.dev_bytes.copy_(self.host_bytes)
         if self.state_cache is not None:

@@ -101,21 +101,17 @@ class LaunchAhead:
         launched one. Not after a step with a finished row (it leaves the batch)."""
         if self.verify_ahead is None or self.runner.last_graph_key is None or not self._may_launch_ahead(batch):
             return
-        rows = batch.num_rows
         seq_ids = np.asarray(batch.seq_ids)
         plan = self._next_plan
         if plan is None or not np.array_equal(plan[0], seq_ids):
-            view = self.scheduler.decode_view()
+            view = self.scheduler.decode_view()  # after this step's commit
             if not np.array_equal(view.seq_ids, seq_ids):
                 return
             if self.draft_length is None:
-                lengths = np.full(rows, self.k, dtype=np.int32)
+                plan = (seq_ids.copy(), np.full(batch.num_rows, self.k, dtype=np.int32))
             else:
-                if not self._observed:
-                    self.draft_length.observe_rows(batch.request_slots[:rows], batch.num_draft_tokens[:rows], counts)
-                    self._observed = True
-                lengths = self.draft_length.draft_lengths(view.request_slots, view.seq_ids, self._can_finish_last(view))
-            plan = self._next_plan = (np.array(view.seq_ids), lengths)
+                self._plan_after(batch, counts, view)
+                plan = self._next_plan
         pending = self.verify_ahead.launch_committed(self.scheduler, self.proposer, self.runner.graph_runner, batch,
                                                      tokens, counts, plan[1])
         if pending is not None:
@@ -153,14 +149,20 @@ class LaunchAhead:
         next step may be launched ahead; a row that does find drafts discards it. This step is
         shown to the policy first (as the end of the step would); the next _propose uses the plan
         if its rows are these."""
-        rows = batch.num_rows
-        slots, seq_ids = np.array(batch.request_slots[:rows]), np.array(batch.seq_ids[:rows])
-        self.draft_length.observe_rows(slots, batch.num_draft_tokens[:rows], np.ones(rows, dtype=np.int32))
-        self._observed = True
         # which rows can finish last, from the running requests as they stand before this commit
         # (every row commits one token, so the comparison is the same after it)
-        view = self.scheduler.decode_view()
-        last = self._can_finish_last(view) if np.array_equal(view.seq_ids, seq_ids) else None
-        lengths = self.draft_length.draft_lengths(slots, seq_ids, last)
-        self._next_plan = (seq_ids, lengths)
+        self._plan_after(batch, np.ones(batch.num_rows, dtype=np.int32), self.scheduler.decode_view())
         return self.draft_length.expects_no_drafts()
+
+    def _plan_after(self, batch, counts: np.ndarray, view) -> None:
+        """The next step's plan for this step's rows, made now (_plan_next, _launch_committed) into
+        _next_plan, which the next _propose uses if its rows are these: this step (counts: the
+        tokens each row commits) shown to the policy first, as the end of the step would; view:
+        the scheduler's decode view, for which rows can finish last."""
+        rows = batch.num_rows
+        slots, seq_ids = np.array(batch.request_slots[:rows]), np.array(batch.seq_ids[:rows])
+        if not self._observed:
+            self.draft_length.observe_rows(slots, batch.num_draft_tokens[:rows], counts)
+            self._observed = True
+        last = self._can_finish_last(view) if np.array_equal(view.seq_ids, seq_ids) else None
+        self._next_plan = (seq_ids, self.draft_length.draft_lengths(slots, seq_ids, last))

@@ -61,8 +61,7 @@ class PrefillGraphs:
             return None
         if int(np.max(batch.num_logits)) > self.max_q:
             return None
-        bt = np.asarray(batch.block_tables)
-        if bt.ndim != 2 or bt.shape[1] > self.width or int(np.max(batch.context_lens)) > self.width * self.block_size:
+        if not self._tables_fit(batch):
             return None
         b = next(x for x in self.buckets if x >= rows)
         t = next((t for t in self.prefill_buckets if t >= max(n, b)), None)
