@@ -69,7 +69,9 @@ PE_DEVICE bool block_tile(const PagedAttentionParams& p, int mt, int* row, int* 
     *m_begin = blockIdx.y * mt;
     return true;
   }
-  constexpr int kAhead = 8;  // row ends loaded at once: a walk of 32 rows waits on 4 loads, not 32
+  // Row ends loaded at once: a block whose tile lies past the rows (padding rows of a graph hold none)
+  // walks all of them, and each round waits on a load; 128 rows (batch 64 in a graph) take 4 rounds.
+  constexpr int kAhead = 32;
   const int G = p.num_q_heads / p.num_kv_heads;
   *kvh = blockIdx.z;
   int y = blockIdx.y;

@@ -17,10 +17,17 @@
 // mma.sync family's (invariant_gemm_kernel.h); on sm_90a builds launch_invariant_gemm runs the wgmma
 // family (invariant_gemm_wgmma.h: the same ranges and order, m64n128k16 products, the same bits)
 // for shapes whose weight has at least 2^23 elements above 16 or 64 rows, and for smaller ones
-// above 256 rows (invariant_gemm_wgmma_default_for).
+// above 256 rows, or kInvariantGemmNarrowRows where their outputs are narrow
+// (invariant_gemm_wgmma_default_for).
 #pragma once
 
 #include <cstdint>
+
+// Narrow projections: 128-column tiles would give fewer blocks than half the SMs (SmolLM2's). Up to
+// kInvariantGemmNarrowRows rows they take the mma.sync family's small tiles (invariant_gemm_tile),
+// and those under kInvariantGemmNarrowColumns wide keep that family there rather than wgmma.
+constexpr int kInvariantGemmNarrowRows = 768, kInvariantGemmNarrowColumns = 2048;
+inline bool invariant_gemm_narrow(int n, int splits, int num_sms) { return 2 * ((n + 127) / 128) * splits < num_sms; }
 
 struct InvariantGemmParams {
   const void* x = nullptr;     // [M, K], rows x_stride elements apart, 16-byte aligned rows

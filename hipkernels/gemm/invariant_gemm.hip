@@ -28,7 +28,7 @@ int launch_invariant_gemm(const InvariantGemmParams& p, void* stream) {
   if (p.m == 0 || p.n == 0) return 0;
   if (p.family < 0 || p.family > 2) return -1;
   // The family from the build, (K, N) and M: the two give a row the same bits (invariant_gemm_wgmma.h).
-  const bool wgmma = p.family == 2 || (p.family == 0 && invariant_gemm_wgmma_default_for(p.m, p.k, p.n, splits));
+  const bool wgmma = p.family == 2 || (p.family == 0 && invariant_gemm_wgmma_default_for(p.m, p.k, p.n, splits, p.num_sms));
   if (wgmma && invariant_gemm_wgmma_available()) return launch_invariant_gemm_wgmma(p, splits, stream);
   return launch_typed(p, DenseRows{}, p.m, splits, stream);
 }

@@ -34,12 +34,16 @@ bool invariant_gemm_wgmma_available();
 // add the steps, ranges and bias in one order. That equality is measured, not documented by
 // NVIDIA: tests/test_invariant_gemm_gpu.py::test_the_families_give_the_same_bits checks it on the
 // device.
-// Smaller weights (SmolLM2's qkv / o / gate_up / down) take wgmma above 256 rows (prefill chunks),
-// where the mma.sync family's 128 x 128 walking tile is 1.5-3x slower (H100, SmolLM2's down at
-// 4096 rows 17.7 us against 53.9; docs/kernels/invariant_gemm.md).
+// Smaller weights take wgmma above 256 rows (prefill chunks), where the mma.sync family's 128 x 128
+// walking tile is 1.5-3x slower (H100, SmolLM2's down at 4096 rows 17.7 us against 53.9), except
+// narrow ones under kInvariantGemmNarrowColumns wide (SmolLM2's qkv / o / down), whose small
+// mma.sync tiles win up to kInvariantGemmNarrowRows (H100, down at 320 rows 8.5 us against 15.5,
+// o 4.0 against 6.1; wgmma ties or wins from 768 rows and for gate_up: docs/kernels/invariant_gemm.md).
 constexpr int kWgmmaMinRows = 65, kWgmmaChainRows = 17, kWgmmaChainTiles = 32, kWgmmaSmallWeightRows = 257;
-inline bool invariant_gemm_wgmma_default_for(int m, int k, int n, int splits) {
-  if ((int64_t)k * n < (int64_t{1} << 23)) return m >= kWgmmaSmallWeightRows;
+inline bool invariant_gemm_wgmma_default_for(int m, int k, int n, int splits, int num_sms) {
+  if ((int64_t)k * n < (int64_t{1} << 23))
+    return n < kInvariantGemmNarrowColumns && invariant_gemm_narrow(n, splits, num_sms) ? m > kInvariantGemmNarrowRows
+                                                                                        : m >= kWgmmaSmallWeightRows;
   if (m < kWgmmaChainRows) return false;
   return m >= kWgmmaMinRows || splits == 1 || k / 64 / splits >= kWgmmaChainTiles;
 }
