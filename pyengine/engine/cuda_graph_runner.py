@@ -52,6 +52,7 @@ from pyengine.engine.graph_capture import capture_graph, default_buckets, defaul
 from pyengine.engine.pending_step import PendingStep
 from pyengine.engine.state_cache import StateMetadata
 from pyengine.engine.prefill_graphs import PrefillGraphs
+from pyengine.ops import streams
 from pyengine.ops.kernel_config import get_kernel_config, use_kernel_config
 
 _PLAN_KEY = "cuda_paged_attention"
@@ -362,7 +363,7 @@ class CudaGraphRunner(PrefillGraphs):
             dev.copy_(host, non_blocking=True)
             if self.state_cache is not None:
                 self.dev_state[:2 * b].copy_(self.host_state[:2 * b], non_blocking=True)
-            self.copy_done.record()
+            streams.record(self.copy_done, self.device)
         else:
             self.dev_bytes.copy_(self.host_bytes)
             if self.state_cache is not None:

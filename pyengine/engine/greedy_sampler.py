@@ -16,6 +16,7 @@ import torch
 
 from pyengine import _C
 from pyengine.engine.sampler import finite_rows
+from pyengine.ops import streams
 from pyengine.spec_decode.rejection_sampler import greedy_argmax
 
 try:  # both reductions in one C++ call on CPU logits (the same values as the NumPy path below)
@@ -59,7 +60,7 @@ class GreedySampler:
             torch.argmax(logits, dim=-1, out=dev[:n])
             dev[n:].copy_(finite_rows(logits, dev[:n]))  # before a launched step's replay overwrites the logits
         host.copy_(dev, non_blocking=True)
-        self._ready.record()
+        streams.record(self._ready, logits.device)
         return dev[:n], host[:n], host[n:], self._ready
 
     def verify(self, batch, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from pyengine.engine.host_arrays import to_device
+from pyengine.ops import streams
 
 PLACEHOLDER = -1  # an id no embedding holds: an input that missed its patch fails loudly on the CPU
 
@@ -48,7 +49,7 @@ class DeviceDrafts:
             self._pinned = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
         self.host = self._pinned[:n]
         self.host.copy_(values, non_blocking=True)
-        self.copied.record()
+        streams.record(self.copied, self.device)
 
     def _batch_order(self, batch) -> tuple[np.ndarray, np.ndarray | None] | None:
         """(destination token index in the batch, index into values; None: values as they are) of

@@ -20,6 +20,7 @@ import torch
 
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.graph_capture import capture_graph
+from pyengine.ops import streams
 from pyengine.ops.kernel_config import get_kernel_config, use_kernel_config
 
 
@@ -105,7 +106,7 @@ class DraftChain:
     def _copy(self) -> None:
         if self.use_graphs:
             self.dev_bytes.copy_(self.host_bytes, non_blocking=True)
-            self.copy_done.record()
+            streams.record(self.copy_done, self.device)
         else:
             self.dev_bytes.copy_(self.host_bytes)
 

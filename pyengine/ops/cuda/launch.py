@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from pyengine.ops.streams import raw_stream
+
 try:
     from pyengine import _C
 
@@ -19,10 +21,7 @@ if kernels is None:
 
 DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # PeDType
 _NUM_SMS: dict[int, int] = {}
-
-
-def stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+stream = raw_stream  # a launch's stream: the device's current one (a cudaStream_t integer)
 
 
 def num_sms(device: torch.device) -> int:
