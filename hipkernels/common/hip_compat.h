@@ -12,6 +12,10 @@
 #define PE_HIP 1
 typedef hipStream_t peStream_t;
 typedef hipError_t peError_t;
+typedef hipEvent_t peEvent_t;
+#define peMemcpyAsync hipMemcpyAsync
+#define peMemcpyDefault hipMemcpyDefault
+#define peEventRecord hipEventRecord
 #define peSuccess hipSuccess
 #define peGetLastError hipGetLastError
 #define peGetErrorString hipGetErrorString
@@ -26,6 +30,10 @@ typedef hipError_t peError_t;
 #define PE_CUDA 1
 typedef cudaStream_t peStream_t;
 typedef cudaError_t peError_t;
+typedef cudaEvent_t peEvent_t;
+#define peMemcpyAsync cudaMemcpyAsync
+#define peMemcpyDefault cudaMemcpyDefault
+#define peEventRecord cudaEventRecord
 #define peSuccess cudaSuccess
 #define peGetLastError cudaGetLastError
 #define peGetErrorString cudaGetErrorString

@@ -360,16 +360,15 @@ class CudaGraphRunner(PrefillGraphs):
         b = key[0]
         if self.use_graphs:
             host, dev = self.staged[b]
-            dev.copy_(host, non_blocking=True)
             if self.state_cache is not None:
-                self.dev_state[:2 * b].copy_(self.host_state[:2 * b], non_blocking=True)
-            streams.record(self.copy_done, self.device)
+                streams.copy_async(self.dev_state[:2 * b], self.host_state[:2 * b], self.device)
+            streams.copy_async(dev, host, self.device, self.copy_done)
         else:
             self.dev_bytes.copy_(self.host_bytes)
             if self.state_cache is not None:
                 self.dev_state.copy_(self.host_state)
         if token_ids is not None:
-            self.dev64[0:len(token_ids)].copy_(token_ids)
+            streams.copy_async(self.dev64[0:len(token_ids)], token_ids, self.device)
         if token_patch is not None:
             self.dev64.index_copy_(0, *token_patch)
         if self.use_graphs:

@@ -59,8 +59,7 @@ class GreedySampler:
         if greedy_rows_into is None or not greedy_rows_into(logits, dev):
             torch.argmax(logits, dim=-1, out=dev[:n])
             dev[n:].copy_(finite_rows(logits, dev[:n]))  # before a launched step's replay overwrites the logits
-        host.copy_(dev, non_blocking=True)
-        streams.record(self._ready, logits.device)
+        streams.copy_async(host, dev, logits.device, self._ready)
         return dev[:n], host[:n], host[n:], self._ready
 
     def verify(self, batch, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

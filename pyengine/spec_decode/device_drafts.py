@@ -48,8 +48,7 @@ class DeviceDrafts:
         if self._pinned is None or self._pinned.shape[0] < n:
             self._pinned = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
         self.host = self._pinned[:n]
-        self.host.copy_(values, non_blocking=True)
-        streams.record(self.copied, self.device)
+        streams.copy_async(self.host, values, self.device, self.copied)
 
     def _batch_order(self, batch) -> tuple[np.ndarray, np.ndarray | None] | None:
         """(destination token index in the batch, index into values; None: values as they are) of

@@ -105,8 +105,7 @@ class DraftChain:
 
     def _copy(self) -> None:
         if self.use_graphs:
-            self.dev_bytes.copy_(self.host_bytes, non_blocking=True)
-            streams.record(self.copy_done, self.device)
+            streams.copy_async(self.dev_bytes, self.host_bytes, self.device, self.copy_done)
         else:
             self.dev_bytes.copy_(self.host_bytes)
 
