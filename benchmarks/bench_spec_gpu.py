@@ -9,7 +9,10 @@ replayed), steps launched ahead (async), the measured graph replay times the dra
 weighs (by bucket, q = 1..k+1) and whether every output equals plain decoding's. With
 --per-category N: N prompts of each Spec-Bench category, interleaved, and at batch 1 (one request
 at a time) tokens/s and the ratio to plain by category; --eagle3 DIR adds an EAGLE-3 head.
-benchmarks/plot_spec.py draws a result as a PNG. --device cpu runs the same comparison on the CPU
+--repeats N runs every method N times, a fresh LLM each, the methods taking turns within each
+round (the spread between runs of one tree is a few percent at batch 16 and 64, more than many
+changes' effect: docs/speculation.md); each method then reports its median run, every run's
+tokens/s and the ratio to plain round by round. benchmarks/plot_spec.py draws a result as a PNG. --device cpu runs the same comparison on the CPU
 (no graphs there: the graph fields stay 0 and every step counts as eager).
 
     python3 benchmarks/bench_spec_gpu.py --gguf PATH --prompts spec_bench.jsonl --out results.json
@@ -97,6 +100,75 @@ def spec_bench_rows(path: str, per_category: int = 0, num_prompts: int = 64,
     return [c[i] for i in range(depth) for c in picked if i < len(c)]
 
 
+def run_method(args, name: str, batch: int, prompts: list[str], categories: list[str],
+               params: SamplingParams) -> tuple[dict, list]:
+    """One timed run of METHODS[name] at this batch size on a fresh LLM (warm-up first): its row
+    entry (without identical_to_plain) and every request's tokens."""
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    spec, ragged = METHODS[name]
+    llm = LLM(args.gguf, device=args.device, dtype="bfloat16" if cuda else "auto", max_num_seqs=batch,
+              max_model_len=2048,
+              speculative_config=spec, kernel_config={"graph_ragged_verify": ragged})
+    conversations = [[{"role": "user", "content": q}] for q in prompts]
+    # warm-up: --capture all: every graph captured first (CudaGraphRunner.capture_all), else the
+    # ones the run needs on first use; then the timed prompts with their words reversed (same
+    # lengths, nothing a prefix or suffix cache could reuse)
+    mirrored = [[{"role": "user", "content": " ".join(q.split()[::-1])}] for q in prompts]
+    g = llm.engine.runner.graph_runner
+    capture_s = time.perf_counter()
+    captured = g.capture_all() if g is not None and args.capture == "all" else 0
+    capture_s = time.perf_counter() - capture_s
+    llm.chat(mirrored, params, use_tqdm=False)
+    replays0, steps0, async0 = g.num_replays if g else 0, llm.stats()["num_steps"], llm.engine.num_async_steps
+    graphs0 = len(g.graphs) if g else 0
+    va = getattr(llm.engine, "verify_ahead", None)
+    va0 = (va.num_launched, va.num_confirmed, va.num_used) if va is not None else None
+    per_request: dict = {}
+    kinds = time_steps(llm, per_request)
+    sync()
+    start = time.perf_counter()
+    outs = llm.chat(conversations, params, use_tqdm=False)
+    sync()
+    seconds = time.perf_counter() - start
+    tokens = [o.outputs[0].token_ids for o in outs]
+    stats = llm.stats()
+    one = {"tokens_per_s": round(sum(map(len, tokens)) / seconds, 1),
+           "graph_steps": (g.num_replays if g else 0) - replays0, "steps": stats["num_steps"] - steps0,
+                 "acceptance_rate": stats.get("acceptance_rate"),
+                 "async_steps": llm.engine.num_async_steps - async0,
+                 "replay_ms_by_q": {b: [round(1e3 * t, 3) for t in v]
+                                    for b, v in (g.replay_seconds.items() if g else ())},
+                 "step_kinds": {k: {"steps": v["steps"], "ms": round(1e3 * v["seconds"], 1)}
+                                for k, v in sorted(kinds.items())},
+                 "graphs_captured_up_front": captured, "capture_s": round(capture_s, 2),
+                 "graphs_captured_in_timed_run": (len(g.graphs) if g else 0) - graphs0}
+    if va is not None:  # verify steps launched ahead in the timed run, whose prediction held, used
+        one["verify_ahead"] = {"launched": va.num_launched - va0[0], "confirmed": va.num_confirmed - va0[1],
+                               "used": va.num_used - va0[2]}
+    if batch == 1 and args.per_category:  # one request at a time: its own seconds
+        cat_tokens: dict = {}
+        for o, cat in zip(outs, categories):
+            t, sec = cat_tokens.get(cat, (0, 0.0))
+            cat_tokens[cat] = (t + len(o.outputs[0].token_ids), sec + per_request.get(o.request_id, 0.0))
+        one["tokens_per_s_by_category"] = {c: round(t / sec, 1) for c, (t, sec) in cat_tokens.items()}
+    del llm
+    if cuda:
+        torch.cuda.empty_cache()
+    return one, tokens
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median tokens/s (the lower of the two middle ones for an even count), with every
+    run's tokens/s beside it when there were several, and identical_to_plain over all of them."""
+    ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
+    out = dict(ordered[(len(ordered) - 1) // 2])
+    out["identical_to_plain"] = all(r["identical_to_plain"] for r in runs)
+    if len(runs) > 1:
+        out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", required=True)
@@ -113,10 +185,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--capture", default="all", choices=["all", "lazy"],
                     help="all: every CUDA graph captured before the warm-up; lazy: on first use")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every method, taking turns (median reported)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    if "plain" not in args.methods.split(","):
+        ap.error("--methods must include plain (every ratio is to it)")
     cuda = args.device == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if args.eagle3:
         METHODS["eagle3_adaptive"] = ({"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": 4}, True)
         METHODS["eagle3_fixed"] = ({"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": 4,
@@ -144,63 +220,23 @@ def main() -> None:
         else:
             prompts = questions[:max(batch, min(len(questions), 4 * batch))] if batch > 1 else questions[:8]
         row: dict = {"batch": batch, "num_prompts": len(prompts)}
+        names = [n for n in METHODS if n in args.methods.split(",")]
+        runs: dict[str, list[dict]] = {n: [] for n in names}
         reference = None
-        for name, (spec, ragged) in METHODS.items():
-            if name not in args.methods.split(","):
-                continue
-            llm = LLM(args.gguf, device=args.device, dtype="bfloat16" if cuda else "auto", max_num_seqs=batch,
-                      max_model_len=2048,
-                      speculative_config=spec, kernel_config={"graph_ragged_verify": ragged})
-            conversations = [[{"role": "user", "content": q}] for q in prompts]
-            # warm-up: --capture all: every graph captured first (CudaGraphRunner.capture_all), else the
-            # ones the run needs on first use; then the timed prompts with their words reversed (same
-            # lengths, nothing a prefix or suffix cache could reuse)
-            mirrored = [[{"role": "user", "content": " ".join(q.split()[::-1])}] for q in prompts]
-            g = llm.engine.runner.graph_runner
-            capture_s = time.perf_counter()
-            captured = g.capture_all() if g is not None and args.capture == "all" else 0
-            capture_s = time.perf_counter() - capture_s
-            llm.chat(mirrored, params, use_tqdm=False)
-            replays0, steps0, async0 = g.num_replays if g else 0, llm.stats()["num_steps"], llm.engine.num_async_steps
-            graphs0 = len(g.graphs) if g else 0
-            va = getattr(llm.engine, "verify_ahead", None)
-            va0 = (va.num_launched, va.num_confirmed, va.num_used) if va is not None else None
-            per_request: dict = {}
-            kinds = time_steps(llm, per_request)
-            sync()
-            start = time.perf_counter()
-            outs = llm.chat(conversations, params, use_tqdm=False)
-            sync()
-            seconds = time.perf_counter() - start
-            tokens = [o.outputs[0].token_ids for o in outs]
-            reference = tokens if reference is None else reference
-            stats = llm.stats()
-            row[name] = {"tokens_per_s": round(sum(map(len, tokens)) / seconds, 1),
-                         "graph_steps": (g.num_replays if g else 0) - replays0, "steps": stats["num_steps"] - steps0,
-                         "acceptance_rate": stats.get("acceptance_rate"),
-                         "async_steps": llm.engine.num_async_steps - async0,
-                         "replay_ms_by_q": {b: [round(1e3 * t, 3) for t in v]
-                                            for b, v in (g.replay_seconds.items() if g else ())},
-                         "step_kinds": {k: {"steps": v["steps"], "ms": round(1e3 * v["seconds"], 1)}
-                                        for k, v in sorted(kinds.items())},
-                         "identical_to_plain": tokens == reference,
-                         "graphs_captured_up_front": captured, "capture_s": round(capture_s, 2),
-                         "graphs_captured_in_timed_run": (len(g.graphs) if g else 0) - graphs0}
-            if va is not None:  # verify steps launched ahead in the timed run, whose prediction held, used
-                row[name]["verify_ahead"] = {"launched": va.num_launched - va0[0], "confirmed": va.num_confirmed - va0[1],
-                                             "used": va.num_used - va0[2]}
-            if batch == 1 and args.per_category:  # one request at a time: its own seconds
-                cat_tokens: dict = {}
-                for o, cat in zip(outs, categories):
-                    t, sec = cat_tokens.get(cat, (0, 0.0))
-                    cat_tokens[cat] = (t + len(o.outputs[0].token_ids), sec + per_request.get(o.request_id, 0.0))
-                row[name]["tokens_per_s_by_category"] = {c: round(t / sec, 1) for c, (t, sec) in cat_tokens.items()}
-            del llm
-            if cuda:
-                torch.cuda.empty_cache()
+        for _ in range(args.repeats):
+            for name in names:
+                one, tokens = run_method(args, name, batch, prompts, categories, params)
+                reference = tokens if reference is None else reference
+                one["identical_to_plain"] = tokens == reference
+                runs[name].append(one)
+        for name in names:
+            row[name] = median_run(runs[name])
         plain = row["plain"]["tokens_per_s"]
         for name in row.keys() & METHODS.keys():
             row[name]["vs_plain"] = round(row[name]["tokens_per_s"] / plain, 3)
+            if args.repeats > 1:  # round by round: a method's run against plain's of the same round
+                row[name]["vs_plain_runs"] = [round(m["tokens_per_s"] / p["tokens_per_s"], 3)
+                                              for m, p in zip(runs[name], runs["plain"])]
             by_cat, plain_cat = row[name].get("tokens_per_s_by_category"), row["plain"].get("tokens_per_s_by_category")
             if by_cat and plain_cat:
                 row[name]["vs_plain_by_category"] = {c: round(v / plain_cat[c], 3) for c, v in by_cat.items()}
