@@ -58,6 +58,18 @@ inline int flat_tile_slots(const PagedAttentionParams& p, int mt) {
   return flat < rect ? (int)flat : 0;
 }
 
+// A GQA launch's grid for blocks of mt query-head pairs, and in *launched the params its kernel
+// takes (flat_tiles set): flat where flat_tile_slots says so, else (splits, tiles of max_query_len,
+// rows x KV heads). Both GQA launchers take it.
+inline dim3 gqa_grid(const PagedAttentionParams& p, int mt, PagedAttentionParams* launched) {
+  *launched = p;
+  const int flat = flat_tile_slots(p, mt);
+  launched->flat_tiles = flat > 0;
+  if (launched->flat_tiles) return dim3((unsigned)p.max_splits, (unsigned)flat, (unsigned)p.num_kv_heads);
+  const int m_tiles = (p.max_query_len * (p.num_q_heads / p.num_kv_heads) + mt - 1) / mt;
+  return dim3((unsigned)p.max_splits, (unsigned)m_tiles, (unsigned)(p.num_rows * p.num_kv_heads));
+}
+
 // The row, KV head and first query-head pair of this block's tile of mt pairs (false: the block
 // has none). Rectangular grid: z = row * Hkv + head, y = the row's tile. Flat grid (p.flat_tiles):
 // z = head, and y counts the rows' tiles in row order. Either way a tile is computed by one block

@@ -27,7 +27,7 @@ using pe_attn::kLog2e;
 using pe_attn::merge_and_store_pair;
 using pe_attn::neg_inf;
 using pe_attn::block_tile;
-using pe_attn::flat_tile_slots;
+using pe_attn::gqa_grid;
 using pe_attn::gqa_row_splits;
 using pe_attn::walk_merge_pair;
 using pe_attn::store8;
@@ -350,13 +350,8 @@ constexpr int kStages = 5;
 
 template <typename T, int DQK, int DV, int LPT, int MT, int U>
 void launch_main(const PagedAttentionParams& p, peStream_t s) {
-  const int G = p.num_q_heads / p.num_kv_heads;
-  const int m_tiles = (p.max_query_len * G + MT - 1) / MT;
-  PagedAttentionParams f = p;
-  const int flat = flat_tile_slots(p, MT);
-  f.flat_tiles = flat > 0;
-  const dim3 grid = f.flat_tiles ? dim3((unsigned)p.max_splits, (unsigned)flat, (unsigned)p.num_kv_heads)
-                                 : dim3((unsigned)p.max_splits, (unsigned)m_tiles, (unsigned)(p.num_rows * p.num_kv_heads));
+  PagedAttentionParams f;
+  const dim3 grid = gqa_grid(p, MT, &f);
   // (a launch error is the runtime's last error, which launch_paged_attention returns)
   (void)pe_launch(paged_attention_kernel<T, DQK, DV, LPT, MT, U, kStages>, grid, dim3(kThreads), 0, s, p.pdl, f);
 }

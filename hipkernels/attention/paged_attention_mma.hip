@@ -287,13 +287,8 @@ int launch(const PagedAttentionParams& p, peStream_t s) {
   auto kernel = paged_attention_mma_kernel<T, D, STAGES>;
   cudaError_t rc = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem + kWalk);
   if (rc != cudaSuccess) return static_cast<int>(rc);
-  const int G = p.num_q_heads / p.num_kv_heads;
-  const int m_tiles = (p.max_query_len * G + kRows - 1) / kRows;
-  PagedAttentionParams f = p;
-  const int flat = flat_tile_slots(p, kRows);
-  f.flat_tiles = flat > 0;
-  const dim3 grid = f.flat_tiles ? dim3((unsigned)p.max_splits, (unsigned)flat, (unsigned)p.num_kv_heads)
-                                 : dim3((unsigned)p.max_splits, (unsigned)m_tiles, (unsigned)(p.num_rows * p.num_kv_heads));
+  PagedAttentionParams f;
+  const dim3 grid = gqa_grid(p, kRows, &f);
   return static_cast<int>(pe_launch(kernel, grid, dim3(kThreads), walks ? kSmem + kWalk : kSmem, s, p.pdl, f));
 }
 

@@ -15,9 +15,10 @@ Outputs are static: the caller consumes them (copies, samples) before the next r
 device nothing is captured and the same static-buffer path runs eagerly, so CPU tests exercise it.
 Longer catch-ups (rows that deferred theirs for a few steps: HiddenRing; a new request's prompt)
 replay prefill-shaped graphs (b, -t) of t token slots (16, 32, ... up to catch_up_tokens; any
-bucket's rows, past the target's PREFILL_GRAPH_ROWS), which compute the same outputs and last-token logits; longer ones are the caller's: key_for gives
-None, and the proposer runs them eagerly (on the H100, EAGLE-3's drafting steps at batch 16 went
-from 4.0-4.2 to 3.0 ms when their catch-ups of more than 8 rows became replays).
+bucket's rows, past the target's PREFILL_GRAPH_ROWS), which compute the same outputs and
+last-token logits; longer ones are the caller's: key_for gives None, and the proposer runs them
+eagerly (on the H100, EAGLE-3's drafting steps at batch 16 went from 4.0-4.2 to 3.0 ms when their
+catch-ups of more than 8 rows became replays).
 """
 from __future__ import annotations
 
