@@ -11,6 +11,7 @@ void register_kernels(pybind11::module_& m) {
   register_gemm_kernels(k);
   register_ssm_kernels(k);
   register_sampling_kernels(k);
+  register_spec_kernels(k);
   k.def(
       "copy_async",
       [](std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, std::uintptr_t event, std::uintptr_t stream) {

@@ -13,3 +13,4 @@ void register_layer_ops_kernels(pybind11::module_& k);
 void register_gemm_kernels(pybind11::module_& k);
 void register_ssm_kernels(pybind11::module_& k);
 void register_sampling_kernels(pybind11::module_& k);
+void register_spec_kernels(pybind11::module_& k);

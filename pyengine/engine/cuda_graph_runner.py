@@ -311,6 +311,17 @@ class CudaGraphRunner(PrefillGraphs):
         return PendingStep(key, logits, seq_ids, pos, slots, ctx, table, num_blocks, qsl, input_ids)
 
     @torch.inference_mode()
+    def launch_built(self, key: tuple[int, int], rows: int, tables: np.ndarray, build) -> torch.Tensor:
+        """Replay `key` for a step whose inputs are written on the device (device_ngram.py): only the
+        rows' block tables are staged from the host; build() runs on the stream after the staging
+        copy and writes the rest of the static inputs (ids, positions, slots, context lengths and
+        query starts, padding rows included). Returns the graph's logits, every token slot."""
+        empty = np.zeros(0, dtype=np.int64)
+        self._stage(key, rows, np.zeros(rows + 1, dtype=np.int32), None, empty, empty, np.zeros(rows, dtype=np.int32),
+                    tables)
+        return self._run(key, graph_shape(key)[2], before_replay=build)
+
+    @torch.inference_mode()
     def execute(self, batch, key: tuple[int, int],
                 token_patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits of the step's logits_indices, in order (a decode/verify key: every token; a prefill
@@ -352,9 +363,9 @@ class CudaGraphRunner(PrefillGraphs):
             self._fill_state_padding(rows, 2 * b)
 
     def _run(self, key: tuple[int, int], n: int, token_ids: torch.Tensor | None = None,
-             token_patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             token_patch: tuple[torch.Tensor, torch.Tensor] | None = None, before_replay=None) -> torch.Tensor:
         """Copy the staged inputs to the device (then token_ids over the first ids, or token_patch's
-        ids at its indices, device to device), run the step (its graph replayed, else eagerly) and
+        ids at its indices, device to device, or before_replay(), which writes inputs), run the step (its graph replayed, else eagerly) and
         return its logits (all the graph's: the caller keeps its rows'); last_hidden: the first n
         tokens' hidden states."""
         b = key[0]
@@ -371,6 +382,8 @@ class CudaGraphRunner(PrefillGraphs):
             streams.copy_async(self.dev64[0:len(token_ids)], token_ids, self.device)
         if token_patch is not None:
             self.dev64.index_copy_(0, *token_patch)
+        if before_replay is not None:
+            before_replay()
         if self.use_graphs:
             graph, (out, hidden) = self.graphs[key]
             graph.replay()

@@ -42,6 +42,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pyengine.engine.device_ngram import DeviceLaunch
+
 
 class LaunchAhead:
     """LLMEngine's launch-ahead steps (module docstring); the engine owns every attribute they use."""
@@ -53,44 +55,58 @@ class LaunchAhead:
         the others), through GreedySampler.start; the next step's forward is launched before the
         wait for the host copies where it can be (module docstring)."""
         tok, host, fin_host, ready = self.greedy.start(logits)
+        launched = None
         if key is not None and self._may_launch_next(batch, key):
             tables = self.scheduler.block_tables(batch.seq_ids) if self.decode_lookahead else None
             self.runner.hold_hidden()  # the proposer reads this step's hidden states next step
             self._pending = self.runner.graph_runner.launch_next(batch, key, tok, tables)
         elif key is not None:
-            self._launch_verify(batch)
+            launched = self._launch_verify(batch, tok)
         if ready is not None:
             ready.synchronize()
         tokens = host.numpy().astype(np.int32)  # a copy: the pinned buffer is reused next step
-        if self._pending is not None and self._pending.expected is None:
+        if self._pending is not None and self._pending.input_ids is None:  # launch_next's
             self._pending.input_ids = tokens.astype(np.int64)
         finite = fin_host.numpy()
         first_bad = None if finite.all() else np.where(finite, -1, 0).astype(np.int64)
-        return tokens, np.ones(batch.num_rows, dtype=np.int32), first_bad
+        counts = np.ones(batch.num_rows, dtype=np.int32)
+        if launched is not None and first_bad is None:
+            self._pending = self.device_ngram.resolve(launched, tokens, counts)
+        return tokens, counts, first_bad
 
     def _verify_greedy(self, batch, logits: torch.Tensor,
                        key: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """GreedySampler.verify, with the next verify step launched ahead between its start and its
         wait where it may be (verify ahead, module docstring)."""
-        started = self.greedy.start(logits)[1:]
-        if key is not None:
-            self._launch_verify(batch)
-        return self.greedy.accept(batch, *started)
+        tok, *started = self.greedy.start(logits)
+        launched = self._launch_verify(batch, tok) if key is not None else None
+        tokens, counts, first_bad = self.greedy.accept(batch, *started)
+        if launched is not None and first_bad is None:
+            self._pending = self.device_ngram.resolve(launched, tokens, counts)
+        return tokens, counts, first_bad
 
-    def _launch_verify(self, batch) -> None:
-        """Launch the next verify step now (verify ahead), where _may_launch_ahead allows it and
-        the next step drafts: a verify step's rows again as this step's plan said (_lengths), a
-        decode step's as planned for the next step (_plan_next, which ran when it asked to launch a
-        decode step and found drafts planned), and VerifyAhead.worth_trying agrees."""
+    def _launch_verify(self, batch, argmax: torch.Tensor) -> DeviceLaunch | None:
+        """Launch the next verify step now, where _may_launch_ahead allows it and the next step
+        drafts: a verify step's rows again as this step's plan said (_lengths), a decode step's as
+        planned for the next step (_plan_next, which ran when it asked to launch a decode step and
+        found drafts planned). With the device loop (ngram) it is built on the device from this
+        step's argmax and returned, for resolve() once the tokens are read; else it is predicted
+        (verify ahead) where VerifyAhead.worth_trying agrees."""
         if self.verify_ahead is None or not self._may_launch_ahead(batch):
-            return
+            return None
         plan = self._lengths if batch.num_draft_tokens.any() else self._next_plan
         if plan is None or not np.array_equal(plan[0], batch.seq_ids) or not plan[1].any():
-            return
+            return None
+        if self.device_ngram is not None:
+            launched = self.device_ngram.launch(self.scheduler, batch, argmax, plan[1])
+            if launched is not None:
+                self._lengths = plan  # the launched step drafts as planned
+            return launched
         if self.verify_ahead.worth_trying(batch, self.draft_length):
-            self._lengths = plan  # the launched step drafts as planned
+            self._lengths = plan
             self._pending = self.verify_ahead.launch(self.scheduler, self.proposer, self.runner.graph_runner, batch,
                                                     plan[1])
+        return None
 
     def _launch_committed(self, batch, tokens: np.ndarray, counts: np.ndarray) -> None:
         """After this step's commit (scheduler.update), where no step is launched yet: launch the

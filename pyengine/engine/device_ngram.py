@@ -1,0 +1,198 @@
+"""Verify steps launched from the device (ngram speculation, greedy rows).
+
+Verify ahead (verify_ahead.py) launches the next verify step before a step's tokens are known by
+predicting them, and every row's prediction must hold; the step launched from committed tokens
+waits for them. Here the next step is built on the GPU from the step's own argmax instead, so it
+is never a guess: one kernel (hipkernels/spec/next_verify_step.h; on CPU tensors its reference)
+accepts each row's drafts as the greedy rule does, appends the tokens kept to the request's
+token history on the device, looks up the next drafts there with the host proposer's prompt
+lookup, and writes the next step's ids, positions, slots, context lengths and query starts into
+the graph's static buffer, which is then replayed. The host learns what was launched (accepted
+counts, bonus tokens, drafts: one small copy, ordered before the replay) when it reads the step's
+tokens, and hands the drafts to the scheduler as verify ahead does; the next step uses the launch
+when the scheduler's batch is exactly it (PendingStep.matches), otherwise it is discarded.
+
+The history (one int32 row per request slot, as long as a row's context may grow) is the host's
+tokens: a row's tokens the device lacks (an admission, steps that did not pass through here) are
+copied with the launch; the tokens a launch appends count once the host commits them (committed).
+
+Losslessness is unchanged: a used step is the step the scheduler asks for, computed by the same
+graph on the same inputs, and greedy verification commits the target's argmax continuation
+whatever the drafts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pyengine import _C
+from pyengine.engine.pending_step import PendingStep
+from pyengine.ops import streams
+from pyengine.ops.reference import next_verify_step as reference
+from pyengine.ops.reference.next_verify_step import ROW_FIELDS
+
+
+@dataclass
+class DeviceLaunch:
+    """A step launched by DeviceNgramLoop.launch, until the host reads what it holds (resolve)."""
+    key: tuple[int, int]
+    logits: torch.Tensor  # the graph's static logits, every token slot
+    seq_ids: np.ndarray
+    slots: np.ndarray  # request slots: the history rows
+    first_positions: np.ndarray  # of each row's first token in the launching step
+    tables: np.ndarray
+
+
+class DeviceNgramLoop:
+    MAX_N = 64  # the longest n-gram the kernel looks up (next_verify_step.hip, kMaxN)
+
+    @classmethod
+    def for_engine(cls, graph_runner, num_slots: int, spec) -> "DeviceNgramLoop | None":
+        """The loop of an engine with graph steps (graph_runner) and speculative config `spec`; None
+        where it does not apply: another method, a longer n-gram than the kernel looks up, or a CUDA
+        device and an extension without the kernels."""
+        if spec is None or spec.method != "ngram" or spec.prompt_lookup_max > cls.MAX_N:
+            return None
+        if graph_runner.device.type == "cuda":
+            try:
+                import pyengine.ops.cuda.next_verify_step  # noqa: F401
+            except ImportError:
+                return None
+        return cls(graph_runner, num_slots, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def __init__(self, graph_runner, num_slots: int, min_n: int, max_n: int) -> None:
+        g = self.graphs = graph_runner
+        self.min_n, self.max_n = min_n, max_n
+        self.max_drafts = g.max_q - 1
+        self.max_context = g.width * g.block_size
+        dev, pin = g.device, g.use_graphs
+        self.history = torch.zeros(num_slots, self.max_context, dtype=torch.int32, device=dev)
+        self.owner = np.full(num_slots, -1, dtype=np.int64)  # whose tokens a history row holds
+        self.valid = np.zeros(num_slots, dtype=np.int64)  # ... and how many of them are the host's
+        fields = ROW_FIELDS + self.max_drafts
+        self.host_rows = torch.zeros(g.max_rows, fields, dtype=torch.int64, pin_memory=pin)
+        self.dev_rows = torch.zeros(g.max_rows, fields, dtype=torch.int64, device=dev)
+        self.result = torch.zeros(g.max_rows, 3 + self.max_drafts, dtype=torch.int64, device=dev)
+        self.host_result = torch.zeros(g.max_rows, 3 + self.max_drafts, dtype=torch.int64, pin_memory=pin)
+        self.host_sync = torch.zeros(4096, dtype=torch.int32, pin_memory=pin)  # grows with the largest sync
+        self.dev_sync = torch.zeros(4096, dtype=torch.int32, device=dev)
+        self.staged = torch.cuda.Event() if pin else None  # the last launch's copies left the host buffers
+        self.ready = torch.cuda.Event() if pin else None  # the result reached the host
+        if dev.type == "cuda":
+            from pyengine.ops.cuda.next_verify_step import next_verify_step
+            self.kernel = next_verify_step
+        else:
+            self.kernel = reference.next_verify_step
+        self._appended: tuple[np.ndarray, np.ndarray] | None = None  # (slots, first committed position)
+        self.num_launched = self.num_used = 0
+
+    def launch(self, scheduler, batch, argmax: torch.Tensor, lengths: np.ndarray) -> DeviceLaunch | None:
+        """Launch the step after `batch` (greedy decode / verify rows; argmax: its argmax on the
+        device, one per token; lengths: the most drafts each row may get). None (nothing launched)
+        where no row may draft, no captured graph holds the step, or a row's table lacks a block
+        the longest outcome would need."""
+        g, rows = self.graphs, batch.num_rows
+        d = np.asarray(batch.num_draft_tokens[:rows], dtype=np.int64)
+        if rows > g.max_rows or int(d.max(initial=0)) > self.max_drafts:
+            return None
+        left = np.asarray(batch.tokens_left[:rows], dtype=np.int64)
+        cap = np.clip(np.minimum(np.minimum(lengths, self.max_drafts), left - 2), 0, None)
+        if not cap.any():
+            return None
+        key = g._key(rows, np.array([1 + int(cap.max())]))
+        if key is None or (g.use_graphs and key not in g.graphs):
+            return None
+        seq_ids = np.array(batch.seq_ids[:rows])
+        tables = scheduler.block_tables(seq_ids)
+        if tables.shape[1] > g.width:
+            return None
+        qsl = np.asarray(batch.query_start_loc[:rows + 1], dtype=np.int64)
+        p0 = np.asarray(batch.positions, dtype=np.int64)[qsl[:-1]]
+        # the longest outcome: every draft accepted, then cap drafts
+        if _C.launch_rows(p0 + 1 + d, (1 + cap).astype(np.int32), tables, g.block_size, self.max_context) is None:
+            return None
+        slots = np.asarray(batch.request_slots[:rows], dtype=np.int64)
+        sync_from, sync_count, sync = self._sync(scheduler, seq_ids, slots, p0 + 1)
+        if self.staged is not None:
+            self.staged.synchronize()  # the host buffers are free again
+        info = self.host_rows.numpy()[:rows]
+        info[:, :ROW_FIELDS] = np.stack([qsl[:-1], d, p0, cap, left, slots, sync_from, sync_count,
+                                         np.cumsum(sync_count) - sync_count], axis=1)
+        ids = np.asarray(batch.input_ids, dtype=np.int64)
+        has = np.arange(self.max_drafts)[None, :] < d[:, None]
+        info[:, ROW_FIELDS:][has] = ids[(qsl[:-1, None] + 1 + np.arange(self.max_drafts)[None, :])[has]]
+        self._stage_sync(sync)
+        b, q = key
+        shape = dict(block_size=g.block_size, max_context=self.max_context, token_capacity=g.T, row_capacity=g.row_cap,
+                     rows=rows, padded_rows=2 * b, q=q, token_slots=b * q, max_drafts=self.max_drafts,
+                     min_n=self.min_n, max_n=self.max_n)
+
+        def build() -> None:  # on the stream after the staging copy, before the replay
+            streams.copy_async(self.dev_rows[:rows], self.host_rows[:rows], g.device)
+            n = max(len(sync), 1)
+            streams.copy_async(self.dev_sync[:n], self.host_sync[:n], g.device, self.staged)
+            self.kernel(argmax, self.dev_rows, self.dev_sync, self.history, g.dev32, g.dev64, self.result, **shape)
+            streams.copy_async(self.host_result[:rows], self.result[:rows], g.device, self.ready)
+
+        logits = g.launch_built(key, rows, tables, build)
+        self.num_launched += 1
+        return DeviceLaunch(key, logits, seq_ids, slots, p0, tables)
+
+    def resolve(self, launched: DeviceLaunch, tokens: np.ndarray, counts: np.ndarray) -> PendingStep:
+        """The launched step as the host sees it, once the launching step's tokens (tokens, counts
+        per row: the greedy rule's, all finite) are known: its inputs, and the drafts the scheduler
+        is to be given for it. The kernel's acceptance must be the host's."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        rows = len(launched.seq_ids)
+        res = self.host_result.numpy()[:rows].copy()
+        accepted, num_drafts, bonus = res[:, 0], res[:, 1], res[:, 2]
+        assert np.array_equal(accepted + 1, counts) and np.array_equal(bonus, tokens[np.cumsum(counts) - 1]), \
+            "the device's acceptance differs from the host's"
+        g = self.graphs
+        counts_next = (1 + num_drafts).astype(np.int32)
+        built = _C.launch_rows(launched.first_positions + 1 + accepted, counts_next, launched.tables, g.block_size,
+                               self.max_context)
+        assert built is not None, "a launched row's positions lack blocks"
+        qsl, pos, slot_mapping, ctx, num_blocks = built
+        width = np.arange(1 + self.max_drafts)[None, :]
+        input_ids = res[:, 2:][width < counts_next[:, None]]
+        pending = PendingStep(launched.key, launched.logits[:int(qsl[-1])], launched.seq_ids, pos, slot_mapping, ctx,
+                              launched.tables, num_blocks, qsl, input_ids, from_device=True)
+        pending.drafts = (res[:, 3:][width[:, :-1] < num_drafts[:, None]].astype(np.int32), num_drafts.astype(np.int32))
+        self._appended = (launched.slots, launched.first_positions + 1)
+        return pending
+
+    def committed(self, num_committed: np.ndarray) -> None:
+        """After the launching step's commit (scheduler.update): the tokens the kernel appended
+        that the host committed are the host's (a row that stopped early keeps fewer)."""
+        if self._appended is None:
+            return
+        slots, base = self._appended
+        self._appended = None
+        self.valid[slots] = base + np.asarray(num_committed[:len(slots)], dtype=np.int64)
+
+    def _sync(self, scheduler, seq_ids: np.ndarray, slots: np.ndarray,
+              need: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per row, the history positions the host must fill ([from, from + count)) for the row to
+        hold its first `need` tokens, and those tokens (flat); the rows are the host's from then on."""
+        have = np.minimum(np.where(self.owner[slots] == seq_ids, self.valid[slots], 0), need)
+        count = need - have
+        lack = count > 0
+        if lack.any():
+            flat, offsets = scheduler.token_ids_from(seq_ids[lack], have[lack])
+            assert np.array_equal(np.diff(offsets), count[lack]), "the history would skip tokens"
+        else:
+            flat = np.zeros(0, dtype=np.int32)
+        self.owner[slots], self.valid[slots] = seq_ids, need
+        return have, count, flat
+
+    def _stage_sync(self, tokens: np.ndarray) -> None:
+        n = len(tokens)
+        if self.host_sync.shape[0] < n:
+            size = max(n, 2 * self.host_sync.shape[0], 4096)
+            self.host_sync = torch.zeros(size, dtype=torch.int32, pin_memory=self.graphs.use_graphs)
+            self.dev_sync = torch.zeros(size, dtype=torch.int32, device=self.graphs.device)
+        self.host_sync.numpy()[:n] = tokens
