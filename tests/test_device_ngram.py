@@ -10,8 +10,7 @@ import torch
 
 from pyengine import LLM, SamplingParams, _C
 from pyengine.ops.reference.next_verify_step import (FIRST_POSITION, HISTORY_ROW, MAX_DRAFTS, PREV_DRAFTS,
-                                                     PREV_START, ROW_FIELDS, SYNC_COUNT, SYNC_FROM, SYNC_OFFSET,
-                                                     TOKENS_LEFT, next_verify_step)
+                                                     ROW_FIELDS, TOKENS_LEFT, next_verify_step)
 from tests.test_spec_decode import make_prompts
 from tests.test_verify_ahead import K, graph_llm, looping_prompt, outputs
 from tests.tiny_models import make_checkpoint

@@ -22,6 +22,7 @@ whatever the drafts.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +58,7 @@ class DeviceNgramLoop:
             return None
         if graph_runner.device.type == "cuda":
             try:
-                import pyengine.ops.cuda.next_verify_step  # noqa: F401
+                importlib.import_module("pyengine.ops.cuda.next_verify_step")
             except ImportError:
                 return None
         return cls(graph_runner, num_slots, spec.prompt_lookup_min, spec.prompt_lookup_max)
