@@ -56,6 +56,8 @@ class LaunchAhead:
         wait for the host copies where it can be (module docstring)."""
         tok, host, fin_host, ready = self.greedy.start(logits)
         launched = None
+        if key is not None and key[1] > 1:  # a verify graph ran this step (its drafts found none):
+            key = (key[0], 1)  # the next decode step replays the decode graph
         if key is not None and self._may_launch_next(batch, key):
             tables = self.scheduler.block_tables(batch.seq_ids) if self.decode_lookahead else None
             self.runner.hold_hidden()  # the proposer reads this step's hidden states next step
