@@ -38,6 +38,7 @@ METHODS = {
     "ngram_adaptive_ragged_eager": ({"method": "ngram", "num_speculative_tokens": 4}, False),
     "ngram_fixed": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, True),
     # "_host": ngram without the device loop (EngineConfig.device_ngram off: verify ahead's predictions instead)
+    "ngram_adaptive_k8": ({"method": "ngram", "num_speculative_tokens": 8}, True),
     "ngram_adaptive_host": ({"method": "ngram", "num_speculative_tokens": 4}, True),
     "ngram_fixed_host": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, True),
     "ngram_fixed_ragged_eager": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, False),

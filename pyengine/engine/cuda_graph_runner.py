@@ -51,6 +51,7 @@ from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.graph_capture import capture_graph, default_buckets, default_token_buckets, graph_shape
 from pyengine.engine.pending_step import PendingStep
 from pyengine.engine.state_cache import StateMetadata
+from pyengine.ops.reference.next_verify_step import ROW_FIELDS as BUILT_ROW_FIELDS
 from pyengine.engine.prefill_graphs import PrefillGraphs
 from pyengine.ops import streams
 from pyengine.ops.kernel_config import get_kernel_config, use_kernel_config
@@ -83,9 +84,12 @@ class CudaGraphRunner(PrefillGraphs):
         # slots after the step's tokens (at most q each: the rows' shape limits hold) or none.
         self.row_cap = 2 * self.max_rows
         # int64 layout: [input_ids T | positions T | slots T | context_lens 2R | query_start_loc 2R + 1 |
-        # a prefill graph's logits tokens max_rows * max_q], then int32 [2R, W] tables
+        # a prefill graph's logits tokens max_rows * max_q | a device-built step's rows max_rows x
+        # built_fields], then int32 [2R, W] tables
         self.logits_at = 3 * T + 2 * self.row_cap + 1
-        self.n64 = self.logits_at + (self.max_rows * self.max_q if prefill_tokens else 0)
+        self.built_at = self.logits_at + (self.max_rows * self.max_q if prefill_tokens else 0)
+        self.built_fields = BUILT_ROW_FIELDS + self.max_q - 1  # next_verify_step.h's rows_in: fields, then drafts
+        self.n64 = self.built_at + self.max_rows * self.built_fields
         pin = self.use_graphs
         nbytes = 8 * self.n64 + 4 * self.row_cap * self.width
         self.host_bytes = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
@@ -311,15 +315,24 @@ class CudaGraphRunner(PrefillGraphs):
         return PendingStep(key, logits, seq_ids, pos, slots, ctx, table, num_blocks, qsl, input_ids)
 
     @torch.inference_mode()
-    def launch_built(self, key: tuple[int, int], rows: int, tables: np.ndarray, build) -> torch.Tensor:
-        """Replay `key` for a step whose inputs are written on the device (device_ngram.py): only the
-        rows' block tables are staged from the host; build() runs on the stream after the staging
-        copy and writes the rest of the static inputs (ids, positions, slots, context lengths and
-        query starts, padding rows included). Returns the graph's logits, every token slot."""
+    def launch_built(self, key: tuple[int, int], tables: np.ndarray, built_rows: np.ndarray, build) -> torch.Tensor:
+        """Replay `key` for a step whose inputs are written on the device (device_ngram.py): the
+        rows' block tables and built_rows (per row, what the building kernel reads: [rows,
+        built_fields] int64, on the device at built_rows_device) are staged from the host in the
+        step's one copy; build() runs on the stream after it and writes the rest of the static
+        inputs (ids, positions, slots, context lengths and query starts, padding rows included).
+        Returns the graph's logits, every token slot."""
+        rows = len(built_rows)
         empty = np.zeros(0, dtype=np.int64)
         self._stage(key, rows, np.zeros(rows + 1, dtype=np.int32), None, empty, empty, np.zeros(rows, dtype=np.int32),
                     tables)
+        self.np64[self.built_at:self.built_at + built_rows.size] = built_rows.ravel()
         return self._run(key, graph_shape(key)[2], before_replay=build)
+
+    @property
+    def built_rows_device(self) -> torch.Tensor:
+        """launch_built's rows on the device: [max_rows, built_fields] int64."""
+        return self.dev64[self.built_at:].view(self.max_rows, self.built_fields)
 
     @torch.inference_mode()
     def execute(self, batch, key: tuple[int, int],

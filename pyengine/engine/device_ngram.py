@@ -72,14 +72,13 @@ class DeviceNgramLoop:
         self.history = torch.zeros(num_slots, self.max_context, dtype=torch.int32, device=dev)
         self.owner = np.full(num_slots, -1, dtype=np.int64)  # whose tokens a history row holds
         self.valid = np.zeros(num_slots, dtype=np.int64)  # ... and how many of them are the host's
-        fields = ROW_FIELDS + self.max_drafts
-        self.host_rows = torch.zeros(g.max_rows, fields, dtype=torch.int64, pin_memory=pin)
-        self.dev_rows = torch.zeros(g.max_rows, fields, dtype=torch.int64, device=dev)
+        assert g.built_fields == ROW_FIELDS + self.max_drafts
+        self.rows_in = np.zeros((g.max_rows, g.built_fields), dtype=np.int64)  # staged by launch_built
         self.result = torch.zeros(g.max_rows, 3 + self.max_drafts, dtype=torch.int64, device=dev)
         self.host_result = torch.zeros(g.max_rows, 3 + self.max_drafts, dtype=torch.int64, pin_memory=pin)
         self.host_sync = torch.zeros(4096, dtype=torch.int32, pin_memory=pin)  # grows with the largest sync
         self.dev_sync = torch.zeros(4096, dtype=torch.int32, device=dev)
-        self.staged = torch.cuda.Event() if pin else None  # the last launch's copies left the host buffers
+        self.staged = torch.cuda.Event() if pin else None  # the last launch's sync copy left host_sync
         self.ready = torch.cuda.Event() if pin else None  # the result reached the host
         if dev.type == "cuda":
             from pyengine.ops.cuda.next_verify_step import next_verify_step
@@ -116,28 +115,27 @@ class DeviceNgramLoop:
             return None
         slots = np.asarray(batch.request_slots[:rows], dtype=np.int64)
         sync_from, sync_count, sync = self._sync(scheduler, seq_ids, slots, p0 + 1)
-        if self.staged is not None:
-            self.staged.synchronize()  # the host buffers are free again
-        info = self.host_rows.numpy()[:rows]
+        info = self.rows_in[:rows]
         info[:, :ROW_FIELDS] = np.stack([qsl[:-1], d, p0, cap, left, slots, sync_from, sync_count,
                                          np.cumsum(sync_count) - sync_count], axis=1)
         ids = np.asarray(batch.input_ids, dtype=np.int64)
         has = np.arange(self.max_drafts)[None, :] < d[:, None]
         info[:, ROW_FIELDS:][has] = ids[(qsl[:-1, None] + 1 + np.arange(self.max_drafts)[None, :])[has]]
-        self._stage_sync(sync)
+        if len(sync):
+            self._stage_sync(sync)
         b, q = key
         shape = dict(block_size=g.block_size, max_context=self.max_context, token_capacity=g.T, row_capacity=g.row_cap,
                      rows=rows, padded_rows=2 * b, q=q, token_slots=b * q, max_drafts=self.max_drafts,
                      min_n=self.min_n, max_n=self.max_n)
 
         def build() -> None:  # on the stream after the staging copy, before the replay
-            streams.copy_async(self.dev_rows[:rows], self.host_rows[:rows], g.device)
-            n = max(len(sync), 1)
-            streams.copy_async(self.dev_sync[:n], self.host_sync[:n], g.device, self.staged)
-            self.kernel(argmax, self.dev_rows, self.dev_sync, self.history, g.dev32, g.dev64, self.result, **shape)
+            if len(sync):
+                streams.copy_async(self.dev_sync[:len(sync)], self.host_sync[:len(sync)], g.device, self.staged)
+            self.kernel(argmax, g.built_rows_device, self.dev_sync, self.history, g.dev32, g.dev64, self.result,
+                        **shape)
             streams.copy_async(self.host_result[:rows], self.result[:rows], g.device, self.ready)
 
-        logits = g.launch_built(key, rows, tables, build)
+        logits = g.launch_built(key, tables, info, build)
         self.num_launched += 1
         return DeviceLaunch(key, logits, seq_ids, slots, p0, tables)
 
@@ -191,6 +189,8 @@ class DeviceNgramLoop:
         return have, count, flat
 
     def _stage_sync(self, tokens: np.ndarray) -> None:
+        if self.staged is not None:
+            self.staged.synchronize()  # the last sync's copy has left the host buffer
         n = len(tokens)
         if self.host_sync.shape[0] < n:
             size = max(n, 2 * self.host_sync.shape[0], 4096)

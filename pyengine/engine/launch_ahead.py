@@ -158,7 +158,12 @@ class LaunchAhead:
         # this step's token is a row's last one when it has one token left
         if not (batch.tokens_left > 1).all():
             return False
-        return self.proposer is None or self._plan_next(batch)
+        if self.proposer is None:
+            return True
+        quiet = self._plan_next(batch)
+        # the device loop builds a planned verify step (_launch_verify) whether or not its rows then
+        # find drafts, at about a decode step's cost: no need to bet on none being found
+        return quiet and (self.device_ngram is None or not self._next_plan[1].any())
 
     def _plan_next(self, batch) -> bool:
         """Speculation: plan the next step's drafts now, for this step's rows (all decode rows
