@@ -37,7 +37,7 @@ METHODS = {
     "ngram_adaptive": ({"method": "ngram", "num_speculative_tokens": 4}, True),
     "ngram_adaptive_ragged_eager": ({"method": "ngram", "num_speculative_tokens": 4}, False),
     "ngram_fixed": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, True),
-    # "_host": ngram without the device loop (EngineConfig.device_ngram off: verify ahead's predictions instead)
+    # "_host": ngram without the device loop (EngineConfig.device_verify off: verify ahead's predictions instead)
     "ngram_adaptive_k8": ({"method": "ngram", "num_speculative_tokens": 8}, True),
     "ngram_adaptive_host": ({"method": "ngram", "num_speculative_tokens": 4}, True),
     "ngram_fixed_host": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, True),
@@ -62,7 +62,7 @@ def time_steps(llm: LLM, per_request: dict) -> dict:
     def timed() -> list:
         verify0, prefill0 = engine.scheduler.stats()["num_verify_rows"], engine.counters["prefill_tokens"]
         used0 = engine.verify_ahead.num_used if engine.verify_ahead is not None else 0
-        device0 = engine.device_ngram.num_used if engine.device_ngram is not None else 0
+        device0 = engine.device_verify.num_used if engine.device_verify is not None else 0
         mixed0 = graphs.num_mixed if graphs else 0
         start = time.perf_counter()
         out = step()
@@ -72,7 +72,7 @@ def time_steps(llm: LLM, per_request: dict) -> dict:
         kind += "_prefill" if engine.counters["prefill_tokens"] > prefill0 else ""
         kind += "_drafts" if engine.scheduler.stats()["num_verify_rows"] > verify0 else ""
         kind += "_ahead" if engine.verify_ahead is not None and engine.verify_ahead.num_used > used0 else ""
-        kind += "_device" if engine.device_ngram is not None and engine.device_ngram.num_used > device0 else ""
+        kind += "_device" if engine.device_verify is not None and engine.device_verify.num_used > device0 else ""
         k = kinds.setdefault(kind, {"steps": 0, "seconds": 0.0})
         k["steps"] += 1
         k["seconds"] += seconds
@@ -117,7 +117,7 @@ def run_method(args, name: str, batch: int, prompts: list[str], categories: list
               max_model_len=2048,
               speculative_config=spec, kernel_config={"graph_ragged_verify": ragged})
     if name.endswith("_host"):
-        llm.engine.device_ngram = None
+        llm.engine.device_verify = None
     conversations = [[{"role": "user", "content": q}] for q in prompts]
     # warm-up: --capture all: every graph captured first (CudaGraphRunner.capture_all), else the
     # ones the run needs on first use; then the timed prompts with their words reversed (same
@@ -132,7 +132,7 @@ def run_method(args, name: str, batch: int, prompts: list[str], categories: list
     graphs0 = len(g.graphs) if g else 0
     va = getattr(llm.engine, "verify_ahead", None)
     va0 = (va.num_launched, va.num_confirmed, va.num_used) if va is not None else None
-    loop = getattr(llm.engine, "device_ngram", None)
+    loop = getattr(llm.engine, "device_verify", None)
     loop0 = (loop.num_launched, loop.num_used) if loop is not None else None
     per_request: dict = {}
     kinds = time_steps(llm, per_request)
@@ -157,7 +157,7 @@ def run_method(args, name: str, batch: int, prompts: list[str], categories: list
         one["verify_ahead"] = {"launched": va.num_launched - va0[0], "confirmed": va.num_confirmed - va0[1],
                                "used": va.num_used - va0[2]}
     if loop is not None:  # verify steps built on the device in the timed run, and used
-        one["device_ngram"] = {"launched": loop.num_launched - loop0[0], "used": loop.num_used - loop0[1]}
+        one["device_verify"] = {"launched": loop.num_launched - loop0[0], "used": loop.num_used - loop0[1]}
     if batch == 1 and args.per_category:  # one request at a time: its own seconds
         cat_tokens: dict = {}
         for o, cat in zip(outs, categories):

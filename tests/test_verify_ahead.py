@@ -27,17 +27,17 @@ def tiny(tmp_path_factory) -> str:
     return path
 
 
-def graph_llm(tiny: str, spec: dict | None, device_ngram: bool = False, **kw) -> LLM:
+def graph_llm(tiny: str, spec: dict | None, device_verify: bool = False, **kw) -> LLM:
     """An LLM whose runner has the graph runner's padded path (q up to K + 1), its engine made
-    after it as on a GPU: the scheduler then reserves the next step's blocks. device_ngram: ngram
-    verify steps built by the device loop (tests/test_device_ngram.py; off here, so that ngram
+    after it as on a GPU: the scheduler then reserves the next step's blocks. device_verify: ngram
+    verify steps built by the device loop (tests/test_device_verify.py; off here, so that ngram
     steps are predicted by verify ahead)."""
     llm = LLM(model=tiny, device="cpu", speculative_config=spec, **kw)
     e = llm.engine
     r = e.runner
     r.graph_runner = CudaGraphRunner(r.model, r.kv_caches, r.block_size, r.device, e.cfg.max_num_seqs, K + 1,
                                      e.cfg.max_model_len + K + 1 + r.block_size)
-    e.cfg.device_ngram = device_ngram
+    e.cfg.device_verify = device_verify
     llm.engine = LLMEngine(r, e.model_config, e.tokenizer, e.cfg, draft_model=e.draft_model)
     return llm
 
@@ -216,8 +216,8 @@ def test_verify_ahead_gpu_smollm2(method: str) -> None:
                   speculative_config={"method": method, "num_speculative_tokens": K})
         got = [o.outputs[0].token_ids for o in llm.chat(convs, params, use_tqdm=False)]
         assert got == ref
-        # ngram's steps are built on the device (device_ngram.py), suffix's predicted (verify ahead)
-        ahead = llm.engine.device_ngram if method == "ngram" else llm.engine.verify_ahead
+        # ngram's steps are built on the device (device_verify.py), suffix's predicted (verify ahead)
+        ahead = llm.engine.device_verify if method == "ngram" else llm.engine.verify_ahead
         assert ahead is not None
         print(f"{method} batch {batch}: launched {ahead.num_launched}, used {ahead.num_used}")
         if batch == 1:

@@ -1,6 +1,6 @@
 // The verify step after a greedy verify (or decode) step, built on the device from that step's
 // argmax, so that it is launched before the host has seen the step's tokens (plain C++ interface;
-// the kernels live in next_verify_step.hip; pyengine/engine/device_ngram.py drives them and
+// the kernels live in next_verify_step.hip; pyengine/engine/device_verify.py drives them and
 // pyengine/ops/reference/next_verify_step.py is the reference).
 //
 // For each row r of step N (rows of the step just replayed, in its order):
@@ -9,9 +9,11 @@
 //   2. accept: a = how many of the row's drafts equal the argmax at their positions, in order;
 //      the bonus token is the argmax after the last one kept (csrc/core/greedy_accept.h's rule);
 //      the drafts kept and the bonus are appended to the history after the row's first position;
-//   3. draft: the prompt lookup of csrc/core/ngram_proposer.h over the history (the most recent
-//      earlier occurrence of the last n tokens, n = max_n .. min_n), at most
-//      min(max_drafts, tokens_left - a - 2) drafts, fewer where a position has no block;
+//   3. draft: at most min(the row's max drafts, q - 1, tokens_left - a - 2) drafts, fewer where a
+//      position has no block: the host's predicted drafts where it predicted this outcome (every
+//      draft accepted and the bonus token it guessed), else the prompt lookup of
+//      csrc/core/ngram_proposer.h over the history (the most recent earlier occurrence of the last
+//      n tokens, n = max_n .. min_n; min_n = 0: no lookup);
 //   4. stage: step N + 1's inputs in the graph's static buffer, laid out as
 //      csrc/core/graph_staging.h stages them (each row's bonus and drafts from position
 //      first + 1 + a, the rows packed, padding rows up to padded_rows owning the token slots after
@@ -33,12 +35,14 @@ enum NextVerifyRowField : int {
   kSyncFrom = 6,      // the first history position the sync writes
   kSyncCount = 7,     // how many tokens it writes
   kSyncOffset = 8,    // where they start in sync_tokens
-  kRowFields = 9,     // then step N's drafts (max_drafts values)
+  kPredicted = 9,     // predicted tokens: the bonus token guessed if every draft is accepted, then
+                      // the drafts after it (0: no prediction)
+  kRowFields = 10,    // then step N's drafts (max_drafts values), then the predicted tokens (max_drafts + 1)
 };
 
 struct NextVerifyStepParams {
   const int64_t* argmax = nullptr;     // step N's argmax, one per token
-  const int64_t* rows_in = nullptr;    // [rows, kRowFields + max_drafts]
+  const int64_t* rows_in = nullptr;    // [rows, kRowFields + 2 max_drafts + 1]
   const int32_t* sync_tokens = nullptr;
   int32_t* history = nullptr;          // [slots, history_stride]
   int64_t history_stride = 0;
@@ -56,7 +60,7 @@ struct NextVerifyStepParams {
   int64_t max_drafts = 0;              // per-row draft fields of rows_in and result (>= q - 1)
   int64_t* result = nullptr;           // [rows, result_stride]
   int64_t result_stride = 0;           // 3 + max_drafts at least
-  int32_t min_n = 1;
+  int32_t min_n = 1;                   // 0: no lookup
   int32_t max_n = 1;
 };
 

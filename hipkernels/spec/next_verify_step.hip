@@ -1,6 +1,6 @@
 // next_verify_step (next_verify_step.h): one block per row accepts, appends to the history and
-// drafts (prompt lookup: every candidate start of an n-gram tested in parallel, the latest match
-// kept); then one block packs the rows into the graph's static inputs, which needs every row's
+// drafts (the host's prediction where it held, else prompt lookup: every candidate start of an
+// n-gram tested in parallel, the latest match kept); then one block packs the rows into the graph's static inputs, which needs every row's
 // draft count first.
 #include "common/hip_compat.h"
 #include "spec/next_verify_step.h"
@@ -12,7 +12,7 @@ constexpr int kMaxN = 64;  // the longest n-gram looked up (launch_next_verify_s
 
 __global__ void __launch_bounds__(kThreads) accept_and_draft_kernel(NextVerifyStepParams p) {
   const int64_t r = blockIdx.x;
-  const int64_t* in = p.rows_in + r * (kRowFields + p.max_drafts);
+  const int64_t* in = p.rows_in + r * (kRowFields + 2 * p.max_drafts + 1);
   const int64_t* drafts_in = in + kRowFields;
   int32_t* hist = p.history + in[kHistoryRow] * p.history_stride;
   int64_t* out = p.result + r * p.result_stride;
@@ -50,8 +50,14 @@ __global__ void __launch_bounds__(kThreads) accept_and_draft_kernel(NextVerifySt
   }
   __syncthreads();
   const int64_t m = s_num_tokens, limit = s_limit;
+  const int64_t* predicted = drafts_in + p.max_drafts;
   int64_t count = 0;
-  for (int64_t n = (p.max_n < m - 1 ? p.max_n : m - 1); limit > 0 && n >= p.min_n; --n) {
+  const bool held = out[0] == in[kPrevDrafts] && in[kPredicted] > 1 && predicted[0] == out[2];
+  if (held && limit > 0) {  // every draft kept and the bonus token guessed: the host's drafts
+    count = limit < in[kPredicted] - 1 ? limit : in[kPredicted] - 1;
+    for (int64_t j = threadIdx.x; j < count; j += kThreads) out[3 + j] = predicted[1 + j];
+  }
+  for (int64_t n = (p.max_n < m - 1 ? p.max_n : m - 1); !count && limit > 0 && p.min_n > 0 && n >= p.min_n; --n) {
     if (threadIdx.x < n) s_suffix[threadIdx.x] = hist[m - n + threadIdx.x];
     if (threadIdx.x == 0) s_best = 0;  // 1 + the latest matching start, 0: none
     __syncthreads();
@@ -98,7 +104,7 @@ __global__ void __launch_bounds__(kThreads) stage_next_step_kernel(NextVerifySte
   }
   __syncthreads();
   for (int64_t r = threadIdx.x; r < p.rows; r += kThreads) {
-    const int64_t* in = p.rows_in + r * (kRowFields + p.max_drafts);
+    const int64_t* in = p.rows_in + r * (kRowFields + 2 * p.max_drafts + 1);
     const int64_t* res = p.result + r * p.result_stride;
     const int64_t first = in[kFirstPosition] + 1 + res[0], count = 1 + res[1], at = qsl[r];
     const int32_t* table = p.block_tables + r * p.table_width;
@@ -124,7 +130,7 @@ __global__ void __launch_bounds__(kThreads) stage_next_step_kernel(NextVerifySte
 int launch_next_verify_step(const NextVerifyStepParams& p, void* stream) {
   if (p.rows < 1 || p.padded_rows < p.rows || p.padded_rows > p.row_capacity || p.q < 1 ||
       p.q - 1 > p.max_drafts || p.token_slots > p.token_capacity || p.rows * p.q > p.token_slots ||
-      p.result_stride < 3 + p.max_drafts || p.min_n < 1 || p.max_n < p.min_n || p.max_n > kMaxN ||
+      p.result_stride < 3 + p.max_drafts || p.min_n < 0 || p.max_n < p.min_n || p.max_n > kMaxN ||
       p.block_size < 1)
     return -1;
   const peStream_t s = static_cast<peStream_t>(stream);

@@ -51,7 +51,7 @@ from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.engine.graph_capture import capture_graph, default_buckets, default_token_buckets, graph_shape
 from pyengine.engine.pending_step import PendingStep
 from pyengine.engine.state_cache import StateMetadata
-from pyengine.ops.reference.next_verify_step import ROW_FIELDS as BUILT_ROW_FIELDS
+from pyengine.ops.reference.next_verify_step import row_width as built_row_width
 from pyengine.engine.prefill_graphs import PrefillGraphs
 from pyengine.ops import streams
 from pyengine.ops.kernel_config import get_kernel_config, use_kernel_config
@@ -88,7 +88,7 @@ class CudaGraphRunner(PrefillGraphs):
         # built_fields], then int32 [2R, W] tables
         self.logits_at = 3 * T + 2 * self.row_cap + 1
         self.built_at = self.logits_at + (self.max_rows * self.max_q if prefill_tokens else 0)
-        self.built_fields = BUILT_ROW_FIELDS + self.max_q - 1  # next_verify_step.h's rows_in: fields, then drafts
+        self.built_fields = built_row_width(self.max_q - 1)  # next_verify_step.h's rows_in
         self.n64 = self.built_at + self.max_rows * self.built_fields
         pin = self.use_graphs
         nbytes = 8 * self.n64 + 4 * self.row_cap * self.width
@@ -316,7 +316,7 @@ class CudaGraphRunner(PrefillGraphs):
 
     @torch.inference_mode()
     def launch_built(self, key: tuple[int, int], tables: np.ndarray, built_rows: np.ndarray, build) -> torch.Tensor:
-        """Replay `key` for a step whose inputs are written on the device (device_ngram.py): the
+        """Replay `key` for a step whose inputs are written on the device (device_verify.py): the
         rows' block tables and built_rows (per row, what the building kernel reads: [rows,
         built_fields] int64, on the device at built_rows_device) are staged from the host in the
         step's one copy; build() runs on the stream after it and writes the rest of the static

@@ -42,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pyengine.engine.device_ngram import DeviceLaunch
+from pyengine.engine.device_verify import DeviceLaunch
 
 
 class LaunchAhead:
@@ -73,7 +73,7 @@ class LaunchAhead:
         first_bad = None if finite.all() else np.where(finite, -1, 0).astype(np.int64)
         counts = np.ones(batch.num_rows, dtype=np.int32)
         if launched is not None and first_bad is None:
-            self._pending = self.device_ngram.resolve(launched, tokens, counts)
+            self._pending = self.device_verify.resolve(launched, tokens, counts)
         return tokens, counts, first_bad
 
     def _verify_greedy(self, batch, logits: torch.Tensor,
@@ -84,7 +84,7 @@ class LaunchAhead:
         launched = self._launch_verify(batch, tok) if key is not None else None
         tokens, counts, first_bad = self.greedy.accept(batch, *started)
         if launched is not None and first_bad is None:
-            self._pending = self.device_ngram.resolve(launched, tokens, counts)
+            self._pending = self.device_verify.resolve(launched, tokens, counts)
         return tokens, counts, first_bad
 
     def _launch_verify(self, batch, argmax: torch.Tensor) -> DeviceLaunch | None:
@@ -99,8 +99,8 @@ class LaunchAhead:
         plan = self._lengths if batch.num_draft_tokens.any() else self._next_plan
         if plan is None or not np.array_equal(plan[0], batch.seq_ids) or not plan[1].any():
             return None
-        if self.device_ngram is not None:
-            launched = self.device_ngram.launch(self.scheduler, batch, argmax, plan[1])
+        if self.device_verify is not None:
+            launched = self.device_verify.launch(self.scheduler, batch, argmax, plan[1])
             if launched is not None:
                 self._lengths = plan  # the launched step drafts as planned
             return launched
@@ -163,7 +163,7 @@ class LaunchAhead:
         quiet = self._plan_next(batch)
         # the device loop builds a planned verify step (_launch_verify) whether or not its rows then
         # find drafts, at about a decode step's cost: no need to bet on none being found
-        return quiet and (self.device_ngram is None or not self._next_plan[1].any())
+        return quiet and (self.device_verify is None or not self._next_plan[1].any())
 
     def _plan_next(self, batch) -> bool:
         """Speculation: plan the next step's drafts now, for this step's rows (all decode rows

@@ -15,7 +15,7 @@ import torch
 
 from pyengine import _C
 from pyengine.config import ModelConfig
-from pyengine.engine.device_ngram import DeviceNgramLoop
+from pyengine.engine.device_verify import DeviceVerifyLoop
 from pyengine.engine.greedy_sampler import GreedySampler
 from pyengine.engine.launch_ahead import LaunchAhead
 from pyengine.engine.model_runner import ModelRunner
@@ -49,7 +49,7 @@ class EngineConfig:
     async_decode: bool = True  # launch the next greedy decode step before this one's tokens arrive
     kernel_config: KernelConfig = field(default_factory=KernelConfig)  # the kernels this engine's steps run
     record_logits: bool = False  # keep each committed token's logits (Request.logits): the losslessness checker
-    device_ngram: bool = True  # ngram on graphs: verify steps built and launched from the device (device_ngram.py)
+    device_verify: bool = True  # ngram / suffix on graphs: verify steps built and launched from the device (device_verify.py)
 
 
 class LLMEngine(LaunchAhead):
@@ -107,9 +107,9 @@ class LLMEngine(LaunchAhead):
         graphs = runner.graph_runner
         self.verify_ahead = VerifyAhead() if (
             self.decode_lookahead and graphs.state_cache is None and hasattr(self.proposer, "predict")) else None
-        # ngram: the next verify step built on the device from a step's argmax (device_ngram.py)
-        self.device_ngram = DeviceNgramLoop.for_engine(graphs, cfg.max_num_seqs, spec) \
-            if self.verify_ahead is not None and cfg.device_ngram else None
+        # ngram, suffix: the next verify step built on the device from a step's argmax (device_verify.py)
+        self.device_verify = DeviceVerifyLoop.for_engine(graphs, cfg.max_num_seqs, spec, self.proposer) \
+            if self.verify_ahead is not None and cfg.device_verify else None
         self._observed = False  # this step's rows were shown to the draft-length policy already
         self.num_logprob_requests = 0  # unfinished requests that asked for logprobs
         self.token_texts = TokenTexts(tokenizer)  # token id -> its text, for Logprob.decoded_token
@@ -183,7 +183,7 @@ class LLMEngine(LaunchAhead):
             if pending.expected is not None:
                 self.verify_ahead.num_used += 1
             if pending.from_device:
-                self.device_ngram.num_used += 1
+                self.device_verify.num_used += 1
             if batch.num_draft_tokens.any():  # verify ahead
                 tokens, counts, first_bad = self._verify_greedy(batch, logits, pending.key)
             else:
@@ -215,8 +215,8 @@ class LLMEngine(LaunchAhead):
             self._pending = None  # launched for tokens this step did not commit
             self.num_async_discarded += 1
         num_committed, reasons = self.scheduler.update(tokens, counts)
-        if self.device_ngram is not None:
-            self.device_ngram.committed(num_committed)
+        if self.device_verify is not None:
+            self.device_verify.committed(num_committed)
         if first_bad is None and self._pending is None and greedy and not reasons.any():
             self._launch_committed(batch, tokens, counts)
         if first_bad is not None:

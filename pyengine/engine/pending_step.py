@@ -1,6 +1,6 @@
 """A step launched ahead (async decode, CudaGraphRunner.launch_next; a verify step after a verify
-step, pyengine/engine/verify_ahead.py, or built on the device, device_ngram.py): what it ran with, and the test that the scheduler's next
-batch is that step."""
+step, pyengine/engine/verify_ahead.py, or one built on the device, device_verify.py): what it ran
+with, and the test that the scheduler's next batch is that step."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,7 +28,7 @@ class PendingStep:
     # follow, and the drafts per row (flat, counts) the scheduler is given for it
     expected: tuple[np.ndarray, np.ndarray] | None = field(default=None)
     drafts: tuple[np.ndarray, np.ndarray] | None = field(default=None)
-    from_device: bool = False  # built on the device from the launching step's argmax (device_ngram.py)
+    from_device: bool = False  # built on the device from the launching step's argmax (device_verify.py)
 
     def matches(self, batch) -> bool:
         """Is `batch` exactly the step that was launched (rows, order and every input the forward

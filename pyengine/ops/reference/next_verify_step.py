@@ -10,9 +10,16 @@ import torch
 
 from pyengine import _C
 
-# the per-row fields of rows_in (next_verify_step.h, NextVerifyRowField); then max_drafts drafts
-PREV_START, PREV_DRAFTS, FIRST_POSITION, MAX_DRAFTS, TOKENS_LEFT, HISTORY_ROW, SYNC_FROM, SYNC_COUNT, SYNC_OFFSET = range(9)
-ROW_FIELDS = 9
+# the per-row fields of rows_in (next_verify_step.h, NextVerifyRowField); then max_drafts drafts and
+# max_drafts + 1 predicted tokens
+(PREV_START, PREV_DRAFTS, FIRST_POSITION, MAX_DRAFTS, TOKENS_LEFT, HISTORY_ROW, SYNC_FROM, SYNC_COUNT, SYNC_OFFSET,
+ PREDICTED) = range(10)
+ROW_FIELDS = 10
+
+
+def row_width(max_drafts: int) -> int:
+    """int64 values a row of rows_in holds."""
+    return ROW_FIELDS + 2 * max_drafts + 1
 
 
 def next_verify_step(argmax: torch.Tensor, rows_in: torch.Tensor, sync_tokens: torch.Tensor, history: torch.Tensor,
@@ -43,7 +50,13 @@ def next_verify_step(argmax: torch.Tensor, rows_in: torch.Tensor, sync_tokens: t
             if pos + 1 > max_context or pos // block_size >= tables.shape[1] or tables[r, pos // block_size] < 0:
                 break
             ok += 1
-        found = _C.propose_ngram(np.ascontiguousarray(h[:first + 1]), min_n, max_n, ok) if ok else []
+        predicted = f[ROW_FIELDS + max_drafts:ROW_FIELDS + max_drafts + f[PREDICTED]]
+        if a == len(drafts) and len(predicted) > 1 and predicted[0] == bonus and ok:
+            found = predicted[1:1 + ok]  # the host's prediction held
+        elif ok and min_n > 0:
+            found = _C.propose_ngram(np.ascontiguousarray(h[:first + 1]), min_n, max_n, ok)
+        else:
+            found = []
         res[r, :3] = (a, len(found), bonus)
         res[r, 3:3 + len(found)] = found
     _stage(inputs.numpy(), info, tables, res, block_size, token_capacity, row_capacity, rows, padded_rows, q,

@@ -1,4 +1,4 @@
-"""Verify steps built on the device (pyengine/engine/device_ngram.py, hipkernels/spec/
+"""Verify steps built on the device (pyengine/engine/device_verify.py, hipkernels/spec/
 next_verify_step.h): the reference against the host's own pieces (greedy acceptance, the ngram
 lookup, graph staging), the engine on the CPU graph-runner path (outputs equal plain decoding's,
 and the launched steps are used), and on a GPU the kernel against the reference."""
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from pyengine import LLM, SamplingParams, _C
-from pyengine.ops.reference.next_verify_step import (FIRST_POSITION, HISTORY_ROW, MAX_DRAFTS, PREV_DRAFTS,
-                                                     ROW_FIELDS, TOKENS_LEFT, next_verify_step)
+from pyengine.ops.reference.next_verify_step import (FIRST_POSITION, HISTORY_ROW, MAX_DRAFTS, PREDICTED,
+                                                     PREV_DRAFTS, ROW_FIELDS, TOKENS_LEFT, next_verify_step,
+                                                     row_width)
 from tests.test_spec_decode import make_prompts
 from tests.test_verify_ahead import K, graph_llm, looping_prompt, outputs
 from tests.tiny_models import make_checkpoint
@@ -20,7 +21,7 @@ MAX_DRAFTS_CAP, BS, WIDTH, T, R = 6, 4, 16, 160, 16
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("tiny_llama_device_ngram"))
+    path = str(tmp_path_factory.mktemp("tiny_llama_device_verify"))
     make_checkpoint("llama_gqa_untied", path)
     return path
 
@@ -28,11 +29,12 @@ def tiny(tmp_path_factory) -> str:
 def random_step(seed: int, rows: int, q: int):
     """A verify step's host view and the kernel's inputs: each row's tokens so far (a small
     vocabulary, so the lookup finds matches), its drafts, an argmax that keeps some of them,
-    block tables with holes past each row's blocks, and a sync of part of each history."""
+    block tables with holes past each row's blocks, a sync of part of each history, and for some
+    rows a prediction of the step's outcome (right or wrong) with drafts after it."""
     rng = np.random.default_rng(seed)
     slots = rng.permutation(8)[:rows]
     history = torch.full((8, WIDTH * BS), -7, dtype=torch.int32)
-    info = np.zeros((rows, ROW_FIELDS + MAX_DRAFTS_CAP), dtype=np.int64)
+    info = np.zeros((rows, row_width(MAX_DRAFTS_CAP)), dtype=np.int64)
     tokens, argmax, sync = [], [], []
     tables = np.full((R, WIDTH), -1, dtype=np.int32)
     start = 0
@@ -48,9 +50,15 @@ def random_step(seed: int, rows: int, q: int):
         history[slots[r], :have] = torch.from_numpy(toks[:have])
         blocks = int(rng.integers((n + d + 1) // BS + 1, WIDTH + 1))
         tables[r, :blocks] = rng.permutation(200)[:blocks]
-        info[r, :ROW_FIELDS] = (start, d, n - 1, rng.integers(0, MAX_DRAFTS_CAP + 1), rng.integers(1, 12),
+        info[r, :PREDICTED] = (start, d, n - 1, rng.integers(0, MAX_DRAFTS_CAP + 1), rng.integers(1, 12),
                                 slots[r], have, n - have, sum(len(s) for s in sync))
         info[r, ROW_FIELDS:ROW_FIELDS + d] = drafts
+        if rng.random() < 0.6:  # a prediction: all accepted, then a guess at the bonus token (right or wrong)
+            n_pred = int(rng.integers(1, MAX_DRAFTS_CAP + 2))
+            guess = am[d] if rng.random() < 0.7 else (am[d] + 1) % 5
+            info[r, PREDICTED] = n_pred
+            info[r, ROW_FIELDS + MAX_DRAFTS_CAP] = guess
+            info[r, ROW_FIELDS + MAX_DRAFTS_CAP + 1:ROW_FIELDS + MAX_DRAFTS_CAP + n_pred] = rng.integers(5, 9, n_pred - 1)
         tokens.append(toks)
         argmax.append(am)
         sync.append(toks[have:])
@@ -101,7 +109,11 @@ def test_the_reference_is_the_hosts_rule(seed: int) -> None:
         first = len(committed) - 1
         while limit and tables[r, (first + limit) // BS] < 0:
             limit -= 1
-        want = _C.propose_ngram(committed, 1, 3, limit) if limit else []
+        pred = info[r, ROW_FIELDS + MAX_DRAFTS_CAP:ROW_FIELDS + MAX_DRAFTS_CAP + info[r, PREDICTED]]
+        if counts[r] == d[r] + 1 and len(pred) > 1 and pred[0] == committed[-1] and limit:
+            want = list(pred[1:1 + limit])  # the prediction held: its drafts (tokens 5-8, never looked up)
+        else:
+            want = _C.propose_ngram(committed, 1, 3, limit) if limit else []
         assert res[r, 1] == len(want) and list(res[r, 3:3 + len(want)]) == list(want)
     # the static inputs: the host's staging of the same step
     first = info[:, FIRST_POSITION] + 1 + res[:, 0]
@@ -115,25 +127,28 @@ def test_the_reference_is_the_hosts_rule(seed: int) -> None:
     assert np.array_equal(inputs.numpy(), h64)
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("block_size", [16, 2])
-def test_device_ngram_equals_plain(tiny: str, adaptive: bool, block_size: int) -> None:
+def test_device_verify_equals_plain(tiny: str, method: str, adaptive: bool, block_size: int) -> None:
     """A looping continuation: nearly every verify step is built by the step before it and used,
     none through verify ahead's predictions; tokens equal plain decoding's."""
     prompts = [looping_prompt()]
     params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
     plain = outputs(LLM(model=tiny, device="cpu", block_size=block_size), prompts, params)
-    spec = {"method": "ngram", "num_speculative_tokens": K, "adaptive_draft_length": adaptive,
+    spec = {"method": method, "num_speculative_tokens": K, "adaptive_draft_length": adaptive,
             "prompt_lookup_min": 1, "prompt_lookup_max": 3, "step_cost": (1.0, 0.01)}
-    llm = graph_llm(tiny, spec, device_ngram=True, block_size=block_size)
+    llm = graph_llm(tiny, spec, device_verify=True, block_size=block_size)
     assert outputs(llm, prompts, params) == plain
-    loop, steps = llm.engine.device_ngram, llm.stats()["num_steps"]
+    loop, steps = llm.engine.device_verify, llm.stats()["num_steps"]
     assert loop.num_used >= steps // 2 and loop.num_used <= loop.num_launched, (loop.num_used, steps)
     assert llm.engine.verify_ahead.num_launched == 0 and llm.stats()["num_accepted_tokens"] > 50
 
 
-@pytest.mark.parametrize("rows,block_size,blocks", [(4, 4, 22), (3, 2, 46)])
-def test_device_ngram_batches_stops_and_preemption(tiny: str, rows: int, block_size: int, blocks: int) -> None:
+@pytest.mark.parametrize("method,rows,block_size,blocks", [("ngram", 4, 4, 22), ("ngram", 3, 2, 46),
+                                                            ("suffix", 4, 4, 22)])
+def test_device_verify_batches_stops_and_preemption(tiny: str, method: str, rows: int, block_size: int,
+                                                    blocks: int) -> None:
     """Rows of ragged lengths, stop ids and strings ending rows mid-chain, a small KV pool that
     preempts, more requests than rows (admissions between chains): plain decoding's outputs."""
     prompts = make_prompts(10, seed=5) + [looping_prompt()] * 2
@@ -149,14 +164,14 @@ def test_device_ngram_batches_stops_and_preemption(tiny: str, rows: int, block_s
         else:
             params.append(SamplingParams(temperature=0, max_tokens=20 + 5 * (i % 10), ignore_eos=True))
     plain = outputs(LLM(model=tiny, device="cpu", block_size=block_size), prompts, params)
-    spec = {"method": "ngram", "num_speculative_tokens": K, "adaptive_draft_length": False,
+    spec = {"method": method, "num_speculative_tokens": K, "adaptive_draft_length": False,
             "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    llm = graph_llm(tiny, spec, device_ngram=True, block_size=block_size, max_num_seqs=rows,
+    llm = graph_llm(tiny, spec, device_verify=True, block_size=block_size, max_num_seqs=rows,
                     num_kv_blocks=blocks, max_model_len=128)
     assert outputs(llm, prompts, params) == plain
     assert any(p[1] == "stop" for p in plain)
     assert llm.stats()["num_preemptions"] > 0
-    assert llm.engine.device_ngram.num_used > 0
+    assert llm.engine.device_verify.num_used > 0
 
 
 def test_an_abort_discards_the_device_step(tiny: str) -> None:
@@ -167,7 +182,7 @@ def test_an_abort_discards_the_device_step(tiny: str) -> None:
     plain = outputs(LLM(model=tiny, device="cpu"), prompts, params)
     spec = {"method": "ngram", "num_speculative_tokens": K, "adaptive_draft_length": False,
             "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    eng = graph_llm(tiny, spec, device_ngram=True, max_num_seqs=3).engine
+    eng = graph_llm(tiny, spec, device_verify=True, max_num_seqs=3).engine
     reqs = [eng.add_request(p, params) for p in prompts]
     aborted = False
     while eng.has_unfinished():
@@ -181,12 +196,21 @@ def test_an_abort_discards_the_device_step(tiny: str) -> None:
         assert reqs[i].output_token_ids == plain[i][0]
 
 
-def test_off_for_other_methods_and_when_asked(tiny: str) -> None:
-    spec = {"method": "suffix", "num_speculative_tokens": K}
-    assert graph_llm(tiny, spec, device_ngram=True).engine.device_ngram is None
+def test_which_engines_have_the_loop(tiny: str) -> None:
+    """ngram (lookup only) and suffix (its predictions first) on graphs; not when turned off, not
+    without graphs, not for the model-based methods (their drafts are another loop's)."""
+    from pyengine.engine.device_verify import DeviceVerifyLoop
+    from pyengine.spec_decode.config import SpeculativeConfig
+
+    suffix = graph_llm(tiny, {"method": "suffix", "num_speculative_tokens": K}, device_verify=True).engine
+    assert suffix.device_verify is not None and suffix.device_verify.predictor is suffix.proposer
     spec = {"method": "ngram", "num_speculative_tokens": K}
-    assert graph_llm(tiny, spec, device_ngram=False).engine.device_ngram is None
-    assert LLM(model=tiny, device="cpu", speculative_config=spec).engine.device_ngram is None  # no graphs
+    ngram = graph_llm(tiny, spec, device_verify=True).engine
+    assert ngram.device_verify is not None and ngram.device_verify.predictor is None
+    assert graph_llm(tiny, spec, device_verify=False).engine.device_verify is None
+    assert LLM(model=tiny, device="cpu", speculative_config=spec).engine.device_verify is None  # no graphs
+    mtp = SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 2})
+    assert DeviceVerifyLoop.for_engine(ngram.runner.graph_runner, 4, mtp, None) is None
 
 
 @pytest.mark.gpu

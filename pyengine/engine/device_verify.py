@@ -1,13 +1,17 @@
-"""Verify steps launched from the device (ngram speculation, greedy rows).
+"""Verify steps launched from the device (ngram and suffix speculation, greedy rows).
 
 Verify ahead (verify_ahead.py) launches the next verify step before a step's tokens are known by
 predicting them, and every row's prediction must hold; the step launched from committed tokens
 waits for them. Here the next step is built on the GPU from the step's own argmax instead, so it
 is never a guess: one kernel (hipkernels/spec/next_verify_step.h; on CPU tensors its reference)
 accepts each row's drafts as the greedy rule does, appends the tokens kept to the request's
-token history on the device, looks up the next drafts there with the host proposer's prompt
-lookup, and writes the next step's ids, positions, slots, context lengths and query starts into
-the graph's static buffer, which is then replayed. The host learns what was launched (accepted
+token history on the device, drafts, and writes the next step's ids, positions, slots, context
+lengths and query starts into the graph's static buffer, which is then replayed. The drafts:
+- ngram: the host proposer's prompt lookup, run over the history;
+- suffix: the suffix proposer's prediction (made on the host before the wait, as verify ahead
+  makes it: every draft accepted, then the token it expects and the drafts after it) for each row
+  whose prediction held, and the prompt lookup (prompt_lookup_min / max) for the others, where the
+  suffix tree's own answer would need the host. The host learns what was launched (accepted
 counts, bonus tokens, drafts: one small copy, ordered before the replay) when it reads the step's
 tokens, and hands the drafts to the scheduler as verify ahead does; the next step uses the launch
 when the scheduler's batch is exactly it (PendingStep.matches), otherwise it is discarded.
@@ -32,12 +36,12 @@ from pyengine import _C
 from pyengine.engine.pending_step import PendingStep
 from pyengine.ops import streams
 from pyengine.ops.reference import next_verify_step as reference
-from pyengine.ops.reference.next_verify_step import ROW_FIELDS
+from pyengine.ops.reference.next_verify_step import PREDICTED, ROW_FIELDS, row_width
 
 
 @dataclass
 class DeviceLaunch:
-    """A step launched by DeviceNgramLoop.launch, until the host reads what it holds (resolve)."""
+    """A step launched by DeviceVerifyLoop.launch, until the host reads what it holds (resolve)."""
     key: tuple[int, int]
     logits: torch.Tensor  # the graph's static logits, every token slot
     seq_ids: np.ndarray
@@ -46,33 +50,35 @@ class DeviceLaunch:
     tables: np.ndarray
 
 
-class DeviceNgramLoop:
+class DeviceVerifyLoop:
     MAX_N = 64  # the longest n-gram the kernel looks up (next_verify_step.hip, kMaxN)
 
     @classmethod
-    def for_engine(cls, graph_runner, num_slots: int, spec) -> "DeviceNgramLoop | None":
-        """The loop of an engine with graph steps (graph_runner) and speculative config `spec`; None
-        where it does not apply: another method, a longer n-gram than the kernel looks up, or a CUDA
-        device and an extension without the kernels."""
-        if spec is None or spec.method != "ngram" or spec.prompt_lookup_max > cls.MAX_N:
+    def for_engine(cls, graph_runner, num_slots: int, spec, proposer) -> "DeviceVerifyLoop | None":
+        """The loop of an engine with graph steps (graph_runner), speculative config `spec` and its
+        proposer; None where it does not apply: another method, a longer n-gram than the kernel
+        looks up, or a CUDA device and an extension without the kernels."""
+        if spec is None or spec.method not in ("ngram", "suffix") or spec.prompt_lookup_max > cls.MAX_N:
             return None
         if graph_runner.device.type == "cuda":
             try:
                 importlib.import_module("pyengine.ops.cuda.next_verify_step")
             except ImportError:
                 return None
-        return cls(graph_runner, num_slots, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return cls(graph_runner, num_slots, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                   predictor=proposer if spec.method == "suffix" else None)
 
-    def __init__(self, graph_runner, num_slots: int, min_n: int, max_n: int) -> None:
+    def __init__(self, graph_runner, num_slots: int, min_n: int, max_n: int, predictor=None) -> None:
         g = self.graphs = graph_runner
         self.min_n, self.max_n = min_n, max_n
+        self.predictor = predictor  # a PredictingProposer whose predictions come first (suffix), or None
         self.max_drafts = g.max_q - 1
         self.max_context = g.width * g.block_size
         dev, pin = g.device, g.use_graphs
         self.history = torch.zeros(num_slots, self.max_context, dtype=torch.int32, device=dev)
         self.owner = np.full(num_slots, -1, dtype=np.int64)  # whose tokens a history row holds
         self.valid = np.zeros(num_slots, dtype=np.int64)  # ... and how many of them are the host's
-        assert g.built_fields == ROW_FIELDS + self.max_drafts
+        assert g.built_fields == row_width(self.max_drafts)
         self.rows_in = np.zeros((g.max_rows, g.built_fields), dtype=np.int64)  # staged by launch_built
         self.result = torch.zeros(g.max_rows, 3 + self.max_drafts, dtype=torch.int64, device=dev)
         self.host_result = torch.zeros(g.max_rows, 3 + self.max_drafts, dtype=torch.int64, pin_memory=pin)
@@ -116,11 +122,19 @@ class DeviceNgramLoop:
         slots = np.asarray(batch.request_slots[:rows], dtype=np.int64)
         sync_from, sync_count, sync = self._sync(scheduler, seq_ids, slots, p0 + 1)
         info = self.rows_in[:rows]
-        info[:, :ROW_FIELDS] = np.stack([qsl[:-1], d, p0, cap, left, slots, sync_from, sync_count,
+        info[:, :PREDICTED] = np.stack([qsl[:-1], d, p0, cap, left, slots, sync_from, sync_count,
                                          np.cumsum(sync_count) - sync_count], axis=1)
         ids = np.asarray(batch.input_ids, dtype=np.int64)
         has = np.arange(self.max_drafts)[None, :] < d[:, None]
-        info[:, ROW_FIELDS:][has] = ids[(qsl[:-1, None] + 1 + np.arange(self.max_drafts)[None, :])[has]]
+        drafts = ids[(qsl[:-1, None] + 1 + np.arange(self.max_drafts)[None, :])[has]]
+        info[:, ROW_FIELDS:ROW_FIELDS + self.max_drafts][has] = drafts
+        info[:, PREDICTED] = 0
+        if self.predictor is not None:
+            pred, found = self.predictor.predict(scheduler, seq_ids, drafts.astype(np.int32), d.astype(np.int32),
+                                                 cap.astype(np.int32))
+            width = min(pred.shape[1], self.max_drafts + 1)
+            info[:, PREDICTED] = np.minimum(found, width)
+            info[:, ROW_FIELDS + self.max_drafts:ROW_FIELDS + self.max_drafts + width] = pred[:, :width]
         if len(sync):
             self._stage_sync(sync)
         b, q = key
