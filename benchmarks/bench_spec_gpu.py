@@ -5,7 +5,8 @@ step whose rows carry different draft counts replays the graph of its longest ro
 steps run eagerly, as before), all in one run. Reports tokens/s, the ratio to plain decoding,
 steps replayed vs eager, where the time went (steps and seconds by kind: replayed or eager, with
 drafts or not, with a prefill row or not; a step with prefill rows on prefill graphs counts as
-replayed), steps launched ahead (async), the measured graph replay times the draft-length policy
+replayed), steps launched ahead (async; "_device": built by the device loop, "_ahead": predicted by
+verify ahead; methods ending in "_host" run without the device loop), the measured graph replay times the draft-length policy
 weighs (by bucket, q = 1..k+1) and whether every output equals plain decoding's. With
 --per-category N: N prompts of each Spec-Bench category, interleaved, and at batch 1 (one request
 at a time) tokens/s and the ratio to plain by category; --eagle3 DIR adds an EAGLE-3 head.
@@ -37,10 +38,11 @@ METHODS = {
     "ngram_adaptive": ({"method": "ngram", "num_speculative_tokens": 4}, True),
     "ngram_adaptive_ragged_eager": ({"method": "ngram", "num_speculative_tokens": 4}, False),
     "ngram_fixed": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, True),
-    # "_host": ngram without the device loop (EngineConfig.device_verify off: verify ahead's predictions instead)
     "ngram_adaptive_k8": ({"method": "ngram", "num_speculative_tokens": 8}, True),
+    # "_host": without the device loop (EngineConfig.device_verify off: verify ahead's predictions instead)
     "ngram_adaptive_host": ({"method": "ngram", "num_speculative_tokens": 4}, True),
     "ngram_fixed_host": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, True),
+    "suffix_adaptive_host": ({"method": "suffix", "num_speculative_tokens": 4}, True),
     "ngram_fixed_ragged_eager": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, False),
     "suffix_adaptive": ({"method": "suffix", "num_speculative_tokens": 4}, True),
     "suffix_fixed": ({"method": "suffix", "num_speculative_tokens": 4, "adaptive_draft_length": False}, True),
