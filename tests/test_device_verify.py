@@ -145,12 +145,14 @@ def test_device_verify_equals_plain(tiny: str, method: str, adaptive: bool, bloc
     assert llm.engine.verify_ahead.num_launched == 0 and llm.stats()["num_accepted_tokens"] > 50
 
 
-@pytest.mark.parametrize("method,rows,block_size,blocks", [("ngram", 4, 4, 22), ("ngram", 3, 2, 46),
-                                                            ("suffix", 4, 4, 22)])
+@pytest.mark.parametrize("method,rows,block_size,blocks,max_rows", [
+    ("ngram", 4, 4, 22, 4), ("ngram", 3, 2, 46, 4), ("suffix", 4, 4, 22, 4), ("suffix", 4, 4, 22, 2)])
 def test_device_verify_batches_stops_and_preemption(tiny: str, method: str, rows: int, block_size: int,
-                                                    blocks: int) -> None:
+                                                    blocks: int, max_rows: int) -> None:
     """Rows of ragged lengths, stop ids and strings ending rows mid-chain, a small KV pool that
-    preempts, more requests than rows (admissions between chains): plain decoding's outputs."""
+    preempts, more requests than rows (admissions between chains): plain decoding's outputs.
+    Suffix with predicted_max_rows 2: steps of 3-4 rows go the host's ways, smaller ones the
+    device's, and a request passes from one to the other (its history resynced)."""
     prompts = make_prompts(10, seed=5) + [looping_prompt()] * 2
     free = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     base = outputs(LLM(model=tiny, device="cpu", block_size=block_size), prompts, free)
@@ -168,10 +170,14 @@ def test_device_verify_batches_stops_and_preemption(tiny: str, method: str, rows
             "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     llm = graph_llm(tiny, spec, device_verify=True, block_size=block_size, max_num_seqs=rows,
                     num_kv_blocks=blocks, max_model_len=128)
+    llm.engine.device_verify.predicted_max_rows = max_rows
     assert outputs(llm, prompts, params) == plain
     assert any(p[1] == "stop" for p in plain)
     assert llm.stats()["num_preemptions"] > 0
     assert llm.engine.device_verify.num_used > 0
+    if max_rows < rows:  # the larger steps went the host's ways
+        va = llm.engine.verify_ahead
+        assert va.num_launched + va.num_committed_launches > 0
 
 
 def test_an_abort_discards_the_device_step(tiny: str) -> None:

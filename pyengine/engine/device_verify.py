@@ -11,7 +11,11 @@ lengths and query starts into the graph's static buffer, which is then replayed.
 - suffix: the suffix proposer's prediction (made on the host before the wait, as verify ahead
   makes it: every draft accepted, then the token it expects and the drafts after it) for each row
   whose prediction held, and the prompt lookup (prompt_lookup_min / max) for the others, where the
-  suffix tree's own answer would need the host. The host learns what was launched (accepted
+  suffix tree's own answer would need the host. Only for steps of at most PREDICTED_MAX_ROWS rows:
+  on the H100 with SmolLM2 it beat the host's drafts after the commit at batch 1 (1.50x against
+  1.38x) and lost at batch 16 (1.17x against 1.22x: more rows miss their prediction, the lookup
+  finds fewer drafts than the suffix tree, and the host, which bounds a batch-16 step, also
+  predicts); larger steps keep verify ahead and the launch from committed tokens. The host learns what was launched (accepted
 counts, bonus tokens, drafts: one small copy, ordered before the replay) when it reads the step's
 tokens, and hands the drafts to the scheduler as verify ahead does; the next step uses the launch
 when the scheduler's batch is exactly it (PendingStep.matches), otherwise it is discarded.
@@ -52,6 +56,7 @@ class DeviceLaunch:
 
 class DeviceVerifyLoop:
     MAX_N = 64  # the longest n-gram the kernel looks up (next_verify_step.hip, kMaxN)
+    PREDICTED_MAX_ROWS = 4  # the most rows a step built from predictions (suffix) may have
 
     @classmethod
     def for_engine(cls, graph_runner, num_slots: int, spec, proposer) -> "DeviceVerifyLoop | None":
@@ -72,6 +77,7 @@ class DeviceVerifyLoop:
         g = self.graphs = graph_runner
         self.min_n, self.max_n = min_n, max_n
         self.predictor = predictor  # a PredictingProposer whose predictions come first (suffix), or None
+        self.predicted_max_rows = self.PREDICTED_MAX_ROWS
         self.max_drafts = g.max_q - 1
         self.max_context = g.width * g.block_size
         dev, pin = g.device, g.use_graphs
@@ -93,6 +99,10 @@ class DeviceVerifyLoop:
             self.kernel = reference.next_verify_step
         self._appended: tuple[np.ndarray, np.ndarray] | None = None  # (slots, first committed position)
         self.num_launched = self.num_used = 0
+
+    def takes(self, batch) -> bool:
+        """Should the step after `batch` be built here (else: the host's launch paths)?"""
+        return self.predictor is None or batch.num_rows <= self.predicted_max_rows
 
     def launch(self, scheduler, batch, argmax: torch.Tensor, lengths: np.ndarray) -> DeviceLaunch | None:
         """Launch the step after `batch` (greedy decode / verify rows; argmax: its argmax on the

@@ -99,7 +99,7 @@ class LaunchAhead:
         plan = self._lengths if batch.num_draft_tokens.any() else self._next_plan
         if plan is None or not np.array_equal(plan[0], batch.seq_ids) or not plan[1].any():
             return None
-        if self.device_verify is not None:
+        if self.device_verify is not None and self.device_verify.takes(batch):
             launched = self.device_verify.launch(self.scheduler, batch, argmax, plan[1])
             if launched is not None:
                 self._lengths = plan  # the launched step drafts as planned
@@ -163,7 +163,8 @@ class LaunchAhead:
         quiet = self._plan_next(batch)
         # the device loop builds a planned verify step (_launch_verify) whether or not its rows then
         # find drafts, at about a decode step's cost: no need to bet on none being found
-        return quiet and (self.device_verify is None or not self._next_plan[1].any())
+        loop = self.device_verify
+        return quiet and (loop is None or not loop.takes(batch) or not self._next_plan[1].any())
 
     def _plan_next(self, batch) -> bool:
         """Speculation: plan the next step's drafts now, for this step's rows (all decode rows
