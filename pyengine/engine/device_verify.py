@@ -12,10 +12,11 @@ lengths and query starts into the graph's static buffer, which is then replayed.
   makes it: every draft accepted, then the token it expects and the drafts after it) for each row
   whose prediction held, and the prompt lookup (prompt_lookup_min / max) for the others, where the
   suffix tree's own answer would need the host. Only for steps of at most PREDICTED_MAX_ROWS rows:
-  on the H100 with SmolLM2 it beat the host's drafts after the commit at batch 1 (1.50x against
-  1.38x) and lost at batch 16 (1.17x against 1.22x: more rows miss their prediction, the lookup
-  finds fewer drafts than the suffix tree, and the host, which bounds a batch-16 step, also
-  predicts); larger steps keep verify ahead and the launch from committed tokens. The host learns what was launched (accepted
+  on the H100 with SmolLM2 it beat the host's drafts after the commit at batch 1, 4 and 8 (1.50x
+  against 1.38x, 1.33 / 1.30, 1.32 / 1.29) and lost at batch 16 (1.17x against 1.22x: more rows
+  miss their prediction, the lookup finds fewer drafts than the suffix tree, and the host, which
+  bounds a batch-16 step, also predicts); larger steps keep verify ahead and the launch from
+  committed tokens. The host learns what was launched (accepted
 counts, bonus tokens, drafts: one small copy, ordered before the replay) when it reads the step's
 tokens, and hands the drafts to the scheduler as verify ahead does; the next step uses the launch
 when the scheduler's batch is exactly it (PendingStep.matches), otherwise it is discarded.
@@ -56,7 +57,7 @@ class DeviceLaunch:
 
 class DeviceVerifyLoop:
     MAX_N = 64  # the longest n-gram the kernel looks up (next_verify_step.hip, kMaxN)
-    PREDICTED_MAX_ROWS = 4  # the most rows a step built from predictions (suffix) may have
+    PREDICTED_MAX_ROWS = 8  # the most rows a step built from predictions (suffix) may have
 
     @classmethod
     def for_engine(cls, graph_runner, num_slots: int, spec, proposer) -> "DeviceVerifyLoop | None":
