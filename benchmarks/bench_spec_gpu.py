@@ -39,12 +39,14 @@ METHODS = {
     "ngram_adaptive_ragged_eager": ({"method": "ngram", "num_speculative_tokens": 4}, False),
     "ngram_fixed": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, True),
     "ngram_adaptive_k8": ({"method": "ngram", "num_speculative_tokens": 8}, True),
+    "ngram_adaptive_k16": ({"method": "ngram", "num_speculative_tokens": 16}, True),
     # "_host": without the device loop (EngineConfig.device_verify off: verify ahead's predictions instead)
     "ngram_adaptive_host": ({"method": "ngram", "num_speculative_tokens": 4}, True),
     "ngram_fixed_host": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, True),
     "suffix_adaptive_host": ({"method": "suffix", "num_speculative_tokens": 4}, True),
-    # "_device": the device loop at every batch size (suffix's prediction-first steps past PREDICTED_MAX_ROWS)
+    # "_device": the device loop at every batch size (past its max_rows)
     "suffix_adaptive_device": ({"method": "suffix", "num_speculative_tokens": 4}, True),
+    "ngram_adaptive_device": ({"method": "ngram", "num_speculative_tokens": 4}, True),
     "ngram_fixed_ragged_eager": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, False),
     "suffix_adaptive": ({"method": "suffix", "num_speculative_tokens": 4}, True),
     "suffix_fixed": ({"method": "suffix", "num_speculative_tokens": 4, "adaptive_draft_length": False}, True),
@@ -123,7 +125,7 @@ def run_method(args, name: str, batch: int, prompts: list[str], categories: list
     if name.endswith("_host"):
         llm.engine.device_verify = None
     elif name.endswith("_device"):
-        llm.engine.device_verify.predicted_max_rows = 1 << 30
+        llm.engine.device_verify.max_rows = 1 << 30
     conversations = [[{"role": "user", "content": q}] for q in prompts]
     # warm-up: --capture all: every graph captured first (CudaGraphRunner.capture_all), else the
     # ones the run needs on first use; then the timed prompts with their words reversed (same

@@ -151,7 +151,7 @@ def test_device_verify_batches_stops_and_preemption(tiny: str, method: str, rows
                                                     blocks: int, max_rows: int) -> None:
     """Rows of ragged lengths, stop ids and strings ending rows mid-chain, a small KV pool that
     preempts, more requests than rows (admissions between chains): plain decoding's outputs.
-    Suffix with predicted_max_rows 2: steps of 3-4 rows go the host's ways, smaller ones the
+    Suffix with max_rows 2: steps of 3-4 rows go the host's ways, smaller ones the
     device's, and a request passes from one to the other (its history resynced)."""
     prompts = make_prompts(10, seed=5) + [looping_prompt()] * 2
     free = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -170,7 +170,7 @@ def test_device_verify_batches_stops_and_preemption(tiny: str, method: str, rows
             "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     llm = graph_llm(tiny, spec, device_verify=True, block_size=block_size, max_num_seqs=rows,
                     num_kv_blocks=blocks, max_model_len=128)
-    llm.engine.device_verify.predicted_max_rows = max_rows
+    llm.engine.device_verify.max_rows = max_rows
     assert outputs(llm, prompts, params) == plain
     assert any(p[1] == "stop" for p in plain)
     assert llm.stats()["num_preemptions"] > 0

@@ -216,11 +216,11 @@ def test_verify_ahead_gpu_smollm2(method: str) -> None:
                   speculative_config={"method": method, "num_speculative_tokens": K})
         got = [o.outputs[0].token_ids for o in llm.chat(convs, params, use_tqdm=False)]
         assert got == ref
-        # built on the device (device_verify.py; suffix from its predictions, in steps of at most
-        # predicted_max_rows rows), or predicted (verify ahead: suffix's larger steps)
+        # built on the device (device_verify.py) in steps of at most its max_rows rows, else
+        # predicted (verify ahead)
         loop = llm.engine.device_verify
         assert loop is not None
-        ahead = loop if method == "ngram" or batch <= loop.predicted_max_rows else llm.engine.verify_ahead
+        ahead = loop if batch <= loop.max_rows else llm.engine.verify_ahead
         print(f"{method} batch {batch}: launched {ahead.num_launched}, used {ahead.num_used}")
         if batch == 1:
             assert ahead.num_used > 0

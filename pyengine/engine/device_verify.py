@@ -16,7 +16,12 @@ lengths and query starts into the graph's static buffer, which is then replayed.
   against 1.38x, 1.33 / 1.30, 1.32 / 1.29) and lost at batch 16 (1.17x against 1.22x: more rows
   miss their prediction, the lookup finds fewer drafts than the suffix tree, and the host, which
   bounds a batch-16 step, also predicts); larger steps keep verify ahead and the launch from
-  committed tokens. The host learns what was launched (accepted
+  committed tokens.
+The lookup alone (ngram) is used up to LOOKUP_MAX_ROWS rows: it beat the host's drafts at batch 16
+(1.05-1.10x against 1.01x) and lost at batch 64 in 3 tasks of 4 (qa 0.89 / 0.93, math_reasoning
+0.84 / 0.90, summarization 0.97 / 1.02; translation 0.98 / 0.95): a built step is padded to its
+plan's longest row whether or not the lookup finds drafts, which a 64-row verify graph prices
+(q = 5: 1.59 ms against 1.17 for q = 1). The host learns what was launched (accepted
 counts, bonus tokens, drafts: one small copy, ordered before the replay) when it reads the step's
 tokens, and hands the drafts to the scheduler as verify ahead does; the next step uses the launch
 when the scheduler's batch is exactly it (PendingStep.matches), otherwise it is discarded.
@@ -57,7 +62,8 @@ class DeviceLaunch:
 
 class DeviceVerifyLoop:
     MAX_N = 64  # the longest n-gram the kernel looks up (next_verify_step.hip, kMaxN)
-    PREDICTED_MAX_ROWS = 8  # the most rows a step built from predictions (suffix) may have
+    LOOKUP_MAX_ROWS = 16  # the most rows a step drafted by the lookup alone (ngram) may have
+    PREDICTED_MAX_ROWS = 8  # ... and one drafted from predictions first (suffix)
 
     @classmethod
     def for_engine(cls, graph_runner, num_slots: int, spec, proposer) -> "DeviceVerifyLoop | None":
@@ -78,7 +84,7 @@ class DeviceVerifyLoop:
         g = self.graphs = graph_runner
         self.min_n, self.max_n = min_n, max_n
         self.predictor = predictor  # a PredictingProposer whose predictions come first (suffix), or None
-        self.predicted_max_rows = self.PREDICTED_MAX_ROWS
+        self.max_rows = self.LOOKUP_MAX_ROWS if predictor is None else self.PREDICTED_MAX_ROWS
         self.max_drafts = g.max_q - 1
         self.max_context = g.width * g.block_size
         dev, pin = g.device, g.use_graphs
@@ -103,7 +109,7 @@ class DeviceVerifyLoop:
 
     def takes(self, batch) -> bool:
         """Should the step after `batch` be built here (else: the host's launch paths)?"""
-        return self.predictor is None or batch.num_rows <= self.predicted_max_rows
+        return batch.num_rows <= self.max_rows
 
     def launch(self, scheduler, batch, argmax: torch.Tensor, lengths: np.ndarray) -> DeviceLaunch | None:
         """Launch the step after `batch` (greedy decode / verify rows; argmax: its argmax on the

@@ -8,18 +8,30 @@ import torch
 from pyengine.ops.cuda.launch import kernels, params, stream
 
 
+# (the buffers' addresses and the fixed sizes) -> their params struct: a loop launches with the
+# same buffers every step, and filling a struct field by field costs more host time than the kernel
+_PARAMS: dict[tuple, object] = {}
+
+
 def next_verify_step(argmax: torch.Tensor, rows_in: torch.Tensor, sync_tokens: torch.Tensor, history: torch.Tensor,
                      block_tables: torch.Tensor, inputs: torch.Tensor, result: torch.Tensor, *, block_size: int,
                      max_context: int, token_capacity: int, row_capacity: int, rows: int, padded_rows: int, q: int,
                      token_slots: int, max_drafts: int, min_n: int, max_n: int) -> None:
-    assert argmax.dtype == rows_in.dtype == inputs.dtype == result.dtype == torch.int64
-    assert sync_tokens.dtype == history.dtype == block_tables.dtype == torch.int32
-    assert history.is_contiguous() and block_tables.is_contiguous() and result.is_contiguous()
-    p = params(kernels.NextVerifyStepParams, argmax=argmax.data_ptr(), rows_in=rows_in.data_ptr(),
-               sync_tokens=sync_tokens.data_ptr(), history=history.data_ptr(), history_stride=history.stride(0),
-               block_tables=block_tables.data_ptr(), table_width=block_tables.shape[1], block_size=block_size,
-               max_context=max_context, inputs=inputs.data_ptr(), token_capacity=token_capacity,
-               row_capacity=row_capacity, rows=rows, padded_rows=padded_rows, q=q, token_slots=token_slots,
-               max_drafts=max_drafts, result=result.data_ptr(), result_stride=result.stride(0), min_n=min_n,
-               max_n=max_n)
+    fixed = (rows_in.data_ptr(), sync_tokens.data_ptr(), history.data_ptr(), block_tables.data_ptr(),
+             inputs.data_ptr(), result.data_ptr(), history.stride(0), block_tables.shape[1], result.stride(0),
+             block_size, max_context, token_capacity, row_capacity, max_drafts, min_n, max_n)
+    p = _PARAMS.get(fixed)
+    if p is None:
+        assert argmax.dtype == rows_in.dtype == inputs.dtype == result.dtype == torch.int64
+        assert sync_tokens.dtype == history.dtype == block_tables.dtype == torch.int32
+        assert history.is_contiguous() and block_tables.is_contiguous() and result.is_contiguous()
+        if len(_PARAMS) > 16:  # buffers of loops gone
+            _PARAMS.clear()
+        p = _PARAMS[fixed] = params(
+            kernels.NextVerifyStepParams, rows_in=fixed[0], sync_tokens=fixed[1], history=fixed[2],
+            block_tables=fixed[3], inputs=fixed[4], result=fixed[5], history_stride=fixed[6], table_width=fixed[7],
+            result_stride=fixed[8], block_size=block_size, max_context=max_context, token_capacity=token_capacity,
+            row_capacity=row_capacity, max_drafts=max_drafts, min_n=min_n, max_n=max_n)
+    assert argmax.dtype == torch.int64
+    p.argmax, p.rows, p.padded_rows, p.q, p.token_slots = argmax.data_ptr(), rows, padded_rows, q, token_slots
     kernels.next_verify_step(p, stream(argmax.device))
