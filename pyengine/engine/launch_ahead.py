@@ -29,10 +29,13 @@ first), and the next step proposes with that plan. Proposers that read the targe
 the graphs' buffers), and a launched step that is used leaves its own (adopt_launched).
 
 A greedy verify step with a proposer on the host (ngram, suffix) launches the next verify step
-ahead, its tokens and drafts predicted as if every row accepts all its drafts (verify ahead,
-pyengine/engine/verify_ahead.py); the next step proposes nothing and takes the predicted drafts
-when this step committed the predicted tokens, and the scheduler's batch must again be exactly the
-launched one. Where nothing was launched ahead (or the prediction failed), a greedy step with such
+ahead. With the device loop (pyengine/engine/device_verify.py: ngram up to 16 rows, suffix up to 8)
+it is built on the device from this step's argmax and needs no prediction; it is also where a
+decode step whose next step plans drafts sends it (_may_launch_next). Otherwise its tokens and
+drafts are predicted as if every row accepts all its drafts (verify ahead,
+pyengine/engine/verify_ahead.py). Either way the next step proposes nothing and takes the launched
+step's drafts (a predicted step's only when this step committed the predicted tokens), and the
+scheduler's batch must again be exactly the launched one. Where nothing was launched ahead (or the prediction failed), a greedy step with such
 a proposer launches the next step as soon as its tokens are committed (_launch_committed: its
 last tokens and the proposer's drafts over them, with the plan the next step would make), before
 the outputs are processed and the next batch scheduled; the same match decides whether it is used.
