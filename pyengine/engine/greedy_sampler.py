@@ -36,6 +36,7 @@ class GreedySampler:
         # [argmax of N rows | their finite flags]: on the device, and its pinned host copy
         self._dev = self._host = None
         self._ready: torch.cuda.Event | None = None
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # rows -> views of the two buffers
 
     def start(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
         """Argmax and finite flag of each logits row: (device argmax, host argmax, host finite
@@ -55,12 +56,17 @@ class GreedySampler:
             self._dev = torch.empty(size, dtype=torch.int64, device=logits.device)
             self._host = torch.empty(size, dtype=torch.int64, pin_memory=True)
             self._ready = torch.cuda.Event()
-        dev, host = self._dev[:2 * n], self._host[:2 * n]
+            self._views = {}
+        views = self._views.get(n)
+        if views is None:  # slicing a tensor costs host time on every step: once per row count
+            dev, host = self._dev[:2 * n], self._host[:2 * n]
+            views = self._views[n] = (dev, host, dev[:n], host[:n], host[n:])
+        dev, host, dev_tok, host_tok, host_fin = views
         if greedy_rows_into is None or not greedy_rows_into(logits, dev):
-            torch.argmax(logits, dim=-1, out=dev[:n])
-            dev[n:].copy_(finite_rows(logits, dev[:n]))  # before a launched step's replay overwrites the logits
+            torch.argmax(logits, dim=-1, out=dev_tok)
+            dev[n:].copy_(finite_rows(logits, dev_tok))  # before a launched step's replay overwrites the logits
         streams.copy_async(host, dev, logits.device, self._ready)
-        return dev[:n], host[:n], host[n:], self._ready
+        return dev_tok, host_tok, host_fin, self._ready
 
     def verify(self, batch, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(tokens, counts per row, first_bad) of a step whose rows are all greedy, as

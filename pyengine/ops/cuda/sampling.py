@@ -13,9 +13,22 @@ def greedy_rows_into(logits: torch.Tensor, out: torch.Tensor) -> bool:
     dim; out: int64 [2N] on the same device. False (nothing launched) for other logits."""
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] < 1:
         return False
-    assert out.dtype == torch.int64 and out.is_contiguous() and out.numel() >= 2 * logits.shape[0]
-    p = params(kernels.GreedyRowsParams, logits=logits.data_ptr(), out=out.data_ptr(), num_rows=logits.shape[0],
-               vocab=logits.shape[1], row_stride=row_stride(logits))
-    with torch.cuda.device(logits.device):  # the launch goes to the logits' device, whichever is current
-        kernels.greedy_rows(p, stream(logits.device))
+    key = (logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0))
+    p = _PARAMS.get(key)
+    if p is None:  # a step's logits are a graph's static output: the same few keys every step
+        assert out.dtype == torch.int64 and out.is_contiguous() and out.numel() >= 2 * logits.shape[0]
+        if len(_PARAMS) > 256:
+            _PARAMS.clear()
+        p = _PARAMS[key] = params(kernels.GreedyRowsParams, logits=key[0], out=key[1], num_rows=key[2],
+                                  vocab=key[3], row_stride=row_stride(logits))
+    device = logits.device
+    if device.index is None or device.index == torch.cuda.current_device():
+        kernels.greedy_rows(p, stream(device))
+    else:
+        with torch.cuda.device(device):  # the launch goes to the logits' device, whichever is current
+            kernels.greedy_rows(p, stream(device))
     return True
+
+
+# (logits address, out address, rows, vocabulary, row stride) -> the params struct, filled once
+_PARAMS: dict[tuple, object] = {}
