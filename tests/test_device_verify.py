@@ -180,6 +180,24 @@ def test_device_verify_batches_stops_and_preemption(tiny: str, method: str, rows
         assert va.num_launched + va.num_committed_launches > 0
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_steps_without_drafts_stay_launched_ahead(tiny: str, seed: int) -> None:
+    """Prompts the lookup finds little in (the policy keeps planning drafts that are rarely found):
+    a built step whose rows found none is a decode batch on a verify graph, and the step after it
+    is still launched ahead (on the decode graph, or built again) - nearly every step is."""
+    prompts = make_prompts(2, seed=seed)
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    plain = outputs(LLM(model=tiny, device="cpu"), prompts, params)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "step_cost": (1.0, 0.01)}
+    llm = graph_llm(tiny, spec, device_verify=True, max_num_seqs=2)
+    assert outputs(llm, prompts, params) == plain
+    eng, steps = llm.engine, llm.stats()["num_steps"]
+    assert eng.device_verify.num_used >= steps // 2
+    assert eng.num_async_steps >= steps - 5 and eng.num_async_discarded == 0, (eng.num_async_steps, steps)
+    # none had to wait for its predecessor's commit (VerifyAhead.launch_committed)
+    assert eng.verify_ahead.num_committed_launches <= 2, eng.verify_ahead.num_committed_launches
+
+
 def test_an_abort_discards_the_device_step(tiny: str) -> None:
     """A request aborted while a step built for it is pending: the step is discarded and the
     others' tokens stay plain decoding's."""
