@@ -13,7 +13,7 @@ from pyengine.ops.reference.next_verify_step import (FIRST_POSITION, HISTORY_ROW
                                                      PREV_DRAFTS, ROW_FIELDS, TOKENS_LEFT, next_verify_step,
                                                      row_width)
 from tests.test_spec_decode import make_prompts
-from tests.test_verify_ahead import K, graph_llm, looping_prompt, outputs
+from tests.test_verify_ahead import K, graph_llm, looping_prompt, outputs, stopping_params
 from tests.tiny_models import make_checkpoint
 
 MAX_DRAFTS_CAP, BS, WIDTH, T, R = 6, 4, 16, 160, 16
@@ -156,15 +156,7 @@ def test_device_verify_batches_stops_and_preemption(tiny: str, method: str, rows
     prompts = make_prompts(10, seed=5) + [looping_prompt()] * 2
     free = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     base = outputs(LLM(model=tiny, device="cpu", block_size=block_size), prompts, free)
-    params = []
-    for i, (toks, _, text, _) in enumerate(base):
-        if i % 3 == 0:
-            params.append(SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[toks[17]]))
-        elif i % 3 == 1:
-            words = text.split()
-            params.append(SamplingParams(temperature=0, max_tokens=48, stop=[words[min(15, len(words) - 1)]]))
-        else:
-            params.append(SamplingParams(temperature=0, max_tokens=20 + 5 * (i % 10), ignore_eos=True))
+    params = stopping_params(base, 48, stop_at=17, word_at=15)
     plain = outputs(LLM(model=tiny, device="cpu", block_size=block_size), prompts, params)
     spec = {"method": method, "num_speculative_tokens": K, "adaptive_draft_length": False,
             "prompt_lookup_min": 1, "prompt_lookup_max": 3}

@@ -47,6 +47,23 @@ def outputs(llm: LLM, prompts, params) -> list[tuple]:
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text, o.error) for o in outs]
 
 
+def stopping_params(base: list[tuple], max_tokens: int, stop_at: int, word_at: int) -> list[SamplingParams]:
+    """Greedy params per request (base: its outputs run free, as outputs() gives them): every third
+    stops at its stop_at-th token's id, the next at its word_at-th word (a stop string), the third
+    ignores EOS with a ragged max_tokens (20, 25, ... by position)."""
+    params = []
+    for i, (toks, _, text, _) in enumerate(base):
+        if i % 3 == 0:
+            params.append(SamplingParams(temperature=0, max_tokens=max_tokens, stop_token_ids=[toks[stop_at]]))
+        elif i % 3 == 1:
+            words = text.split()
+            params.append(SamplingParams(temperature=0, max_tokens=max_tokens,
+                                         stop=[words[min(word_at, len(words) - 1)]]))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=20 + 5 * (i % 10), ignore_eos=True))
+    return params
+
+
 def looping_prompt() -> list[int]:
     # the tiny random model falls into a short loop on this one, so the proposers predict well
     return make_prompts(2, seed=5)[0]
@@ -119,15 +136,7 @@ def test_verify_ahead_stops_and_preemption(tiny: str) -> None:
     prompts = make_prompts(10, seed=5)
     free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     base = outputs(LLM(model=tiny, device="cpu", block_size=4), prompts, free)
-    params = []
-    for i, (toks, _, text, _) in enumerate(base):
-        if i % 3 == 0:
-            params.append(SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[toks[11]]))
-        elif i % 3 == 1:
-            words = text.split()
-            params.append(SamplingParams(temperature=0, max_tokens=40, stop=[words[min(13, len(words) - 1)]]))
-        else:
-            params.append(SamplingParams(temperature=0, max_tokens=20 + 5 * i, ignore_eos=True))
+    params = stopping_params(base, 40, stop_at=11, word_at=13)
     plain = outputs(LLM(model=tiny, device="cpu", block_size=4), prompts, params)
     spec = {"method": "ngram", "num_speculative_tokens": K, "adaptive_draft_length": False}
     llm = graph_llm(tiny, spec, block_size=4, max_num_seqs=4, num_kv_blocks=22, max_model_len=128)
