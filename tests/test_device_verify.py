@@ -58,7 +58,8 @@ def random_step(seed: int, rows: int, q: int):
             guess = am[d] if rng.random() < 0.7 else (am[d] + 1) % 5
             info[r, PREDICTED] = n_pred
             info[r, ROW_FIELDS + MAX_DRAFTS_CAP] = guess
-            info[r, ROW_FIELDS + MAX_DRAFTS_CAP + 1:ROW_FIELDS + MAX_DRAFTS_CAP + n_pred] = rng.integers(5, 9, n_pred - 1)
+            after = ROW_FIELDS + MAX_DRAFTS_CAP + 1  # the predicted drafts (tokens the lookup never finds)
+            info[r, after:after + n_pred - 1] = rng.integers(5, 9, n_pred - 1)
         tokens.append(toks)
         argmax.append(am)
         sync.append(toks[have:])

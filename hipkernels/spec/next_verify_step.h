@@ -24,7 +24,7 @@
 
 #include <cstdint>
 
-// Per-row fields of `rows_in` (int64, kRowFields + max_drafts values a row).
+// Per-row fields of `rows_in` (int64, kRowFields + 2 max_drafts + 1 values a row).
 enum NextVerifyRowField : int {
   kPrevStart = 0,     // the row's first token in step N (its index into argmax)
   kPrevDrafts = 1,    // d: the row's drafts in step N
@@ -37,7 +37,7 @@ enum NextVerifyRowField : int {
   kSyncOffset = 8,    // where they start in sync_tokens
   kPredicted = 9,     // predicted tokens: the bonus token guessed if every draft is accepted, then
                       // the drafts after it (0: no prediction)
-  kRowFields = 10,    // then step N's drafts (max_drafts values), then the predicted tokens (max_drafts + 1)
+  kRowFields = 10,    // then step N's drafts (max_drafts values), the predicted tokens (max_drafts + 1)
 };
 
 struct NextVerifyStepParams {
@@ -50,7 +50,8 @@ struct NextVerifyStepParams {
   int64_t table_width = 0;
   int64_t block_size = 0;
   int64_t max_context = 0;             // a row's context must stay within it
-  int64_t* inputs = nullptr;           // the graph's static int64 buffer: ids | positions | slots (T each) | context_lens | query_start_loc
+  // the graph's static int64 buffer: ids | positions | slots (T each) | context_lens | query_start_loc
+  int64_t* inputs = nullptr;
   int64_t token_capacity = 0;          // T
   int64_t row_capacity = 0;            // R: context_lens holds R values, query_start_loc R + 1
   int64_t rows = 0;

@@ -1,7 +1,7 @@
 // next_verify_step (next_verify_step.h): one block per row accepts, appends to the history and
 // drafts (the host's prediction where it held, else prompt lookup: every candidate start of an
-// n-gram tested in parallel, the latest match kept); then one block packs the rows into the graph's static inputs, which needs every row's
-// draft count first.
+// n-gram tested in parallel, the latest match kept); then one block packs the rows into the
+// graph's static inputs, which needs every row's draft count first.
 #include "common/hip_compat.h"
 #include "spec/next_verify_step.h"
 

@@ -378,7 +378,8 @@ class CudaGraphRunner(PrefillGraphs):
     def _run(self, key: tuple[int, int], n: int, token_ids: torch.Tensor | None = None,
              token_patch: tuple[torch.Tensor, torch.Tensor] | None = None, before_replay=None) -> torch.Tensor:
         """Copy the staged inputs to the device (then token_ids over the first ids, or token_patch's
-        ids at its indices, device to device, or before_replay(), which writes inputs), run the step (its graph replayed, else eagerly) and
+        ids at its indices, device to device, or before_replay(), which writes inputs on the
+        stream), run the step (its graph replayed, else eagerly) and
         return its logits (all the graph's: the caller keeps its rows'); last_hidden: the first n
         tokens' hidden states."""
         b = key[0]

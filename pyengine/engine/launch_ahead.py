@@ -35,10 +35,11 @@ decode step whose next step plans drafts sends it (_may_launch_next). Otherwise 
 drafts are predicted as if every row accepts all its drafts (verify ahead,
 pyengine/engine/verify_ahead.py). Either way the next step proposes nothing and takes the launched
 step's drafts (a predicted step's only when this step committed the predicted tokens), and the
-scheduler's batch must again be exactly the launched one. Where nothing was launched ahead (or the prediction failed), a greedy step with such
-a proposer launches the next step as soon as its tokens are committed (_launch_committed: its
-last tokens and the proposer's drafts over them, with the plan the next step would make), before
-the outputs are processed and the next batch scheduled; the same match decides whether it is used.
+scheduler's batch must again be exactly the launched one. Where nothing was launched ahead (or the
+prediction failed), a greedy step with such a proposer launches the next step as soon as its
+tokens are committed (_launch_committed: its last tokens and the proposer's drafts over them, with
+the plan the next step would make), before the outputs are processed and the next batch
+scheduled; the same match decides whether it is used.
 """
 from __future__ import annotations
 
