@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from pyengine import _C
+from pyengine.engine.host_arrays import draft_token_ids
 from pyengine.engine.pending_step import PendingStep
 from pyengine.ops import streams
 from pyengine.ops.reference import next_verify_step as reference
@@ -141,10 +142,8 @@ class DeviceVerifyLoop:
         info = self.rows_in[:rows]
         info[:, :PREDICTED] = np.stack([qsl[:-1], d, p0, cap, left, slots, sync_from, sync_count,
                                          np.cumsum(sync_count) - sync_count], axis=1)
-        ids = np.asarray(batch.input_ids, dtype=np.int64)
-        has = np.arange(self.max_drafts)[None, :] < d[:, None]
-        drafts = ids[(qsl[:-1, None] + 1 + np.arange(self.max_drafts)[None, :])[has]]
-        info[:, ROW_FIELDS:ROW_FIELDS + self.max_drafts][has] = drafts
+        drafts = draft_token_ids(batch)
+        info[:, ROW_FIELDS:ROW_FIELDS + self.max_drafts][np.arange(self.max_drafts)[None, :] < d[:, None]] = drafts
         info[:, PREDICTED] = 0
         if self.predictor is not None:
             pred, found = self.predictor.predict(scheduler, seq_ids, drafts.astype(np.int32), d.astype(np.int32),

@@ -1,4 +1,4 @@
-"""Host (numpy) arrays onto the device without waiting for the stream.
+"""A step's host (numpy) arrays: onto the device without waiting for the stream, and its drafts.
 
 A plain `torch.from_numpy(a).to(device)` copies synchronously: the host waits until the stream has
 run everything queued before the copy. While a step launched ahead (async decode) runs, that is the
@@ -16,3 +16,10 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """`array` as a tensor on `device` (itself on the CPU), queued on the current stream."""
     t = torch.from_numpy(np.ascontiguousarray(array))
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+def draft_token_ids(batch) -> np.ndarray:
+    """The step's drafts, flat in row order (row r's are the num_draft_tokens[r] inputs after its
+    first token; cu_num_draft_tokens gives where each row's start)."""
+    cu, starts = batch.cu_num_draft_tokens, batch.query_start_loc[:-1] + 1
+    return np.asarray(batch.input_ids)[np.arange(int(cu[-1])) + np.repeat(starts - cu[:-1], batch.num_draft_tokens)]

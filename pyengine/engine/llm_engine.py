@@ -17,6 +17,7 @@ from pyengine import _C
 from pyengine.config import ModelConfig
 from pyengine.engine.device_verify import DeviceVerifyLoop
 from pyengine.engine.greedy_sampler import GreedySampler
+from pyengine.engine.host_arrays import draft_token_ids
 from pyengine.engine.launch_ahead import LaunchAhead
 from pyengine.engine.model_runner import ModelRunner
 from pyengine.engine.output_processor import OutputProcessor, Request
@@ -294,11 +295,8 @@ class LLMEngine(LaunchAhead):
         # q of each draft (draft models); None: one-hot drafters (ngram)
         get_q = getattr(self.proposer, "draft_probs", None)
         draft_probs = get_q(seq_ids, num_drafts.tolist()) if get_q is not None and num_drafts.any() else None
-        # Draft j of the step (row r: cu_num_draft_tokens[r] <= j < [r + 1]) is the input after the
-        # row's first token. Left on the CPU: the verifier moves them where it works.
-        cu, starts = batch.cu_num_draft_tokens, batch.query_start_loc[:-1] + 1
-        draft_idx = np.arange(int(cu[-1])) + np.repeat(starts - cu[:-1], batch.num_draft_tokens)
-        draft_ids = torch.from_numpy(batch.input_ids[draft_idx])
+        # left on the CPU: the verifier moves them where it works
+        draft_ids = torch.from_numpy(draft_token_ids(batch))
         out = self.rejection_sampler(logits, draft_ids, torch.from_numpy(num_drafts.astype(np.int64)), draft_probs,
                                      params, gens)
         counts[rows] = out.num_tokens.cpu().numpy()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pyengine.engine.host_arrays import draft_token_ids
 from pyengine.engine.pending_step import PendingStep
 from pyengine.spec_decode.proposer import PredictingProposer
 
@@ -79,9 +80,7 @@ class VerifyAhead:
         if (left < 1).any():
             return None
         seq_ids = np.array(batch.seq_ids)
-        cu = np.cumsum(d) - d
-        starts = np.asarray(batch.query_start_loc, dtype=np.int64)[:-1] + 1
-        drafts = np.asarray(batch.input_ids)[np.arange(int(d.sum())) + np.repeat(starts - cu, d)].astype(np.int32)
+        drafts = draft_token_ids(batch).astype(np.int32)
         limit = np.minimum(np.asarray(lengths, dtype=np.int64), left - 1).astype(np.int32)
         pred, counts = proposer.predict(scheduler, seq_ids, drafts, d, limit)
         if (counts < 1).any():

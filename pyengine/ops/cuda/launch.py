@@ -3,7 +3,7 @@ the extension, dtype codes, the current stream, the device's multiprocessor coun
 which fills a kernel's params struct (pointers as integers: the extension never sees torch)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -42,6 +42,18 @@ def params(cls: Any, **fields: Any) -> Any:
     p = cls()
     for name, value in fields.items():
         setattr(p, name, value)
+    return p
+
+
+def cached_params(cache: dict, key: tuple, make: Callable[[], Any], limit: int = 64) -> Any:
+    """cache[key], made by make() on a miss: the params struct of a launch whose buffers come back
+    every step (a graph's static tensors), which filling field by field would cost more host time
+    than a small kernel. The cache is emptied when it outgrows `limit` (buffers gone)."""
+    p = cache.get(key)
+    if p is None:
+        if len(cache) >= limit:
+            cache.clear()
+        p = cache[key] = make()
     return p
 
 

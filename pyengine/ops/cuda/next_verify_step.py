@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from pyengine.ops.cuda.launch import kernels, params, stream
+from pyengine.ops.cuda.launch import cached_params, kernels, params, stream
 
 
-# (the buffers' addresses and the fixed sizes) -> their params struct: a loop launches with the
-# same buffers every step, and filling a struct field by field costs more host time than the kernel
-_PARAMS: dict[tuple, object] = {}
+_PARAMS: dict[tuple, object] = {}  # (the buffers' addresses and the fixed sizes) -> params: cached_params
 
 
 def next_verify_step(argmax: torch.Tensor, rows_in: torch.Tensor, sync_tokens: torch.Tensor, history: torch.Tensor,
@@ -20,18 +18,13 @@ def next_verify_step(argmax: torch.Tensor, rows_in: torch.Tensor, sync_tokens: t
     fixed = (rows_in.data_ptr(), sync_tokens.data_ptr(), history.data_ptr(), block_tables.data_ptr(),
              inputs.data_ptr(), result.data_ptr(), history.stride(0), block_tables.shape[1], result.stride(0),
              block_size, max_context, token_capacity, row_capacity, max_drafts, min_n, max_n)
-    p = _PARAMS.get(fixed)
-    if p is None:
-        assert argmax.dtype == rows_in.dtype == inputs.dtype == result.dtype == torch.int64
-        assert sync_tokens.dtype == history.dtype == block_tables.dtype == torch.int32
-        assert history.is_contiguous() and block_tables.is_contiguous() and result.is_contiguous()
-        if len(_PARAMS) > 16:  # buffers of loops gone
-            _PARAMS.clear()
-        p = _PARAMS[fixed] = params(
-            kernels.NextVerifyStepParams, rows_in=fixed[0], sync_tokens=fixed[1], history=fixed[2],
-            block_tables=fixed[3], inputs=fixed[4], result=fixed[5], history_stride=fixed[6], table_width=fixed[7],
-            result_stride=fixed[8], block_size=block_size, max_context=max_context, token_capacity=token_capacity,
-            row_capacity=row_capacity, max_drafts=max_drafts, min_n=min_n, max_n=max_n)
-    assert argmax.dtype == torch.int64
+    assert argmax.dtype == rows_in.dtype == inputs.dtype == result.dtype == torch.int64
+    assert sync_tokens.dtype == history.dtype == block_tables.dtype == torch.int32
+    p = cached_params(_PARAMS, fixed, lambda: params(
+        kernels.NextVerifyStepParams, rows_in=fixed[0], sync_tokens=fixed[1], history=fixed[2],
+        block_tables=fixed[3], inputs=fixed[4], result=fixed[5], history_stride=fixed[6], table_width=fixed[7],
+        result_stride=fixed[8], block_size=block_size, max_context=max_context, token_capacity=token_capacity,
+        row_capacity=row_capacity, max_drafts=max_drafts, min_n=min_n, max_n=max_n), limit=16)
+    assert history.is_contiguous() and block_tables.is_contiguous() and result.is_contiguous()
     p.argmax, p.rows, p.padded_rows, p.q, p.token_slots = argmax.data_ptr(), rows, padded_rows, q, token_slots
     kernels.next_verify_step(p, stream(argmax.device))

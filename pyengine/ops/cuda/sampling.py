@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pyengine.ops.cuda.launch import kernels, params, row_stride, stream
+from pyengine.ops.cuda.launch import cached_params, kernels, params, row_stride, stream
 
 
 def greedy_rows_into(logits: torch.Tensor, out: torch.Tensor) -> bool:
@@ -13,14 +13,11 @@ def greedy_rows_into(logits: torch.Tensor, out: torch.Tensor) -> bool:
     dim; out: int64 [2N] on the same device. False (nothing launched) for other logits."""
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] < 1:
         return False
+    assert out.dtype == torch.int64 and out.is_contiguous() and out.numel() >= 2 * logits.shape[0]
     key = (logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0))
-    p = _PARAMS.get(key)
-    if p is None:  # a step's logits are a graph's static output: the same few keys every step
-        assert out.dtype == torch.int64 and out.is_contiguous() and out.numel() >= 2 * logits.shape[0]
-        if len(_PARAMS) > 256:
-            _PARAMS.clear()
-        p = _PARAMS[key] = params(kernels.GreedyRowsParams, logits=key[0], out=key[1], num_rows=key[2],
-                                  vocab=key[3], row_stride=row_stride(logits))
+    p = cached_params(_PARAMS, key, lambda: params(kernels.GreedyRowsParams, logits=key[0], out=key[1],
+                                                   num_rows=key[2], vocab=key[3], row_stride=row_stride(logits)),
+                      limit=256)
     device = logits.device
     if device.index is None or device.index == torch.cuda.current_device():
         kernels.greedy_rows(p, stream(device))
@@ -30,5 +27,4 @@ def greedy_rows_into(logits: torch.Tensor, out: torch.Tensor) -> bool:
     return True
 
 
-# (logits address, out address, rows, vocabulary, row stride) -> the params struct, filled once
-_PARAMS: dict[tuple, object] = {}
+_PARAMS: dict[tuple, object] = {}  # (logits address, out address, rows, vocabulary, row stride) -> params
