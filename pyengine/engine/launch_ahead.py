@@ -95,9 +95,9 @@ class LaunchAhead:
         """Launch the next verify step now, where _may_launch_ahead allows it and the next step
         drafts: a verify step's rows again as this step's plan said (_lengths), a decode step's as
         planned for the next step (_plan_next, which ran when it asked to launch a decode step and
-        found drafts planned). With the device loop (ngram) it is built on the device from this
-        step's argmax and returned, for resolve() once the tokens are read; else it is predicted
-        (verify ahead) where VerifyAhead.worth_trying agrees."""
+        found drafts planned). With the device loop (ngram, suffix; steps within its row limit) it is
+        built on the device from this step's argmax and returned, for resolve() once the tokens are
+        read; else it is predicted (verify ahead) where VerifyAhead.worth_trying agrees."""
         if self.verify_ahead is None or not self._may_launch_ahead(batch):
             return None
         plan = self._lengths if batch.num_draft_tokens.any() else self._next_plan
