@@ -98,7 +98,7 @@ def test_runner_graph_costs_adds_the_host_overhead_to_steps_with_drafts() -> Non
     runner = types.SimpleNamespace(graph_runner=graphs, device="cpu")
     costs = runner_graph_costs(runner, 3)
     assert measured == [1], "the replays are measured once, when the costs are made"
-    overhead = device_rates("cpu").overhead
+    overhead = device_rates("cpu").draft_overhead
     assert np.allclose(costs(16), [1e-3, 1.1e-3 + overhead, 1.2e-3 + overhead, 1.3e-3 + overhead])
     assert costs(65) is None
     assert runner_graph_costs(types.SimpleNamespace(graph_runner=None, device="cpu"), 3) is None
@@ -120,14 +120,41 @@ def test_the_host_overhead_of_a_step_with_drafts_grows_with_its_rows(monkeypatch
                64: np.array([1.16e-3, 1.36e-3, 1.55e-3, 1.74e-3, 1.94e-3])}
     graphs = types.SimpleNamespace(use_graphs=True, step_costs=lambda rows: replays[rows], measure_step_costs=lambda: None)
     costs = runner_graph_costs(types.SimpleNamespace(graph_runner=graphs, device="cuda"), K)
-    assert np.allclose(costs(64)[1:] - replays[64][1:], h100.overhead + 64 * h100.overhead_per_row)
-    assert np.allclose(costs(1)[1:] - replays[1][1:], h100.overhead + h100.overhead_per_row)
+    assert np.allclose(costs(64)[1:] - replays[64][1:], h100.draft_overhead + 64 * h100.overhead_per_row)
+    assert np.allclose(costs(1)[1:] - replays[1][1:], h100.draft_overhead + h100.overhead_per_row)
     assert costs(1)[0] == replays[1][0] and costs(64)[0] == replays[64][0]
-    one = simulate(K, rows=1, accept=0.7, cost=(1.0, 0.01), policy=DraftLengthPolicy(K, step_cost=(1.0, 0.01),
-                                                                                        graph_costs=costs))
-    many = simulate(K, rows=64, accept=0.7, cost=(1.0, 0.01), policy=DraftLengthPolicy(K, step_cost=(1.0, 0.01),
+    one = simulate(K, rows=1, accept=0.6, cost=(1.0, 0.01), policy=DraftLengthPolicy(K, step_cost=(1.0, 0.01),
+                                                                                         graph_costs=costs))
+    many = simulate(K, rows=64, accept=0.6, cost=(1.0, 0.01), policy=DraftLengthPolicy(K, step_cost=(1.0, 0.01),
                                                                                          graph_costs=costs))
     assert mostly(one[-100:], K) and mostly(many[-100:], 0), (one[-100:].mean(), many[-100:].mean())
+
+
+def test_steps_the_device_loop_builds_pay_its_smaller_overhead(monkeypatch) -> None:
+    """A step of at most built_rows rows is built on the device from its predecessor's argmax
+    (engine/device_verify.py) and costs about its replay; larger steps pay the host's work. With the
+    same replays and acceptance, the policy drafts at 16 rows where the loop builds the step and
+    not where the host launches it."""
+    from pyengine.spec_decode import step_cost
+
+    h100 = step_cost.device_rates("cuda", device_name="NVIDIA H100 80GB HBM3")
+    assert 0 < h100.built_overhead < h100.draft_overhead
+    monkeypatch.setattr(step_cost, "device_rates", lambda device: h100)
+    replays = np.array([1.03e-3, 1.06e-3, 1.09e-3, 1.12e-3, 1.15e-3])  # SmolLM2-like (16, q) replays
+    graphs = types.SimpleNamespace(use_graphs=True, step_costs=lambda rows: replays, measure_step_costs=lambda: None)
+    runner = types.SimpleNamespace(graph_runner=graphs, device="cuda")
+    built = runner_graph_costs(runner, K, built_rows=16)
+    assert np.allclose(built(16)[1:] - replays[1:], h100.built_overhead)
+    assert np.allclose(built(17)[1:] - replays[1:], h100.draft_overhead + 17 * h100.overhead_per_row)
+    assert built(16)[0] == replays[0]
+    host = runner_graph_costs(runner, K)
+    assert np.allclose(host(16)[1:] - replays[1:], h100.draft_overhead + 16 * h100.overhead_per_row)
+    on_device = simulate(K, rows=16, accept=0.3, cost=(1.0, 0.01),
+                         policy=DraftLengthPolicy(K, step_cost=(1.0, 0.01), graph_costs=built))
+    on_host = simulate(K, rows=16, accept=0.3, cost=(1.0, 0.01),
+                       policy=DraftLengthPolicy(K, step_cost=(1.0, 0.01), graph_costs=host))
+    assert on_device[-100:].any(axis=1).mean() >= 0.9 and mostly(on_host[-100:], 0), \
+        (on_device[-100:].mean(), on_host[-100:].mean())
 
 
 def test_runner_graph_costs_add_the_drafting_layers_forwards() -> None:
@@ -143,7 +170,7 @@ def test_runner_graph_costs_add_the_drafting_layers_forwards() -> None:
                                  forward_cost=lambda rows: 3e-4 if rows <= 8 else None)
     costs = runner_graph_costs(runner, 4, head)
     assert measured == [1]
-    overhead = device_rates("cpu").overhead
+    overhead = device_rates("cpu").draft_overhead
     expected = replays + np.array([0, 1, 1, 1, 1]) * overhead + 3e-4 * np.arange(5)
     assert np.allclose(costs(4), expected) and costs(9) is None
     cheap = runner_graph_costs(runner, 4, types.SimpleNamespace(measure_forward_seconds=lambda: None,

@@ -81,13 +81,6 @@ class LLMEngine(LaunchAhead):
         if spec is not None:
             self.proposer = build_proposer(spec, runner, lambda sid: self.requests[sid], cfg.seed, cfg.max_model_len,
                                            draft=draft_model)
-        adaptive = spec is not None and spec.adaptive_draft_length
-        # its step cost: spec.step_cost, else modelled from the model and device (never timed)
-        # and the forwards of its drafting module (MTP / EAGLE-3 layer, draft model; ngram and suffix: none)
-        drafter = getattr(self.proposer, "drafting_module", None)
-        self.draft_length = DraftLengthPolicy.for_runner(self.k, runner, spec.step_cost, drafter=drafter,
-                                                         drafter_graphs=getattr(self.proposer, "graphs", None)) \
-            if adaptive else None
         self.rejection_sampler = RejectionSampler()
         self.generators = RequestGenerators(cfg.seed)
         self.eos_token_ids = list(dict.fromkeys(tokenizer.eos_token_ids + model_config.eos_token_ids))
@@ -111,6 +104,14 @@ class LLMEngine(LaunchAhead):
         # ngram, suffix: the next verify step built on the device from a step's argmax (device_verify.py)
         self.device_verify = DeviceVerifyLoop.for_engine(graphs, cfg.max_num_seqs, spec, self.proposer) \
             if self.verify_ahead is not None and cfg.device_verify else None
+        adaptive = spec is not None and spec.adaptive_draft_length
+        # its step cost: spec.step_cost, else modelled from the model and device (never timed), the
+        # forwards of its drafting module (MTP / EAGLE-3 layer, draft model; ngram and suffix: none)
+        # and which steps the device loop builds
+        drafter = getattr(self.proposer, "drafting_module", None)
+        self.draft_length = DraftLengthPolicy.for_runner(
+            self.k, runner, spec.step_cost, drafter=drafter, drafter_graphs=getattr(self.proposer, "graphs", None),
+            built_rows=self.device_verify.max_rows if self.device_verify is not None else 0) if adaptive else None
         self._observed = False  # this step's rows were shown to the draft-length policy already
         self.num_logprob_requests = 0  # unfinished requests that asked for logprobs
         self.token_texts = TokenTexts(tokenizer)  # token id -> its text, for Logprob.decoded_token

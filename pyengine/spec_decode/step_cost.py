@@ -4,8 +4,8 @@ Two forms. A line T(n) = a + b n (seconds; only b / a matters) modelled from the
 the device's rates, never timed: eager steps, where every token fed costs its matmuls. And, for
 steps replayed from CUDA graphs, a table per batch bucket: the measured replay time of the bucket's
 graph for each query length (every row is padded to the longest, so a step costs what its longest
-row asks, whatever the other rows draft), plus the host time a step with drafts cannot hide (the
-next step is launched ahead only when no row drafts). The table is measured once per bucket
+row asks, whatever the other rows draft), plus the host time a step with drafts cannot hide
+(little where the device loop builds it, more on the host's launch paths). The table is measured once per bucket
 (CudaGraphRunner.measure_step_costs, at start-up) and fixed afterwards.
 """
 from __future__ import annotations
@@ -46,21 +46,30 @@ class DeviceRates:
     flops_16: float  # FLOP/s: fp16/bf16 matmuls
     flops_32: float  # FLOP/s: fp32 matmuls (no TF32)
     overhead: float  # seconds a step costs besides its forward (host work, launches)
-    # seconds more per row in a step with drafts, whose host work (verification, commit, proposing,
-    # scheduling) nothing hides: on the H100, Spec-Bench with suffix drafts, such a step cost its
-    # replay plus 0.64 / 1.16 / 1.8 ms at 1 / 16 / 64 rows (benchmarks/results/spec_suffix_k16_h100.json)
+    # A graph step with drafts, on the host's paths (verify ahead, the launch from committed tokens,
+    # EAGLE-3 / MTP): the host work between its predecessor's tokens and its launch that nothing
+    # hides, draft_overhead + overhead_per_row x rows. On the H100 with SmolLM2, such a step cost
+    # its replay plus ~0.25 / 0.4 / 0.4 / 0.2-0.4 / 0.3-1.1 ms at 1 / 4 / 8 / 16 / 64 rows
+    # (step_kinds: graph_drafts against graph, less the replays' difference; results/
+    # spec_device_verify_b1_h100.json, _b4_b8_, _b16_, _b16_repeats_, _b64_).
+    draft_overhead: float = 0.0
     overhead_per_row: float = 0.0
+    # ... and one built on the device from its predecessor's argmax (engine/device_verify.py):
+    # 0-0.05 ms more than a decode step at 1-16 rows (graph_drafts_device, same files).
+    built_overhead: float = 0.0
 
 
 # CUDA devices by name (first match, case-insensitive, in torch.cuda.get_device_name), others the
 # default: rates below an H100's balance, so that verify tokens look dearer there, not cheaper.
+# The overheads are the host's (the same for every device of these hosts).
+_HOST = dict(draft_overhead=3e-4, overhead_per_row=6e-6, built_overhead=5e-5)
 CUDA_DEVICES: tuple[tuple[str, DeviceRates], ...] = (
-    ("H200", DeviceRates(3.9e12, 6.4e14, 4.4e13, 6e-4, 1.9e-5)),  # GH200 too
-    ("H100 PCIe", DeviceRates(1.6e12, 4.9e14, 3.3e13, 6e-4, 1.9e-5)),
-    ("H100 NVL", DeviceRates(3.1e12, 5.4e14, 3.9e13, 6e-4, 1.9e-5)),
-    ("H100", DeviceRates(2.7e12, 6.4e14, 4.4e13, 6e-4, 1.9e-5)),  # SXM
+    ("H200", DeviceRates(3.9e12, 6.4e14, 4.4e13, 6e-4, **_HOST)),  # GH200 too
+    ("H100 PCIe", DeviceRates(1.6e12, 4.9e14, 3.3e13, 6e-4, **_HOST)),
+    ("H100 NVL", DeviceRates(3.1e12, 5.4e14, 3.9e13, 6e-4, **_HOST)),
+    ("H100", DeviceRates(2.7e12, 6.4e14, 4.4e13, 6e-4, **_HOST)),  # SXM
 )
-CUDA_DEFAULT = DeviceRates(1.0e12, 1.0e14, 1.5e13, 6e-4, 1.9e-5)
+CUDA_DEFAULT = DeviceRates(1.0e12, 1.0e14, 1.5e13, 6e-4, **_HOST)
 # CPUs: per core (torch's thread count), by torch's SIMD capability; bandwidth saturates at a socket's.
 CPU_BANDWIDTH_PER_CORE, CPU_BANDWIDTH_MAX = 8e9, 1.2e11
 CPU_FLOPS_PER_CORE = {"AVX512": 9.6e10, "AVX2": 4.8e10}  # fp32 FMA units; bf16 is counted as fp32
@@ -83,7 +92,7 @@ def device_rates(device: torch.device | str, device_name: str | None = None, cpu
     per_core = next((f for key, f in CPU_FLOPS_PER_CORE.items() if capability.upper().startswith(key)),
                     CPU_FLOPS_PER_CORE_DEFAULT)
     return DeviceRates(min(cores * CPU_BANDWIDTH_PER_CORE, CPU_BANDWIDTH_MAX), cores * per_core, cores * per_core,
-                       CPU_OVERHEAD)
+                       CPU_OVERHEAD, draft_overhead=CPU_OVERHEAD, built_overhead=CPU_OVERHEAD)
 
 
 def modelled_step_cost(num_params: int, weight_bytes: int, device: torch.device | str, dtype: torch.dtype,
@@ -138,13 +147,15 @@ def runner_step_cost(runner: Any) -> StepCost:
 GraphCosts = Callable[[int], "np.ndarray | None"]  # rows -> seconds of a step by its most drafts d = 0..k
 
 
-def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None) -> GraphCosts | None:
+def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None, built_rows: int = 0) -> GraphCosts | None:
     """rows -> cost[d], d = 0..k, of a ModelRunner's graph-replayed steps: the measured replay of the
     rows' bucket graph of query length d + 1 (CudaGraphRunner.measure_step_costs, run here once),
-    plus for d > 0 the device's host overhead, a fixed part and one per row (a step with drafts is
-    not launched ahead, so its host work is not hidden behind the GPU) and, with a drafting layer
-    on graphs (drafter_graphs: its HeadGraphs), d of its forwards (HeadGraphs.measure_forward_seconds, run here once: a
-    catch-up and d - 1 chained drafts, each waited for). None when the runner replays no graphs."""
+    plus for d > 0 the host work such a step does not hide (DeviceRates): built_overhead for steps
+    of at most built_rows rows, which the device loop builds from their predecessor's argmax
+    (DeviceVerifyLoop.max_rows; 0: none), else draft_overhead and overhead_per_row per row; and,
+    with a drafting layer on graphs (drafter_graphs: its HeadGraphs), d of its forwards
+    (HeadGraphs.measure_forward_seconds, run here once: a catch-up and d - 1 chained drafts, each
+    waited for). None when the runner replays no graphs."""
     graphs = getattr(runner, "graph_runner", None)
     if graphs is None or not graphs.use_graphs:
         return None
@@ -158,7 +169,7 @@ def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None) -> Graph
         if replay is None or len(replay) < k + 1:
             return None
         out = np.array(replay[:k + 1], dtype=np.float64)
-        out[1:] += rates.overhead + rates.overhead_per_row * rows
+        out[1:] += rates.built_overhead if rows <= built_rows else rates.draft_overhead + rates.overhead_per_row * rows
         if drafter_graphs is not None:
             forward = drafter_graphs.forward_cost(rows)
             if forward is None:
