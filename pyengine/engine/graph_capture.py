@@ -3,6 +3,7 @@ capture itself (shared by CudaGraphRunner, HeadGraphs and DraftChain), and wheth
 run on graphs at all."""
 from __future__ import annotations
 
+import gc
 from typing import Any, Callable
 
 import torch
@@ -36,7 +37,10 @@ def last_tokens(meta: AttentionMetadata, rows: int | None = None) -> torch.Tenso
 
 def capture_graph(forward: Callable[[], Any], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, Any]:
     """forward() run twice on a side stream (warm-up: cuBLAS handles and workspaces, lazy module
-    init), then captured into a graph in `pool`: (the graph, forward's static outputs)."""
+    init), then captured into a graph in `pool`: (the graph, forward's static outputs). Python's
+    cyclic garbage collector is off during the capture: a collection there may free another
+    graph (a dropped engine's), and destroying a graph while a stream captures invalidates the
+    capture (torch no longer collects before capturing)."""
     s = torch.cuda.Stream(device)
     s.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(s):
@@ -44,8 +48,14 @@ def capture_graph(forward: Callable[[], Any], device: torch.device, pool) -> tup
             forward()
     torch.cuda.current_stream(device).wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = forward()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+    finally:
+        if collecting:
+            gc.enable()
     torch.cuda.synchronize(device)
     return graph, out
 
