@@ -53,6 +53,13 @@ METHODS = {
     # longer drafts where the suffix tree matches far (copy-heavy text); the policy prices each length
     "suffix_adaptive_k8": ({"method": "suffix", "num_speculative_tokens": 8}, True),
     "suffix_adaptive_k16": ({"method": "suffix", "num_speculative_tokens": 16}, True),
+    # ... and drafts past the matched context's length (suffix_decoding_max_spec_factor: 1 by default)
+    "suffix_adaptive_k8_f2": ({"method": "suffix", "num_speculative_tokens": 8,
+                               "suffix_decoding_max_spec_factor": 2.0}, True),
+    "suffix_adaptive_k16_f2": ({"method": "suffix", "num_speculative_tokens": 16,
+                                "suffix_decoding_max_spec_factor": 2.0}, True),
+    "suffix_adaptive_k16_f4": ({"method": "suffix", "num_speculative_tokens": 16,
+                                "suffix_decoding_max_spec_factor": 4.0}, True),
 }
 
 
