@@ -143,12 +143,17 @@ def test_steps_the_device_loop_builds_pay_its_smaller_overhead(monkeypatch) -> N
     replays = np.array([1.03e-3, 1.06e-3, 1.09e-3, 1.12e-3, 1.15e-3])  # SmolLM2-like (16, q) replays
     graphs = types.SimpleNamespace(use_graphs=True, step_costs=lambda rows: replays, measure_step_costs=lambda: None)
     runner = types.SimpleNamespace(graph_runner=graphs, device="cuda")
-    built = runner_graph_costs(runner, K, built_rows=16)
+    built = runner_graph_costs(runner, K, built_rows=lambda: 16)
     assert np.allclose(built(16)[1:] - replays[1:], h100.built_overhead)
     assert np.allclose(built(17)[1:] - replays[1:], h100.draft_overhead + 17 * h100.overhead_per_row)
     assert built(16)[0] == replays[0]
     host = runner_graph_costs(runner, K)
     assert np.allclose(host(16)[1:] - replays[1:], h100.draft_overhead + 16 * h100.overhead_per_row)
+    limit = [16]  # the loop's row limit is read when a step is planned: a loop turned off prices the host's
+    follows = runner_graph_costs(runner, K, built_rows=lambda: limit[0])
+    assert np.allclose(follows(16), built(16))
+    limit[0] = 0
+    assert np.allclose(follows(16), host(16))
     on_device = simulate(K, rows=16, accept=0.3, cost=(1.0, 0.01),
                          policy=DraftLengthPolicy(K, step_cost=(1.0, 0.01), graph_costs=built))
     on_host = simulate(K, rows=16, accept=0.3, cost=(1.0, 0.01),

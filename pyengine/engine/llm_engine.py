@@ -111,10 +111,14 @@ class LLMEngine(LaunchAhead):
         drafter = getattr(self.proposer, "drafting_module", None)
         self.draft_length = DraftLengthPolicy.for_runner(
             self.k, runner, spec.step_cost, drafter=drafter, drafter_graphs=getattr(self.proposer, "graphs", None),
-            built_rows=self.device_verify.max_rows if self.device_verify is not None else 0) if adaptive else None
+            built_rows=self._built_rows) if adaptive else None
         self._observed = False  # this step's rows were shown to the draft-length policy already
         self.num_logprob_requests = 0  # unfinished requests that asked for logprobs
         self.token_texts = TokenTexts(tokenizer)  # token id -> its text, for Logprob.decoded_token
+
+    def _built_rows(self) -> int:
+        """The most rows of a step the device loop builds (0: none): the policy's step costs."""
+        return self.device_verify.max_rows if self.device_verify is not None else 0
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,

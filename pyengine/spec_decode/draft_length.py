@@ -2,7 +2,7 @@
 step-cost model it weighs them with (a deterministic function of the model and the device)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -107,12 +107,13 @@ class DraftLengthPolicy:
 
     @classmethod
     def for_runner(cls, k: int, runner: Any, step_cost: StepCost | None = None, drafter: Any = None,
-                   drafter_graphs: Any = None, built_rows: int = 0, **kw: Any) -> "DraftLengthPolicy":
+                   drafter_graphs: Any = None, built_rows: Callable[[], int] | None = None,
+                   **kw: Any) -> "DraftLengthPolicy":
         """The policy for a ModelRunner's steps: step_cost if given (SpeculativeConfig.step_cost),
         else the cost model's for its model and device (runner_step_cost); a runner that replays
         CUDA graphs also gives the graphs' measured costs (runner_graph_costs, with the drafting
         layer's forwards on drafter_graphs; built_rows: the most rows of a step the device loop
-        builds), unless step_cost was given."""
+        builds, read when a step is planned), unless step_cost was given."""
         graph_costs = runner_graph_costs(runner, k, drafter_graphs, built_rows) if step_cost is None else None
         modelled = runner_step_cost(runner)
         policy = cls(k, step_cost=step_cost if step_cost is not None else modelled, graph_costs=graph_costs,

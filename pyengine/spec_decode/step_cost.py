@@ -147,12 +147,14 @@ def runner_step_cost(runner: Any) -> StepCost:
 GraphCosts = Callable[[int], "np.ndarray | None"]  # rows -> seconds of a step by its most drafts d = 0..k
 
 
-def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None, built_rows: int = 0) -> GraphCosts | None:
+def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None,
+                       built_rows: Callable[[], int] | None = None) -> GraphCosts | None:
     """rows -> cost[d], d = 0..k, of a ModelRunner's graph-replayed steps: the measured replay of the
     rows' bucket graph of query length d + 1 (CudaGraphRunner.measure_step_costs, run here once),
     plus for d > 0 the host work such a step does not hide (DeviceRates): built_overhead for steps
-    of at most built_rows rows, which the device loop builds from their predecessor's argmax
-    (DeviceVerifyLoop.max_rows; 0: none), else draft_overhead and overhead_per_row per row; and,
+    of at most built_rows() rows, which the device loop builds from their predecessor's argmax
+    (its DeviceVerifyLoop.max_rows as it stands; None: no loop), else draft_overhead and
+    overhead_per_row per row; and,
     with a drafting layer on graphs (drafter_graphs: its HeadGraphs), d of its forwards
     (HeadGraphs.measure_forward_seconds, run here once: a catch-up and d - 1 chained drafts, each
     waited for). None when the runner replays no graphs."""
@@ -169,7 +171,8 @@ def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None, built_ro
         if replay is None or len(replay) < k + 1:
             return None
         out = np.array(replay[:k + 1], dtype=np.float64)
-        out[1:] += rates.built_overhead if rows <= built_rows else rates.draft_overhead + rates.overhead_per_row * rows
+        built = built_rows is not None and rows <= built_rows()
+        out[1:] += rates.built_overhead if built else rates.draft_overhead + rates.overhead_per_row * rows
         if drafter_graphs is not None:
             forward = drafter_graphs.forward_cost(rows)
             if forward is None:
