@@ -29,7 +29,7 @@ first), and the next step proposes with that plan. Proposers that read the targe
 the graphs' buffers), and a launched step that is used leaves its own (adopt_launched).
 
 A greedy verify step with a proposer on the host (ngram, suffix) launches the next verify step
-ahead. With the device loop (pyengine/engine/device_verify.py: ngram up to 16 rows, suffix up to 8)
+ahead. With the device loop (pyengine/engine/device_verify.py: ngram and suffix up to 16 rows)
 it is built on the device from this step's argmax and needs no prediction; it is also where a
 decode step whose next step plans drafts sends it (_may_launch_next). Otherwise its tokens and
 drafts are predicted as if every row accepts all its drafts (verify ahead,
