@@ -154,6 +154,10 @@ def test_steps_the_device_loop_builds_pay_its_smaller_overhead(monkeypatch) -> N
     assert np.allclose(follows(16), built(16))
     limit[0] = 0
     assert np.allclose(follows(16), host(16))
+    # a drafting layer (EAGLE-3, MTP) drafts after its predecessor's tokens: its own host overhead
+    layer = runner_graph_costs(runner, K, built_rows=lambda: 16, drafting_layer=True)
+    assert np.allclose(layer(16)[1:] - replays[1:], h100.drafter_overhead + 16 * h100.drafter_overhead_per_row)
+    assert h100.drafter_overhead + 16 * h100.drafter_overhead_per_row > h100.draft_overhead + 16 * h100.overhead_per_row
     on_device = simulate(K, rows=16, accept=0.3, cost=(1.0, 0.01),
                          policy=DraftLengthPolicy(K, step_cost=(1.0, 0.01), graph_costs=built))
     on_host = simulate(K, rows=16, accept=0.3, cost=(1.0, 0.01),

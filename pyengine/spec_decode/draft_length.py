@@ -114,7 +114,8 @@ class DraftLengthPolicy:
         CUDA graphs also gives the graphs' measured costs (runner_graph_costs, with the drafting
         layer's forwards on drafter_graphs; built_rows: the most rows of a step the device loop
         builds, read when a step is planned), unless step_cost was given."""
-        graph_costs = runner_graph_costs(runner, k, drafter_graphs, built_rows) if step_cost is None else None
+        graph_costs = runner_graph_costs(runner, k, drafter_graphs, built_rows, drafting_layer=drafter is not None) \
+            if step_cost is None else None
         modelled = runner_step_cost(runner)
         policy = cls(k, step_cost=step_cost if step_cost is not None else modelled, graph_costs=graph_costs,
                      drafter_cost=drafter_cost_share(drafter, runner, modelled[0]), **kw)

@@ -46,23 +46,31 @@ class DeviceRates:
     flops_16: float  # FLOP/s: fp16/bf16 matmuls
     flops_32: float  # FLOP/s: fp32 matmuls (no TF32)
     overhead: float  # seconds a step costs besides its forward (host work, launches)
-    # A graph step with drafts, on the host's paths (verify ahead, the launch from committed tokens,
-    # EAGLE-3 / MTP): the host work between its predecessor's tokens and its launch that nothing
-    # hides, draft_overhead + overhead_per_row x rows. On the H100 with SmolLM2, such a step cost
-    # its replay plus ~0.25 / 0.4 / 0.4 / 0.2-0.4 / 0.3-1.1 ms at 1 / 4 / 8 / 16 / 64 rows
-    # (step_kinds: graph_drafts against graph, less the replays' difference; results/
-    # spec_device_verify_b1_h100.json, _b4_b8_, _b16_, _b16_repeats_, _b64_).
+    # A graph step with drafts from a host proposer (ngram, suffix) on the host's paths (verify
+    # ahead, the launch from committed tokens): the host work between its predecessor's tokens and
+    # its launch that nothing hides, draft_overhead + overhead_per_row x rows. On the H100 with
+    # SmolLM2, such a step cost its replay plus ~0.25 / 0.4 / 0.4 / 0.2-0.4 / 0.3-1.1 ms at
+    # 1 / 4 / 8 / 16 / 64 rows (step_kinds: graph_drafts against graph, less the replays'
+    # difference; results/spec_device_verify_b1_h100.json, _b4_b8_, _b16_, _b16_repeats_, _b64_).
     draft_overhead: float = 0.0
     overhead_per_row: float = 0.0
-    # ... and one built on the device from its predecessor's argmax (engine/device_verify.py):
-    # 0-0.05 ms more than a decode step at 1-16 rows (graph_drafts_device, same files).
+    # ... one built on the device from its predecessor's argmax (engine/device_verify.py): 0-0.05 ms
+    # more than a decode step at 1-16 rows (graph_drafts_device, same files) ...
     built_overhead: float = 0.0
+    # ... and one drafted by a drafting layer (EAGLE-3, MTP, a draft model), whose catch-up and chain
+    # run after the predecessor's tokens: its forwards are priced apart (HeadGraphs), the host work
+    # around them here. Not re-measured since the launch paths above; these are the figures the
+    # policy used before them (0.64 / 1.16 / 1.8 ms at 1 / 16 / 64 rows, spec_suffix_k16_h100.json),
+    # below what EAGLE-3's drafting steps cost over their replay and head forwards (~1.1 ms at batch 1).
+    drafter_overhead: float = 0.0
+    drafter_overhead_per_row: float = 0.0
 
 
 # CUDA devices by name (first match, case-insensitive, in torch.cuda.get_device_name), others the
 # default: rates below an H100's balance, so that verify tokens look dearer there, not cheaper.
 # The overheads are the host's (the same for every device of these hosts).
-_HOST = dict(draft_overhead=3e-4, overhead_per_row=6e-6, built_overhead=5e-5)
+_HOST = dict(draft_overhead=3e-4, overhead_per_row=6e-6, built_overhead=5e-5, drafter_overhead=6e-4,
+             drafter_overhead_per_row=1.9e-5)
 CUDA_DEVICES: tuple[tuple[str, DeviceRates], ...] = (
     ("H200", DeviceRates(3.9e12, 6.4e14, 4.4e13, 6e-4, **_HOST)),  # GH200 too
     ("H100 PCIe", DeviceRates(1.6e12, 4.9e14, 3.3e13, 6e-4, **_HOST)),
@@ -92,7 +100,8 @@ def device_rates(device: torch.device | str, device_name: str | None = None, cpu
     per_core = next((f for key, f in CPU_FLOPS_PER_CORE.items() if capability.upper().startswith(key)),
                     CPU_FLOPS_PER_CORE_DEFAULT)
     return DeviceRates(min(cores * CPU_BANDWIDTH_PER_CORE, CPU_BANDWIDTH_MAX), cores * per_core, cores * per_core,
-                       CPU_OVERHEAD, draft_overhead=CPU_OVERHEAD, built_overhead=CPU_OVERHEAD)
+                       CPU_OVERHEAD, draft_overhead=CPU_OVERHEAD, built_overhead=CPU_OVERHEAD,
+                       drafter_overhead=CPU_OVERHEAD)
 
 
 def modelled_step_cost(num_params: int, weight_bytes: int, device: torch.device | str, dtype: torch.dtype,
@@ -148,13 +157,14 @@ GraphCosts = Callable[[int], "np.ndarray | None"]  # rows -> seconds of a step b
 
 
 def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None,
-                       built_rows: Callable[[], int] | None = None) -> GraphCosts | None:
+                       built_rows: Callable[[], int] | None = None, drafting_layer: bool = False) -> GraphCosts | None:
     """rows -> cost[d], d = 0..k, of a ModelRunner's graph-replayed steps: the measured replay of the
     rows' bucket graph of query length d + 1 (CudaGraphRunner.measure_step_costs, run here once),
     plus for d > 0 the host work such a step does not hide (DeviceRates): built_overhead for steps
     of at most built_rows() rows, which the device loop builds from their predecessor's argmax
     (its DeviceVerifyLoop.max_rows as it stands; None: no loop), else draft_overhead and
-    overhead_per_row per row; and,
+    overhead_per_row per row (drafting_layer: EAGLE-3, MTP or a draft model drafts; then
+    drafter_overhead and drafter_overhead_per_row); and,
     with a drafting layer on graphs (drafter_graphs: its HeadGraphs), d of its forwards
     (HeadGraphs.measure_forward_seconds, run here once: a catch-up and d - 1 chained drafts, each
     waited for). None when the runner replays no graphs."""
@@ -171,8 +181,12 @@ def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None,
         if replay is None or len(replay) < k + 1:
             return None
         out = np.array(replay[:k + 1], dtype=np.float64)
-        built = built_rows is not None and rows <= built_rows()
-        out[1:] += rates.built_overhead if built else rates.draft_overhead + rates.overhead_per_row * rows
+        if drafting_layer:
+            out[1:] += rates.drafter_overhead + rates.drafter_overhead_per_row * rows
+        elif built_rows is not None and rows <= built_rows():
+            out[1:] += rates.built_overhead
+        else:
+            out[1:] += rates.draft_overhead + rates.overhead_per_row * rows
         if drafter_graphs is not None:
             forward = drafter_graphs.forward_cost(rows)
             if forward is None:
