@@ -177,13 +177,13 @@ def test_runner_graph_costs_add_the_drafting_layers_forwards() -> None:
     measured = []
     head = types.SimpleNamespace(measure_forward_seconds=lambda: measured.append(1),
                                  forward_cost=lambda rows: 3e-4 if rows <= 8 else None)
-    costs = runner_graph_costs(runner, 4, head)
+    costs = runner_graph_costs(runner, 4, head, drafting_layer=True)
     assert measured == [1]
-    overhead = device_rates("cpu").draft_overhead
+    overhead = device_rates("cpu").drafter_overhead
     expected = replays + np.array([0, 1, 1, 1, 1]) * overhead + 3e-4 * np.arange(5)
     assert np.allclose(costs(4), expected) and costs(9) is None
     cheap = runner_graph_costs(runner, 4, types.SimpleNamespace(measure_forward_seconds=lambda: None,
-                                                                forward_cost=lambda rows: 1e-5))
+                                                                forward_cost=lambda rows: 1e-5), drafting_layer=True)
     # acceptance 0.8 a position: drafting pays with cheap forwards, not with forwards of 0.3 of a step
     with_cheap = simulate(K, rows=1, accept=0.8, cost=(1.0, 0.01),
                           policy=DraftLengthPolicy(K, step_cost=(1.0, 0.01), graph_costs=cheap))

@@ -5,8 +5,8 @@ the device's rates, never timed: eager steps, where every token fed costs its ma
 steps replayed from CUDA graphs, a table per batch bucket: the measured replay time of the bucket's
 graph for each query length (every row is padded to the longest, so a step costs what its longest
 row asks, whatever the other rows draft), plus the host time a step with drafts cannot hide
-(little where the device loop builds it, more on the host's launch paths). The table is measured once per bucket
-(CudaGraphRunner.measure_step_costs, at start-up) and fixed afterwards.
+(little where the device loop builds it, more on the host's launch paths). The table is measured
+once per bucket (CudaGraphRunner.measure_step_costs, at start-up) and fixed afterwards.
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def check_step_cost(value: Any, name: str = "step_cost") -> StepCost:
 @dataclass(frozen=True)
 class DeviceRates:
     """Sustained rates of a device class: rough constants (about 80% of peak memory bandwidth and
-    65% of dense peak FLOP/s), never measured."""
+    65% of dense peak FLOP/s), never measured at run time; the host overheads below were measured
+    once on an H100 host (their comments say where)."""
     bandwidth: float  # bytes/s: streaming the weights
     flops_16: float  # FLOP/s: fp16/bf16 matmuls
     flops_32: float  # FLOP/s: fp32 matmuls (no TF32)
