@@ -11,14 +11,14 @@ lengths and query starts into the graph's static buffer, which is then replayed.
 - suffix: the suffix proposer's prediction (made on the host before the wait, as verify ahead
   makes it: every draft accepted, then the token it expects and the drafts after it) for each row
   whose prediction held, and the prompt lookup (prompt_lookup_min / max) for the others, where the
-  suffix tree's own answer would need the host. Only for steps of at most PREDICTED_MAX_ROWS rows:
+  suffix tree's own answer would need the host. Only for steps of at most MAX_ROWS rows:
   on the H100 with SmolLM2 it beat the host's drafts after the commit at batch 1, 4 and 8 (1.50x
   against 1.38x, 1.33 / 1.30, 1.32 / 1.29) and, once the draft-length policy priced its steps at
   their cost, at batch 16 (1.34-1.38x against 1.22-1.36x in five paired rounds,
   results/spec_suffix_loop_b16_h100.json; before that repricing it lost there, 1.17x against 1.22x:
   more rows miss their prediction and the lookup finds fewer drafts than the suffix tree); larger
   steps keep verify ahead and the launch from committed tokens.
-The lookup alone (ngram) is used up to LOOKUP_MAX_ROWS rows: it beat the host's drafts at batch 16
+The lookup alone (ngram) is used up to MAX_ROWS rows as well: it beat the host's drafts at batch 16
 (1.05-1.10x against 1.01x) and lost at batch 64 in 3 tasks of 4 (qa 0.89 / 0.93, math_reasoning
 0.84 / 0.90, summarization 0.97 / 1.02; translation 0.98 / 0.95): a built step is padded to its
 plan's longest row whether or not the lookup finds drafts, which a 64-row verify graph prices
@@ -64,8 +64,7 @@ class DeviceLaunch:
 
 class DeviceVerifyLoop:
     MAX_N = 64  # the longest n-gram the kernel looks up (next_verify_step.hip, kMaxN)
-    LOOKUP_MAX_ROWS = 16  # the most rows a step drafted by the lookup alone (ngram) may have
-    PREDICTED_MAX_ROWS = 16  # ... and one drafted from predictions first (suffix)
+    MAX_ROWS = 16  # the most rows of a step built here, ngram's and suffix's (measured: module docstring)
 
     @classmethod
     def for_engine(cls, graph_runner, num_slots: int, spec, proposer) -> "DeviceVerifyLoop | None":
@@ -86,7 +85,7 @@ class DeviceVerifyLoop:
         g = self.graphs = graph_runner
         self.min_n, self.max_n = min_n, max_n
         self.predictor = predictor  # a PredictingProposer whose predictions come first (suffix), or None
-        self.max_rows = self.LOOKUP_MAX_ROWS if predictor is None else self.PREDICTED_MAX_ROWS
+        self.max_rows = self.MAX_ROWS
         self.max_drafts = g.max_q - 1
         self.max_context = g.width * g.block_size
         dev, pin = g.device, g.use_graphs
