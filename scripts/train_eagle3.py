@@ -73,7 +73,9 @@ DOC_TASKS = ["Summarize the following text in a few sentences.\n\n{d}",
              "Translate the following text into French.\n\n{d}",
              "Give the following text a title and a one-line description.\n\n{d}",
              "Correct any mistakes in this text and return the corrected text.\n\n{d}",
-             "Write three questions a reader could answer from this text, each with its answer quoted from it.\n\n{d}"]
+             "Write three questions a reader could answer from this text, each with its answer quoted from it.\n\n{d}",
+             "Answer using only the documents below: what do they say, and which sentences show it?\n\nDocuments:\n{d}",
+             "Write a news-style summary of the following article.\n\nArticle: {d}"]
 
 
 # Requests the target writes itself (sampled, then answered greedily like the others): the kinds and
@@ -124,10 +126,13 @@ def encode_chat(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 
-def make_doc_prompts(docs: list[str], seed: int) -> list[str]:
-    """One document task per text (a task picked at random), in the texts' order."""
+def make_doc_prompts(docs: list[str], seed: int, join: int = 1) -> list[str]:
+    """One document task per text (a task picked at random), in the texts' order; with join > 1
+    the document is that text and the join - 1 after it (cyclically), blank lines between: the
+    length of Spec-Bench's articles and retrieved passages, several times one answer's."""
     rng = random.Random(seed + 1)
-    return [rng.choice(DOC_TASKS).format(d=d.strip()) for d in docs]
+    return [rng.choice(DOC_TASKS).format(d="\n\n".join(docs[(i + j) % len(docs)].strip() for j in range(join)))
+            for i in range(len(docs))]
 
 
 def generate_answers(llm: Any, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False,
@@ -334,6 +339,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--patience", type=int, help="stop after this many evaluations without a better one (0: never)")
     p.add_argument("--doc-fraction", type=float,
                    help="share of the answers that also become the text of a document task (summarise, extract ...)")
+    p.add_argument("--doc-join", type=int, default=1, help="answers joined into one document task's text")
     p.add_argument("--self-instruct", type=int,
                    help="requests the target writes itself (sampled) and then answers, beside the templated prompts")
     p.add_argument("--seed", type=int, default=0)
@@ -362,11 +368,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{len(requests)} self-written requests at {time.monotonic() - t0:.0f}s", flush=True)
     answers = generate_answers(llm, train_prompts, args.max_new_tokens, seconds=args.gen_minutes * 60)
     train_prompts = train_prompts[:len(answers)]
-    groups = list(range(len(answers)))  # a derived sequence is held out with the answer it quotes
+    groups = list(range(len(answers)))  # a derived sequence is held out with the (first) answer it quotes
     if args.doc_fraction > 0:
         n_doc = int(round(args.doc_fraction * len(answers)))
         docs = [llm.tokenizer.decode(a) for a in answers[:n_doc]]
-        doc_prompts = [encode_chat(llm.tokenizer, t) for t in make_doc_prompts(docs, args.seed)]
+        doc_prompts = [encode_chat(llm.tokenizer, t) for t in make_doc_prompts(docs, args.seed, args.doc_join)]
         doc_answers = generate_answers(llm, doc_prompts, args.max_new_tokens, seconds=args.gen_minutes * 60)
         train_prompts += doc_prompts[:len(doc_answers)]
         answers += doc_answers

@@ -15,6 +15,6 @@ void register_spec_kernels(py::module_& k) {
       .PE_FIELD(P, max_context).PE_FIELD(P, inputs).PE_FIELD(P, token_capacity).PE_FIELD(P, row_capacity)
       .PE_FIELD(P, rows).PE_FIELD(P, padded_rows).PE_FIELD(P, q).PE_FIELD(P, token_slots)
       .PE_FIELD(P, max_drafts).PE_FIELD(P, result).PE_FIELD(P, result_stride).PE_FIELD(P, min_n)
-      .PE_FIELD(P, max_n);
+      .PE_FIELD(P, max_n).PE_FIELD(P, phase).PE_FIELD(P, layer_drafts).PE_FIELD(P, layer_stride);
   def_launch(k, "next_verify_step", &launch_next_verify_step);
 }

@@ -19,6 +19,10 @@
 //      first + 1 + a, the rows packed, padding rows up to padded_rows owning the token slots after
 //      them, q at most each, slot -1 and context 0).
 // result[r] = [a, number of drafts, bonus, drafts ...] (stride result_stride) for the host.
+// A drafting layer (MTP, EAGLE-3) drafts between the two halves: phase kAccept runs 1-3 with no
+// drafts and leaves in result[r][1] how many the row may take (the limit of 3); the layer then
+// drafts from the accepted tokens, and phase kLayerDrafts takes each row's first result[r][1]
+// drafts from layer_drafts ([draft j][row r] at j * layer_stride + r) and runs 4.
 // Every value is an integer comparison or copy: a row's result depends on its own inputs only.
 #pragma once
 
@@ -38,6 +42,12 @@ enum NextVerifyRowField : int {
   kPredicted = 9,     // predicted tokens: the bonus token guessed if every draft is accepted, then
                       // the drafts after it (0: no prediction)
   kRowFields = 10,    // then step N's drafts (max_drafts values), the predicted tokens (max_drafts + 1)
+};
+
+enum NextVerifyPhase : int32_t {
+  kWhole = 0,        // 1-4 (the host's predictions or the prompt lookup)
+  kAccept = 1,       // 1-3 without drafts: result[r][1] = the row's draft limit
+  kLayerDrafts = 2,  // the drafts from layer_drafts, then 4
 };
 
 struct NextVerifyStepParams {
@@ -63,6 +73,9 @@ struct NextVerifyStepParams {
   int64_t result_stride = 0;           // 3 + max_drafts at least
   int32_t min_n = 1;                   // 0: no lookup
   int32_t max_n = 1;
+  int32_t phase = kWhole;
+  const int64_t* layer_drafts = nullptr;  // kLayerDrafts: [max_drafts][layer_stride]
+  int64_t layer_stride = 0;
 };
 
 // 0 on success, -1 for a configuration the kernels do not take, or the runtime's error code.

@@ -50,6 +50,10 @@ __global__ void __launch_bounds__(kThreads) accept_and_draft_kernel(NextVerifySt
   }
   __syncthreads();
   const int64_t m = s_num_tokens, limit = s_limit;
+  if (p.phase == kAccept) {  // a drafting layer drafts next (next_verify_step.h)
+    if (threadIdx.x == 0) out[1] = limit;
+    return;
+  }
   const int64_t* predicted = drafts_in + p.max_drafts;
   int64_t count = 0;
   const bool held = out[0] == in[kPrevDrafts] && in[kPredicted] > 1 && predicted[0] == out[2];
@@ -80,6 +84,13 @@ __global__ void __launch_bounds__(kThreads) accept_and_draft_kernel(NextVerifySt
     }
   }
   if (threadIdx.x == 0) out[1] = count;
+}
+
+// kLayerDrafts: row r's first result[r][1] drafts from the layer's [draft][row] buffer.
+__global__ void __launch_bounds__(kThreads) take_layer_drafts_kernel(NextVerifyStepParams p) {
+  const int64_t r = blockIdx.x;
+  int64_t* out = p.result + r * p.result_stride;
+  for (int64_t j = threadIdx.x; j < out[1]; j += kThreads) out[3 + j] = p.layer_drafts[j * p.layer_stride + r];
 }
 
 __global__ void __launch_bounds__(kThreads) stage_next_step_kernel(NextVerifyStepParams p) {
@@ -131,10 +142,14 @@ int launch_next_verify_step(const NextVerifyStepParams& p, void* stream) {
   if (p.rows < 1 || p.padded_rows < p.rows || p.padded_rows > p.row_capacity || p.q < 1 ||
       p.q - 1 > p.max_drafts || p.token_slots > p.token_capacity || p.rows * p.q > p.token_slots ||
       p.result_stride < 3 + p.max_drafts || p.min_n < 0 || p.max_n < p.min_n || p.max_n > kMaxN ||
-      p.block_size < 1)
+      p.block_size < 1 || p.phase < kWhole || p.phase > kLayerDrafts ||
+      (p.phase == kLayerDrafts && (p.layer_drafts == nullptr || p.layer_stride < p.rows)))
     return -1;
   const peStream_t s = static_cast<peStream_t>(stream);
-  accept_and_draft_kernel<<<dim3((unsigned)p.rows), kThreads, 0, s>>>(p);
-  stage_next_step_kernel<<<1, kThreads, 0, s>>>(p);
+  if (p.phase == kLayerDrafts)
+    take_layer_drafts_kernel<<<dim3((unsigned)p.rows), kThreads, 0, s>>>(p);
+  else
+    accept_and_draft_kernel<<<dim3((unsigned)p.rows), kThreads, 0, s>>>(p);
+  if (p.phase != kAccept) stage_next_step_kernel<<<1, kThreads, 0, s>>>(p);
   return static_cast<int>(peGetLastError());
 }

@@ -18,6 +18,9 @@ lengths and query starts into the graph's static buffer, which is then replayed.
   results/spec_suffix_loop_b16_h100.json; before that repricing it lost there, 1.17x against 1.22x:
   more rows miss their prediction and the lookup finds fewer drafts than the suffix tree); larger
   steps keep verify ahead and the launch from committed tokens.
+- a drafting layer (MTP, EAGLE-3: pyengine/spec_decode/layer_device_drafts.py): the kernel runs in
+  two halves; between them the layer catches up on the step's tokens and chains its drafts from
+  each row's accepted count, on the stream.
 The lookup alone (ngram) is used up to MAX_ROWS rows as well: it beat the host's drafts at batch 16
 (1.05-1.10x against 1.01x) and lost at batch 64 in 3 tasks of 4 (qa 0.89 / 0.93, math_reasoning
 0.84 / 0.90, summarization 0.97 / 1.02; translation 0.98 / 0.95): a built step is padded to its
@@ -48,7 +51,8 @@ from pyengine.engine.host_arrays import draft_token_ids
 from pyengine.engine.pending_step import PendingStep
 from pyengine.ops import streams
 from pyengine.ops.reference import next_verify_step as reference
-from pyengine.ops.reference.next_verify_step import PREDICTED, ROW_FIELDS, row_width
+from pyengine.ops.reference.next_verify_step import ACCEPT, LAYER_DRAFTS, PREDICTED, ROW_FIELDS, row_width
+from pyengine.spec_decode.layer_device_drafts import LayerDeviceDrafts
 
 
 @dataclass
@@ -70,23 +74,32 @@ class DeviceVerifyLoop:
     def for_engine(cls, graph_runner, num_slots: int, spec, proposer) -> "DeviceVerifyLoop | None":
         """The loop of an engine with graph steps (graph_runner), speculative config `spec` and its
         proposer; None where it does not apply: another method, a longer n-gram than the kernel
-        looks up, or a CUDA device and an extension without the kernels."""
-        if spec is None or spec.method not in ("ngram", "suffix") or spec.prompt_lookup_max > cls.MAX_N:
+        looks up, a drafting layer without graphs, or a CUDA device and an extension without the kernels."""
+        if spec is None:
+            return None
+        layer = spec.method in ("mtp", "eagle3")
+        if layer and getattr(proposer, "graphs", None) is None:
+            return None
+        if not layer and (spec.method not in ("ngram", "suffix") or spec.prompt_lookup_max > cls.MAX_N):
             return None
         if graph_runner.device.type == "cuda":
             try:
                 importlib.import_module("pyengine.ops.cuda.next_verify_step")
             except ImportError:
                 return None
+        if layer:
+            return cls(graph_runner, num_slots, 0, 0, drafter=proposer)
         return cls(graph_runner, num_slots, spec.prompt_lookup_min, spec.prompt_lookup_max,
                    predictor=proposer if spec.method == "suffix" else None)
 
-    def __init__(self, graph_runner, num_slots: int, min_n: int, max_n: int, predictor=None) -> None:
+    def __init__(self, graph_runner, num_slots: int, min_n: int, max_n: int, predictor=None, drafter=None) -> None:
         g = self.graphs = graph_runner
         self.min_n, self.max_n = min_n, max_n
         self.predictor = predictor  # a PredictingProposer whose predictions come first (suffix), or None
         self.max_rows = self.MAX_ROWS
         self.max_drafts = g.max_q - 1
+        # a drafting layer's drafts between the kernel's halves (MtpProposer), or None
+        self.layer = LayerDeviceDrafts(drafter, g.max_rows, self.max_drafts) if drafter is not None else None
         self.max_context = g.width * g.block_size
         dev, pin = g.device, g.use_graphs
         self.history = torch.zeros(num_slots, self.max_context, dtype=torch.int32, device=dev)
@@ -106,6 +119,7 @@ class DeviceVerifyLoop:
         else:
             self.kernel = reference.next_verify_step
         self._appended: tuple[np.ndarray, np.ndarray] | None = None  # (slots, first committed position)
+        self._resolved: tuple | None = None  # the last resolved step's (seq ids, first positions, accepted)
         self.num_launched = self.num_used = 0
 
     def takes(self, batch) -> bool:
@@ -137,6 +151,8 @@ class DeviceVerifyLoop:
         # the longest outcome: every draft accepted, then cap drafts
         if _C.launch_rows(p0 + 1 + d, (1 + cap).astype(np.int32), tables, g.block_size, self.max_context) is None:
             return None
+        if self.layer is not None and not self.layer.prepare(scheduler, seq_ids, p0, d, cap, tables):
+            return None
         slots = np.asarray(batch.request_slots[:rows], dtype=np.int64)
         sync_from, sync_count, sync = self._sync(scheduler, seq_ids, slots, p0 + 1)
         info = self.rows_in[:rows]
@@ -161,8 +177,13 @@ class DeviceVerifyLoop:
         def build() -> None:  # on the stream after the staging copy, before the replay
             if len(sync):
                 streams.copy_async(self.dev_sync[:len(sync)], self.host_sync[:len(sync)], g.device, self.staged)
-            self.kernel(argmax, g.built_rows_device, self.dev_sync, self.history, g.dev32, g.dev64, self.result,
-                        **shape)
+            args = (argmax, g.built_rows_device, self.dev_sync, self.history, g.dev32, g.dev64, self.result)
+            if self.layer is None:
+                self.kernel(*args, **shape)
+            else:
+                self.kernel(*args, **shape, phase=ACCEPT)
+                drafts = self.layer.draft(argmax, self.result[:, 0], tables, p0, cap)
+                self.kernel(*args, **shape, phase=LAYER_DRAFTS, layer_drafts=drafts)
             streams.copy_async(self.host_result[:rows], self.result[:rows], g.device, self.ready)
 
         logits = g.launch_built(key, tables, info, build)
@@ -191,8 +212,17 @@ class DeviceVerifyLoop:
         pending = PendingStep(launched.key, launched.logits[:int(qsl[-1])], launched.seq_ids, pos, slot_mapping, ctx,
                               launched.tables, num_blocks, qsl, input_ids, from_device=True)
         pending.drafts = (res[:, 3:][width[:, :-1] < num_drafts[:, None]].astype(np.int32), num_drafts.astype(np.int32))
+        if self.layer is not None:
+            self._resolved = (launched.seq_ids, launched.first_positions, accepted)
         self._appended = (launched.slots, launched.first_positions + 1)
         return pending
+
+    def adopted(self) -> None:
+        """The last resolved step is the one the scheduler runs next (its drafts are taken): a
+        drafting layer's state follows it (LayerDeviceDrafts.adopt)."""
+        if self.layer is not None and self._resolved is not None:
+            self.layer.adopt(*self._resolved)
+        self._resolved = None
 
     def committed(self, num_committed: np.ndarray) -> None:
         """After the launching step's commit (scheduler.update): the tokens the kernel appended

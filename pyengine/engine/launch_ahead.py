@@ -95,10 +95,10 @@ class LaunchAhead:
         """Launch the next verify step now, where _may_launch_ahead allows it and the next step
         drafts: a verify step's rows again as this step's plan said (_lengths), a decode step's as
         planned for the next step (_plan_next, which ran when it asked to launch a decode step and
-        found drafts planned). With the device loop (ngram, suffix; steps within its row limit) it is
+        found drafts planned). With the device loop (ngram, suffix, MTP, EAGLE-3; steps within its row limit) it is
         built on the device from this step's argmax and returned, for resolve() once the tokens are
         read; else it is predicted (verify ahead) where VerifyAhead.worth_trying agrees."""
-        if self.verify_ahead is None or not self._may_launch_ahead(batch):
+        if (self.verify_ahead is None and self.device_verify is None) or not self._may_launch_ahead(batch):
             return None
         plan = self._lengths if batch.num_draft_tokens.any() else self._next_plan
         if plan is None or not np.array_equal(plan[0], batch.seq_ids) or not plan[1].any():
@@ -108,7 +108,7 @@ class LaunchAhead:
             if launched is not None:
                 self._lengths = plan  # the launched step drafts as planned
             return launched
-        if self.verify_ahead.worth_trying(batch, self.draft_length):
+        if self.verify_ahead is not None and self.verify_ahead.worth_trying(batch, self.draft_length):
             self._lengths = plan
             self._pending = self.verify_ahead.launch(self.scheduler, self.proposer, self.runner.graph_runner, batch,
                                                     plan[1])

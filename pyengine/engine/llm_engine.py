@@ -101,9 +101,10 @@ class LLMEngine(LaunchAhead):
         graphs = runner.graph_runner
         self.verify_ahead = VerifyAhead() if (
             self.decode_lookahead and graphs.state_cache is None and hasattr(self.proposer, "predict")) else None
-        # ngram, suffix: the next verify step built on the device from a step's argmax (device_verify.py)
+        # ngram, suffix, MTP, EAGLE-3: the next verify step built on the device from a step's argmax
+        # (device_verify.py)
         self.device_verify = DeviceVerifyLoop.for_engine(graphs, cfg.max_num_seqs, spec, self.proposer) \
-            if self.verify_ahead is not None and cfg.device_verify else None
+            if self.decode_lookahead and graphs.state_cache is None and cfg.device_verify else None
         adaptive = spec is not None and spec.adaptive_draft_length
         # its step cost: spec.step_cost, else modelled from the model and device (never timed), the
         # forwards of its drafting module (MTP / EAGLE-3 layer, draft model; ngram and suffix: none)
@@ -256,6 +257,8 @@ class LLMEngine(LaunchAhead):
         if pending is not None and pending.drafts is not None:  # verify ahead, confirmed
             if np.array_equal(view.seq_ids, pending.seq_ids):
                 self.scheduler.set_draft_tokens_batch(pending.seq_ids, *pending.drafts)
+                if pending.from_device:
+                    self.device_verify.adopted()  # its drafting layer's catch-up stands
                 self._next_plan = None
                 return
             self._pending = None

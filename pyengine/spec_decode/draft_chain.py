@@ -8,6 +8,10 @@ lengths. So one host-to-device copy stages all steps' metadata and one replay ru
 each followed by its argmax on the device, instead of steps x (stage, replay, draw) from the host.
 Greedy rows only: a random row's q must be kept per draft (MtpProposer's per-step path does that).
 
+For the device loop (layer_device_drafts.py) the first positions are known on the host only up to
+each row's accepted count a, which is on the device: run(shift=a) stages the positions for a = 0
+and moves them, their slots and context lengths by a on the device before the replay.
+
 Graphs are keyed (bucket b, steps), captured on first use in HeadGraphs' memory pool. Row i of b
 takes part in step j only while j < steps_i: a finished or padding row's step has slot -1 (no KV
 write) and context 0 (no key read), and its token is dropped. On a CPU device the same static
@@ -56,13 +60,20 @@ class DraftChain:
     def fits(self, rows: int, tables: np.ndarray, steps: int) -> bool:
         return 0 < rows <= self.buckets[-1] and 0 < steps <= self.max_steps and tables.shape[1] <= self.width
 
+    def prepare(self, rows: int, steps: int) -> None:
+        """Capture the graph a run of `rows` rows and `steps` steps replays, if not yet."""
+        key = (next(x for x in self.buckets if x >= rows), steps)
+        if self.use_graphs and key not in self.graphs:
+            self.graphs[key] = self._capture(key)
+
     @torch.inference_mode()
     def run(self, tables: np.ndarray, first_pos: np.ndarray, steps_per_row: np.ndarray, first_ids: torch.Tensor,
-            first_hidden: torch.Tensor) -> torch.Tensor:
+            first_hidden: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
         """Drafts 2.. of each row: row i (block table tables[i]) feeds first_ids[i] with
-        first_hidden[i] at position first_pos[i], then its own argmax, steps_per_row[i] times in
-        all. Returns the drawn tokens [steps, rows] (device int64, a static buffer valid until the
-        next run); entry (j, i) is meaningful for j < steps_per_row[i]."""
+        first_hidden[i] at position first_pos[i] (+ shift[i], device int64, where given), then its
+        own argmax, steps_per_row[i] times in all. Returns the drawn tokens [steps, rows] (device
+        int64, a static buffer valid until the next run); entry (j, i) is meaningful for j <
+        steps_per_row[i]. With a shift every shifted position must lie in the rows' blocks."""
         rows, steps = len(first_pos), int(steps_per_row.max())
         b = next(x for x in self.buckets if x >= rows)
         self._stage(tables, first_pos.astype(np.int64), steps_per_row.astype(np.int64), steps)
@@ -71,6 +82,8 @@ class DraftChain:
             self.graphs[key] = self._capture(key)
             self._stage(tables, first_pos.astype(np.int64), steps_per_row.astype(np.int64), steps)
         self._copy()
+        if shift is not None:
+            self._shift(rows, steps, shift)
         self.first_ids[:rows].copy_(first_ids)
         self.first_hidden[:rows].copy_(first_hidden)
         if self.use_graphs:
@@ -102,6 +115,17 @@ class DraftChain:
         tab = self.h32[S * R:].reshape(R, self.width)
         tab[:rows, :tables.shape[1]] = tables
         tab[:rows, tables.shape[1]:] = -1
+
+    def _shift(self, rows: int, steps: int, shift: torch.Tensor) -> None:
+        """The staged steps' positions + shift per row, their slots and context lengths to match
+        (padding steps: context 0, left as they are)."""
+        B = self.block_size
+        live = self.context[:steps, :rows] > 0
+        pos = self.positions[:steps, :rows] + shift[None, :]
+        block = self.tables[:rows].gather(1, (pos // B).T.clamp(max=self.width - 1)).T.to(torch.int64)
+        self.positions[:steps, :rows] = torch.where(live, pos, 0)
+        self.slots[:steps, :rows] = torch.where(live, block * B + pos % B, -1)
+        self.context[:steps, :rows] = torch.where(live, pos + 1, 0).to(torch.int32)
 
     def _copy(self) -> None:
         if self.use_graphs:

@@ -214,6 +214,26 @@ class MtpProposer:
         pair_step = np.repeat(np.arange(len(actives)), [len(a) for a in actives])
         return torch.cat(tokens), np.lexsort((pair_step, pair_row))
 
+    @torch.inference_mode()
+    def catch_up_held(self, scheduler: _C.Scheduler, seq_ids: np.ndarray, first: np.ndarray) -> None:
+        """The positions before first[i] that row i deferred (held in the ring), caught up now:
+        each row's layer entries then run up to its first position (the device loop's catch-up
+        covers the step from there: layer_device_drafts.py). Positions neither caught up nor held
+        (a prefix-cache hit) are skipped, as propose skips them."""
+        valid = np.fromiter((self.valid.get(s, 0) for s in seq_ids.tolist()), np.int64, len(seq_ids))
+        start = np.maximum(self.ring.held_from(seq_ids, first), valid)
+        fed = np.flatnonzero(start < first)
+        if len(fed):
+            ids, lo, lens = seq_ids[fed], start[fed], first[fed] - start[fed]
+            tails, offsets = scheduler.token_ids_from(ids, lo + 1)  # x_{p+1} for p in [lo, first)
+            assert np.array_equal(np.diff(offsets), lens), "a held position's next token is not committed"
+            row = np.repeat(np.arange(len(fed)), lens)
+            pos = lo[row] + np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+            feed = HeadFeed.build(scheduler.block_tables(ids), lo, lens, self.block_size, tails.astype(np.int64))
+            self._forward(feed, self.target_hidden(self.ring.gather(ids[row], pos)), np.zeros(0, np.int64))
+        self.valid.update(zip(seq_ids.tolist(), first.tolist()))
+        self.ring.release(seq_ids)
+
     def forget(self, seq_ids: Sequence[int], finished: bool) -> None:
         for sid in seq_ids:
             self.valid.pop(int(sid), None)

@@ -168,7 +168,8 @@ def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None,
     drafter_overhead and drafter_overhead_per_row); and,
     with a drafting layer on graphs (drafter_graphs: its HeadGraphs), d of its forwards
     (HeadGraphs.measure_forward_seconds, run here once: a catch-up and d - 1 chained drafts, each
-    waited for). None when the runner replays no graphs."""
+    waited for on the host's paths, queued behind each other in a built step). None when the
+    runner replays no graphs."""
     graphs = getattr(runner, "graph_runner", None)
     if graphs is None or not graphs.use_graphs:
         return None
@@ -182,14 +183,15 @@ def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None,
         if replay is None or len(replay) < k + 1:
             return None
         out = np.array(replay[:k + 1], dtype=np.float64)
-        if drafting_layer:
-            out[1:] += rates.drafter_overhead + rates.drafter_overhead_per_row * rows
-        elif built_rows is not None and rows <= built_rows():
+        built = built_rows is not None and rows <= built_rows()
+        if built:
             out[1:] += rates.built_overhead
+        elif drafting_layer:
+            out[1:] += rates.drafter_overhead + rates.drafter_overhead_per_row * rows
         else:
             out[1:] += rates.draft_overhead + rates.overhead_per_row * rows
         if drafter_graphs is not None:
-            forward = drafter_graphs.forward_cost(rows)
+            forward = drafter_graphs.forward_cost(rows, queued=built)
             if forward is None:
                 return None
             out += forward * np.arange(k + 1)

@@ -14,7 +14,8 @@ _PARAMS: dict[tuple, object] = {}  # (the buffers' addresses and the fixed sizes
 def next_verify_step(argmax: torch.Tensor, rows_in: torch.Tensor, sync_tokens: torch.Tensor, history: torch.Tensor,
                      block_tables: torch.Tensor, inputs: torch.Tensor, result: torch.Tensor, *, block_size: int,
                      max_context: int, token_capacity: int, row_capacity: int, rows: int, padded_rows: int, q: int,
-                     token_slots: int, max_drafts: int, min_n: int, max_n: int) -> None:
+                     token_slots: int, max_drafts: int, min_n: int, max_n: int, phase: int = 0,
+                     layer_drafts: torch.Tensor | None = None) -> None:
     fixed = (rows_in.data_ptr(), sync_tokens.data_ptr(), history.data_ptr(), block_tables.data_ptr(),
              inputs.data_ptr(), result.data_ptr(), history.stride(0), block_tables.shape[1], result.stride(0),
              block_size, max_context, token_capacity, row_capacity, max_drafts, min_n, max_n)
@@ -27,4 +28,10 @@ def next_verify_step(argmax: torch.Tensor, rows_in: torch.Tensor, sync_tokens: t
         row_capacity=row_capacity, max_drafts=max_drafts, min_n=min_n, max_n=max_n), limit=16)
     assert history.is_contiguous() and block_tables.is_contiguous() and result.is_contiguous()
     p.argmax, p.rows, p.padded_rows, p.q, p.token_slots = argmax.data_ptr(), rows, padded_rows, q, token_slots
+    p.phase = phase
+    if layer_drafts is not None:
+        assert layer_drafts.dtype == torch.int64 and layer_drafts.stride(1) == 1
+        p.layer_drafts, p.layer_stride = layer_drafts.data_ptr(), layer_drafts.stride(0)
+    else:
+        p.layer_drafts, p.layer_stride = 0, 0
     kernels.next_verify_step(p, stream(argmax.device))

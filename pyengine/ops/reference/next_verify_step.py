@@ -2,7 +2,9 @@
 acceptance, its history appended, its prompt-lookup drafts (csrc/core/ngram_proposer.h, the host
 proposer's own lookup) and the next verify step's static graph inputs (csrc/core/graph_staging.h's
 layout). Runs on CPU tensors (the CPU engine's graph-runner path) and is what the kernel is tested
-against."""
+against. A drafting layer's steps run it in two phases (next_verify_step.h): ACCEPT (acceptance and
+history, each row's draft limit in result[:, 1], no drafts), then LAYER_DRAFTS (the drafts from the
+layer's [draft, row] buffer, then the staging)."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,6 +17,7 @@ from pyengine import _C
 (PREV_START, PREV_DRAFTS, FIRST_POSITION, MAX_DRAFTS, TOKENS_LEFT, HISTORY_ROW, SYNC_FROM, SYNC_COUNT, SYNC_OFFSET,
  PREDICTED) = range(10)
 ROW_FIELDS = 10
+WHOLE, ACCEPT, LAYER_DRAFTS = range(3)  # next_verify_step.h, NextVerifyPhase
 
 
 def row_width(max_drafts: int) -> int:
@@ -25,12 +28,23 @@ def row_width(max_drafts: int) -> int:
 def next_verify_step(argmax: torch.Tensor, rows_in: torch.Tensor, sync_tokens: torch.Tensor, history: torch.Tensor,
                      block_tables: torch.Tensor, inputs: torch.Tensor, result: torch.Tensor, *, block_size: int,
                      max_context: int, token_capacity: int, row_capacity: int, rows: int, padded_rows: int, q: int,
-                     token_slots: int, max_drafts: int, min_n: int, max_n: int) -> None:
+                     token_slots: int, max_drafts: int, min_n: int, max_n: int, phase: int = WHOLE,
+                     layer_drafts: torch.Tensor | None = None) -> None:
     """In place: history (sync, then the accepted drafts and the bonus token), result [rows,
     3 + max_drafts] ([accepted, drafts, bonus, drafts ...]) and inputs (the next step's ids,
-    positions, slots, context lengths and query starts, padding rows included)."""
+    positions, slots, context lengths and query starts, padding rows included). phase ACCEPT
+    leaves the drafts to a layer (result[:, 1]: how many each row may take), LAYER_DRAFTS takes
+    them from layer_drafts [>= max drafts, >= rows] (draft j of row r at [j, r]) and stages."""
     am, info, sync = argmax.numpy(), rows_in.numpy()[:rows], sync_tokens.numpy()
     hist, tables, res = history.numpy(), block_tables.numpy(), result.numpy()
+    if phase == LAYER_DRAFTS:
+        assert layer_drafts is not None and layer_drafts.shape[1] >= rows
+        taken = layer_drafts.numpy()
+        for r in range(rows):
+            res[r, 3:3 + res[r, 1]] = taken[:res[r, 1], r]
+        _stage(inputs.numpy(), info, tables, res, block_size, token_capacity, row_capacity, rows, padded_rows, q,
+               token_slots)
+        return
     for r in range(rows):
         f = info[r]
         h = hist[f[HISTORY_ROW]]
@@ -50,6 +64,9 @@ def next_verify_step(argmax: torch.Tensor, rows_in: torch.Tensor, sync_tokens: t
             if pos + 1 > max_context or pos // block_size >= tables.shape[1] or tables[r, pos // block_size] < 0:
                 break
             ok += 1
+        if phase == ACCEPT:
+            res[r, :3] = (a, ok, bonus)
+            continue
         predicted = f[ROW_FIELDS + max_drafts:ROW_FIELDS + max_drafts + f[PREDICTED]]
         if a == len(drafts) and len(predicted) > 1 and predicted[0] == bonus and ok:
             found = predicted[1:1 + ok]  # the host's prediction held
@@ -59,6 +76,8 @@ def next_verify_step(argmax: torch.Tensor, rows_in: torch.Tensor, sync_tokens: t
             found = []
         res[r, :3] = (a, len(found), bonus)
         res[r, 3:3 + len(found)] = found
+    if phase == ACCEPT:
+        return
     _stage(inputs.numpy(), info, tables, res, block_size, token_capacity, row_capacity, rows, padded_rows, q,
            token_slots)
 
