@@ -59,6 +59,9 @@ class LayerDeviceDrafts:
             return False
         p.catch_up_held(scheduler, seq_ids, first_positions)
         p.runner.hold_hidden()
+        # the host's drafts of this step were patched into it already; a step after a discarded
+        # launch must not take them as its own (DeviceDrafts.patch_for)
+        p.device_drafts.clear()
         if graphs.use_graphs and key not in graphs.graphs:
             graphs.graphs[key] = graphs._capture(key)
         if steps > 0:
