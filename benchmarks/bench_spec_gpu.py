@@ -224,6 +224,8 @@ def main() -> None:
         METHODS["eagle3_adaptive"] = ({"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": 4}, True)
         METHODS["eagle3_fixed"] = ({"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": 4,
                                     "adaptive_draft_length": False}, True)  # every step drafts: the drafting step's cost
+        for name in ("eagle3_adaptive", "eagle3_fixed"):  # the head's drafts on the host's paths
+            METHODS[name + "_host"] = METHODS[name]
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         ap.error(f"unknown --methods {unknown} (known: {sorted(METHODS)}; eagle3_adaptive needs --eagle3 DIR)")

@@ -154,10 +154,11 @@ def test_steps_the_device_loop_builds_pay_its_smaller_overhead(monkeypatch) -> N
     assert np.allclose(follows(16), built(16))
     limit[0] = 0
     assert np.allclose(follows(16), host(16))
-    # a drafting layer (EAGLE-3, MTP): built steps as the others' (the loop drafts with the layer on
-    # the device), on the host's paths its own overhead (catch-up and chain after the predecessor's tokens)
+    # a drafting layer (EAGLE-3, MTP): its built steps pay the launch of its forwards on the device,
+    # on the host's paths its own overhead (catch-up and chain after the predecessor's tokens)
     layer = runner_graph_costs(runner, K, built_rows=lambda: 16, drafting_layer=True)
-    assert np.allclose(layer(16)[1:] - replays[1:], h100.built_overhead)
+    assert np.allclose(layer(16)[1:] - replays[1:], h100.built_drafter_overhead)
+    assert h100.built_overhead < h100.built_drafter_overhead < h100.drafter_overhead + 16 * h100.drafter_overhead_per_row
     assert np.allclose(layer(17)[1:] - replays[1:], h100.drafter_overhead + 17 * h100.drafter_overhead_per_row)
     assert h100.drafter_overhead + 16 * h100.drafter_overhead_per_row > h100.draft_overhead + 16 * h100.overhead_per_row
     on_device = simulate(K, rows=16, accept=0.3, cost=(1.0, 0.01),
@@ -178,19 +179,17 @@ def test_runner_graph_costs_add_the_drafting_layers_forwards() -> None:
     runner = types.SimpleNamespace(graph_runner=graphs, device="cpu")
     measured = []
     head = types.SimpleNamespace(measure_forward_seconds=lambda: measured.append(1),
-                                 forward_cost=lambda rows, queued=False: (5e-5 if queued else 3e-4) if rows <= 8 else None)
+                                 forward_cost=lambda rows: 3e-4 if rows <= 8 else None)
     costs = runner_graph_costs(runner, 4, head, drafting_layer=True)
     assert measured == [1]
     rates = device_rates("cpu")
     expected = replays + np.array([0, 1, 1, 1, 1]) * rates.drafter_overhead + 3e-4 * np.arange(5)
     assert np.allclose(costs(4), expected) and costs(9) is None
-    # steps the device loop builds queue the forwards behind each other: their replay's cost
+    # steps the device loop builds: its launch's overhead, the forwards included
     built = runner_graph_costs(runner, 4, head, built_rows=lambda: 4, drafting_layer=True)
-    expected = replays + np.array([0, 1, 1, 1, 1]) * rates.built_overhead + 5e-5 * np.arange(5)
-    assert np.allclose(built(4), expected)
+    assert np.allclose(built(4), replays + np.array([0, 1, 1, 1, 1]) * rates.built_drafter_overhead)
     cheap = runner_graph_costs(runner, 4, types.SimpleNamespace(measure_forward_seconds=lambda: None,
-                                                                forward_cost=lambda rows, queued=False: 1e-5),
-                               drafting_layer=True)
+                                                                forward_cost=lambda rows: 1e-5), drafting_layer=True)
     # acceptance 0.8 a position: drafting pays with cheap forwards, not with forwards of 0.3 of a step
     with_cheap = simulate(K, rows=1, accept=0.8, cost=(1.0, 0.01),
                           policy=DraftLengthPolicy(K, step_cost=(1.0, 0.01), graph_costs=cheap))

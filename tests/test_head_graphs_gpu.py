@@ -2,7 +2,10 @@
 on the default model (SmolLM2 GGUF, bf16) and the shipped head: the head's graphs replay, greedy
 output equals plain output bit for bit (tokens and logits; batch_invariant=True, so verify steps and
 decode steps share their numbers) at batch 1 and 6, and the drafts equal those of the head's eager
-forwards (batch invariance: the padded graph rows change no real row's numbers). Skips without CUDA."""
+forwards (batch invariance: the padded graph rows change no real row's numbers); with verify steps
+built on the device (layer_device_drafts.py) every step's drafts equal the host path's (the catch-up
+over a whole verify step computes the kept positions' entries as the host's shorter one does).
+Skips without CUDA."""
 from __future__ import annotations
 
 import gc
@@ -11,6 +14,7 @@ import pytest
 import torch
 
 from pyengine import LLM, SamplingParams
+from pyengine.engine.host_arrays import draft_token_ids
 from pyengine.models.eagle3 import SHIPPED_HEAD
 from tests.test_batch_invariance_gpu import PROMPTS, assert_identical, run
 from tests.test_gpu_e2e import gguf  # noqa: F401  (the SmolLM2 GGUF fixture)
@@ -22,9 +26,12 @@ MAX_TOKENS = 48
 
 
 def eagle3_run(gguf: str, prompts: list[str], k: int, head_graphs: bool = True,  # noqa: F811
-               prefill_graphs: bool = True):
-    """(outputs as run() gives them, every step's drafts, the proposer's graph runner counters and
-    the target's count of steps with prefill rows on graphs). prefill_graphs False: those eagerly."""
+               prefill_graphs: bool = True, device_loop: bool = False, steps: list | None = None):
+    """(outputs as run() gives them, every propose() call's drafts, the proposer's graph runner
+    counters and the target's count of steps with prefill rows on graphs). prefill_graphs False:
+    those eagerly. device_loop: verify steps built on the device (off: every step's drafts come
+    from propose()); steps: receives every step's (rows, drafts per row, drafts) and, last, the
+    loop's count of steps used."""
     llm = LLM(model=gguf, device="cuda", dtype="bfloat16", batch_invariant=True, num_kv_blocks=4096,
               max_model_len=2048, max_num_batched_tokens=512,
               speculative_config={"method": "eagle3", "model": SHIPPED_HEAD, "num_speculative_tokens": k,
@@ -37,12 +44,24 @@ def eagle3_run(gguf: str, prompts: list[str], k: int, head_graphs: bool = True, 
     target_graphs = llm.engine.runner.graph_runner
     if not prefill_graphs:
         target_graphs.prefill_buckets = []  # execute_mixed declines: prefill steps run eagerly
+    if not device_loop:
+        llm.engine.device_verify = None
+    if steps is not None:
+        commit = llm.engine._commit
+
+        def record(batch, *args):
+            steps.append((tuple(batch.seq_ids.tolist()), tuple(batch.num_draft_tokens.tolist()),
+                          tuple(draft_token_ids(batch).tolist())))
+            return commit(batch, *args)
+        llm.engine._commit = record
     drafts = record_drafts(proposer)
-    llm.engine.cfg.record_logits = True
+    llm.engine.cfg.record_logits = not device_loop  # (recorded logits keep steps from launching ahead)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     reqs = llm.run_requests([(p, llm.tokenizer.encode(p)) for p in prompts], [params] * len(prompts))
-    out = [(r.output_token_ids, torch.stack(r.logits)) for r in reqs]
+    out = [(r.output_token_ids, torch.stack(r.logits) if r.logits else None) for r in reqs]
     counts = (graphs.num_replays, graphs.num_eager, sorted(graphs.graphs), target_graphs.num_mixed)
+    if steps is not None and device_loop:
+        steps.append(llm.engine.device_verify.num_used)
     stats = llm.stats()
     del llm, proposer, target_graphs
     gc.collect()
@@ -79,3 +98,18 @@ def test_prefills_on_graphs_give_the_head_the_same_aux_states(gguf: str) -> None
     assert mixed > 0 and eager_mixed == 0, (mixed, eager_mixed)
     assert_identical(out, eager_out, "eagle3 with vs without prefill graphs")
     assert drafts == eager_drafts
+
+
+@pytest.mark.parametrize("batch,k", [(1, 4), (6, 3)])
+def test_eagle3_device_loop_drafts_as_the_host(gguf: str, batch: int, k: int) -> None:  # noqa: F811
+    prompts = PROMPTS[:batch]
+    plain = run(gguf, prompts, MAX_TOKENS)
+    loop_steps: list = []
+    host_steps: list = []
+    out, _, stats, _ = eagle3_run(gguf, prompts, k, device_loop=True, steps=loop_steps)
+    host_out, _, _, _ = eagle3_run(gguf, prompts, k, steps=host_steps)
+    used = loop_steps.pop()
+    assert used > len(loop_steps) // 3, (used, len(loop_steps))
+    assert [toks for toks, _ in out] == [toks for toks, _ in plain], f"eagle3 k={k} with the device loop vs plain"
+    assert_identical(host_out, plain, f"eagle3 k={k} on the host's paths vs plain")
+    assert loop_steps == host_steps

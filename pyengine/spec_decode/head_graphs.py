@@ -78,7 +78,6 @@ class HeadGraphs(CudaGraphRunner):
         self.prev: torch.Tensor | None = None if prev_width is None else \
             torch.zeros(self.T, prev_width[0], dtype=prev_width[1], device=device)
         self.forward_seconds: dict[int, float] = {}  # bucket -> a chained forward's cost (measure_forward_seconds)
-        self.replay_seconds: dict[int, float] = {}  # bucket -> one forward's replay queued behind others
 
     @property
     def prefill_rows(self) -> int:
@@ -92,8 +91,7 @@ class HeadGraphs(CudaGraphRunner):
         costs on the host's critical path: the feed's arrays built and staged, the replay (q = 1,
         padding rows: no KV written) and the wait for its tokens. A drafting step runs its forwards
         one after the other, so host and GPU time add up. Fixed afterwards (the draft-length
-        policy's price of a drafting depth). Also what a replay costs queued behind others with
-        nothing waited for (replay_seconds: a forward of the device loop's drafting steps)."""
+        policy's price of a drafting depth)."""
         if not self.use_graphs or self.forward_seconds or self.prev is None:
             return
         for b in self.buckets:
@@ -110,18 +108,12 @@ class HeadGraphs(CudaGraphRunner):
                 graph.replay()
                 logits[:b].argmax(dim=-1).tolist()
             self.forward_seconds[b] = (time.perf_counter() - start) / replays
-            start = time.perf_counter()
-            for _ in range(replays):
-                graph.replay()
-            torch.cuda.synchronize(self.device)
-            self.replay_seconds[b] = (time.perf_counter() - start) / replays
 
-    def forward_cost(self, rows: int, queued: bool = False) -> float | None:
-        """Seconds of one chained forward of `rows` rows' bucket (measure_forward_seconds; queued:
-        its replay queued behind others, as the device loop runs them), None: not measured."""
+    def forward_cost(self, rows: int) -> float | None:
+        """Seconds of one chained forward of `rows` rows' bucket (measure_forward_seconds), None: not measured."""
         if rows < 1 or rows > self.max_rows:
             return None
-        return (self.replay_seconds if queued else self.forward_seconds).get(next(x for x in self.buckets if x >= rows))
+        return self.forward_seconds.get(next(x for x in self.buckets if x >= rows))
 
     def key_for(self, feed: HeadFeed) -> tuple[int, int] | None:
         """(bucket, q) when the feed can replay a graph, else None (the caller runs it eagerly)."""

@@ -65,13 +65,19 @@ class DeviceRates:
     # below what EAGLE-3's drafting steps cost over their replay and head forwards (~1.1 ms at batch 1).
     drafter_overhead: float = 0.0
     drafter_overhead_per_row: float = 0.0
+    # ... and a drafting layer's step built on the device (spec_decode/layer_device_drafts.py): its
+    # launch (the catch-up, first draft and chain queued, next_verify_step's halves) is host work
+    # the GPU waits for at batch 1, forwards included. H100, SmolLM2 and the shipped head, k = 4
+    # every step: 1.71 ms against a decode step's 1.14 (~1.05 for the q = 5 replay;
+    # results/spec_eagle3_device_loop_h100.json).
+    built_drafter_overhead: float = 0.0
 
 
 # CUDA devices by name (first match, case-insensitive, in torch.cuda.get_device_name), others the
 # default: rates below an H100's balance, so that verify tokens look dearer there, not cheaper.
 # The overheads are the host's (the same for every device of these hosts).
 _HOST = dict(draft_overhead=3e-4, overhead_per_row=6e-6, built_overhead=5e-5, drafter_overhead=6e-4,
-             drafter_overhead_per_row=1.9e-5)
+             drafter_overhead_per_row=1.9e-5, built_drafter_overhead=6e-4)
 CUDA_DEVICES: tuple[tuple[str, DeviceRates], ...] = (
     ("H200", DeviceRates(3.9e12, 6.4e14, 4.4e13, 6e-4, **_HOST)),  # GH200 too
     ("H100 PCIe", DeviceRates(1.6e12, 4.9e14, 3.3e13, 6e-4, **_HOST)),
@@ -102,7 +108,7 @@ def device_rates(device: torch.device | str, device_name: str | None = None, cpu
                     CPU_FLOPS_PER_CORE_DEFAULT)
     return DeviceRates(min(cores * CPU_BANDWIDTH_PER_CORE, CPU_BANDWIDTH_MAX), cores * per_core, cores * per_core,
                        CPU_OVERHEAD, draft_overhead=CPU_OVERHEAD, built_overhead=CPU_OVERHEAD,
-                       drafter_overhead=CPU_OVERHEAD)
+                       drafter_overhead=CPU_OVERHEAD, built_drafter_overhead=CPU_OVERHEAD)
 
 
 def modelled_step_cost(num_params: int, weight_bytes: int, device: torch.device | str, dtype: torch.dtype,
@@ -168,8 +174,8 @@ def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None,
     drafter_overhead and drafter_overhead_per_row); and,
     with a drafting layer on graphs (drafter_graphs: its HeadGraphs), d of its forwards
     (HeadGraphs.measure_forward_seconds, run here once: a catch-up and d - 1 chained drafts, each
-    waited for on the host's paths, queued behind each other in a built step). None when the
-    runner replays no graphs."""
+    waited for; a drafting layer's built steps pay built_drafter_overhead instead, forwards
+    included). None when the runner replays no graphs."""
     graphs = getattr(runner, "graph_runner", None)
     if graphs is None or not graphs.use_graphs:
         return None
@@ -184,6 +190,9 @@ def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None,
             return None
         out = np.array(replay[:k + 1], dtype=np.float64)
         built = built_rows is not None and rows <= built_rows()
+        if built and drafting_layer:
+            out[1:] += rates.built_drafter_overhead  # the layer's forwards included
+            return out
         if built:
             out[1:] += rates.built_overhead
         elif drafting_layer:
@@ -191,7 +200,7 @@ def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None,
         else:
             out[1:] += rates.draft_overhead + rates.overhead_per_row * rows
         if drafter_graphs is not None:
-            forward = drafter_graphs.forward_cost(rows, queued=built)
+            forward = drafter_graphs.forward_cost(rows)
             if forward is None:
                 return None
             out += forward * np.arange(k + 1)
