@@ -8,9 +8,11 @@ lengths. So one host-to-device copy stages all steps' metadata and one replay ru
 each followed by its argmax on the device, instead of steps x (stage, replay, draw) from the host.
 Greedy rows only: a random row's q must be kept per draft (MtpProposer's per-step path does that).
 
-For the device loop (layer_device_drafts.py) the first positions are known on the host only up to
-each row's accepted count a, which is on the device: run(shift=a) stages the positions for a = 0
-and moves them, their slots and context lengths by a on the device before the replay.
+For the device loop (layer_device_drafts.py) a row's first position is known on the host only up
+to its accepted count a, which is on the device, and draft 1 is not drawn yet: run_from_state()
+stages the positions for a = 0, and its graphs (keyed (b, steps, "state")) move them, their slots
+and context lengths by a and draw draft 1 from the layer's state after the bonus token (greedy)
+before the chain, so that the host launches one replay.
 
 Graphs are keyed (bucket b, steps), captured on first use in HeadGraphs' memory pool. Row i of b
 takes part in step j only while j < steps_i: a finished or padding row's step has slot -1 (no KV
@@ -50,8 +52,9 @@ class DraftChain:
         self.query_start_loc = torch.arange(R + 1, dtype=torch.int32, device=device)
         self.first_ids = torch.zeros(R, dtype=torch.int64, device=device)  # draft 1 of each row
         self.first_hidden = torch.zeros(R, hidden[0], dtype=hidden[1], device=device)  # its input state
+        self.shift = torch.zeros(R, dtype=torch.int64, device=device)  # run_from_state: each row's a
         self.copy_done = torch.cuda.Event() if self.use_graphs else None
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
 
     def _split(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         off = 8 * self.n64
@@ -61,19 +64,40 @@ class DraftChain:
         return 0 < rows <= self.buckets[-1] and 0 < steps <= self.max_steps and tables.shape[1] <= self.width
 
     def prepare(self, rows: int, steps: int) -> None:
-        """Capture the graph a run of `rows` rows and `steps` steps replays, if not yet."""
-        key = (next(x for x in self.buckets if x >= rows), steps)
+        """Capture the graph run_from_state replays for `rows` rows and `steps` steps, if not yet."""
+        key = (next(x for x in self.buckets if x >= rows), steps, "state")
         if self.use_graphs and key not in self.graphs:
             self.graphs[key] = self._capture(key)
 
     @torch.inference_mode()
+    def run_from_state(self, tables: np.ndarray, first_pos: np.ndarray, steps_per_row: np.ndarray,
+                       shift: torch.Tensor) -> torch.Tensor:
+        """The device loop's drafts of greedy rows, one replay: row i's draft 1 is the argmax of
+        the layer's logits on first_hidden[i] (the caller writes it), then as run() from position
+        first_pos[i] + shift[i] (shift on the device; every such position must lie in the row's
+        blocks). Returns [1 + steps, rows]: draft 1, then the chain's (a static buffer)."""
+        rows, steps = len(first_pos), int(steps_per_row.max())
+        b = next(x for x in self.buckets if x >= rows)
+        key = (b, steps, "state")
+        if self.use_graphs and key not in self.graphs:
+            self.graphs[key] = self._capture(key)
+        self._stage(tables, first_pos.astype(np.int64), steps_per_row.astype(np.int64), steps)
+        self._copy()
+        self.shift[:rows].copy_(shift)
+        if self.use_graphs:
+            graph, tokens = self.graphs[key]
+            graph.replay()
+        else:
+            tokens = self._forward(key)
+        return tokens[:, :rows]
+
+    @torch.inference_mode()
     def run(self, tables: np.ndarray, first_pos: np.ndarray, steps_per_row: np.ndarray, first_ids: torch.Tensor,
-            first_hidden: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+            first_hidden: torch.Tensor) -> torch.Tensor:
         """Drafts 2.. of each row: row i (block table tables[i]) feeds first_ids[i] with
-        first_hidden[i] at position first_pos[i] (+ shift[i], device int64, where given), then its
-        own argmax, steps_per_row[i] times in all. Returns the drawn tokens [steps, rows] (device
-        int64, a static buffer valid until the next run); entry (j, i) is meaningful for j <
-        steps_per_row[i]. With a shift every shifted position must lie in the rows' blocks."""
+        first_hidden[i] at position first_pos[i], then its own argmax, steps_per_row[i] times in
+        all. Returns the drawn tokens [steps, rows] (device int64, a static buffer valid until the
+        next run); entry (j, i) is meaningful for j < steps_per_row[i]."""
         rows, steps = len(first_pos), int(steps_per_row.max())
         b = next(x for x in self.buckets if x >= rows)
         self._stage(tables, first_pos.astype(np.int64), steps_per_row.astype(np.int64), steps)
@@ -82,8 +106,6 @@ class DraftChain:
             self.graphs[key] = self._capture(key)
             self._stage(tables, first_pos.astype(np.int64), steps_per_row.astype(np.int64), steps)
         self._copy()
-        if shift is not None:
-            self._shift(rows, steps, shift)
         self.first_ids[:rows].copy_(first_ids)
         self.first_hidden[:rows].copy_(first_hidden)
         if self.use_graphs:
@@ -116,38 +138,43 @@ class DraftChain:
         tab[:rows, :tables.shape[1]] = tables
         tab[:rows, tables.shape[1]:] = -1
 
-    def _shift(self, rows: int, steps: int, shift: torch.Tensor) -> None:
-        """The staged steps' positions + shift per row, their slots and context lengths to match
-        (padding steps: context 0, left as they are)."""
-        B = self.block_size
-        live = self.context[:steps, :rows] > 0
-        pos = self.positions[:steps, :rows] + shift[None, :]
-        block = self.tables[:rows].gather(1, (pos // B).T.clamp(max=self.width - 1)).T.to(torch.int64)
-        self.positions[:steps, :rows] = torch.where(live, pos, 0)
-        self.slots[:steps, :rows] = torch.where(live, block * B + pos % B, -1)
-        self.context[:steps, :rows] = torch.where(live, pos + 1, 0).to(torch.int32)
-
     def _copy(self) -> None:
         if self.use_graphs:
             streams.copy_async(self.dev_bytes, self.host_bytes, self.device, self.copy_done)
         else:
             self.dev_bytes.copy_(self.host_bytes)
 
-    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
-        b, steps = key
-        ids, hidden = self.first_ids[:b], self.first_hidden[:b]
-        drawn = []
+    def _forward(self, key: tuple) -> torch.Tensor:
+        b, steps = key[0], key[1]
+        hidden = self.first_hidden[:b]
+        positions, slots, context = self.positions[:steps, :b], self.slots[:steps, :b], self.context[:steps, :b]
+        if len(key) == 2:
+            ids, drawn = self.first_ids[:b], []
+        else:  # run_from_state: the staged positions moved by each row's shift, draft 1 drawn here
+            positions, slots, context = self._shifted(b, steps)
+            ids = self.layer.compute_logits(hidden).argmax(dim=-1)
+            drawn = [ids]
         for j in range(steps):
-            meta = AttentionMetadata(slot_mapping=self.slots[j, :b], block_tables=self.tables[:b],
-                                     query_start_loc=self.query_start_loc[:b + 1], context_lens=self.context[j, :b],
+            meta = AttentionMetadata(slot_mapping=slots[j], block_tables=self.tables[:b],
+                                     query_start_loc=self.query_start_loc[:b + 1], context_lens=context[j],
                                      max_query_len=1, max_context_len=self.width * self.block_size,
                                      block_size=self.block_size)
-            hidden = self.layer(ids, self.positions[j, :b], hidden, meta, self.kv_cache)
+            hidden = self.layer(ids, positions[j], hidden, meta, self.kv_cache)
             ids = self.layer.compute_logits(hidden).argmax(dim=-1)
             drawn.append(ids)
         return torch.stack(drawn)
 
-    def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _shifted(self, b: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The staged steps' positions + shift per row, and their slots and context lengths (staged
+        padding steps, context 0, stay padding): [steps, b] each."""
+        B = self.block_size
+        live = self.context[:steps, :b] > 0
+        pos = self.positions[:steps, :b] + self.shift[None, :b]
+        block = self.tables[:b].gather(1, (pos // B).T.clamp(max=self.width - 1)).T.to(torch.int64)
+        return (torch.where(live, pos, 0), torch.where(live, block * B + pos % B, -1),
+                torch.where(live, pos + 1, 0).to(torch.int32))
+
+    def _capture(self, key: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm-up and capture on padding inputs (every slot -1, context 0: nothing written or read)."""
         with use_kernel_config(self.kernel_config):
             self._stage(np.full((0, 1), -1, dtype=np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64), key[1])

@@ -11,8 +11,9 @@ a. What MtpProposer.propose would do on the host for step N + 1, queued on the s
   next catch-up before any draft reads them (a position's key is written before it is attended to),
   as the host's chained drafts' entries are. The shape is step N's, known on the host, so only the
   row whose output drafts depends on a: draft 1 comes from the layer's output at p0 + a.
-- chain: drafts 2.. from position p0 + a + 1 on (DraftChain, its positions shifted by a on the
-  device; every such position lies in blocks the launch checked for the longest outcome).
+- chain: draft 1, then drafts 2.. from position p0 + a + 1 on, in one replay (DraftChain.run_from_state:
+  its positions shifted by a on the device; every such position lies in blocks the launch checked
+  for the longest outcome).
 The drafts land in a [draft, row] buffer, which next_verify_step's second half takes (each row its
 limit's worth). A row's layer entries must be complete up to p0 first: the positions it deferred
 (HiddenRing) are caught up on the host's usual path before (catch_up_held). When the step is used
@@ -82,14 +83,16 @@ class LayerDeviceDrafts:
         out, _ = p.graphs.run(key, feed, p.target_hidden(hidden), argmax[:n])
         p.num_forwards += 1
         starts = to_device(feed.query_start_loc[:-1].astype(np.int64), p.device)
-        last = out.index_select(0, starts + accepted[:rows])  # the state after the bonus token
-        first = p.layer.compute_logits(last).argmax(dim=-1)
-        self.buffer[0, :rows].copy_(first)
-        if steps > 0:
-            shift = accepted[:rows]
-            drawn = p.chain.run(tables, first_positions + 1, np.maximum(caps - 1, 0), first, last, shift=shift)
-            self.buffer[1:1 + steps, :rows].copy_(drawn)
-            p.num_forwards += steps
+        after_bonus = starts + accepted[:rows]  # each row's state after its bonus token: draft 1's
+        if steps == 0:
+            first = p.layer.compute_logits(out.index_select(0, after_bonus)).argmax(dim=-1)
+            self.buffer[0, :rows].copy_(first)
+            return self.buffer
+        chain = p.chain
+        torch.index_select(out, 0, after_bonus, out=chain.first_hidden[:rows])
+        drawn = chain.run_from_state(tables, first_positions + 1, np.maximum(caps - 1, 0), accepted[:rows])
+        self.buffer[:1 + steps, :rows].copy_(drawn)
+        p.num_forwards += steps
         return self.buffer
 
     def adopt(self, seq_ids: np.ndarray, first_positions: np.ndarray, accepted: np.ndarray) -> None:
