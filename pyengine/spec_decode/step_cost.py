@@ -68,8 +68,9 @@ class DeviceRates:
     # ... and a drafting layer's step built on the device (spec_decode/layer_device_drafts.py): its
     # launch (the catch-up, first draft and chain queued, next_verify_step's halves) is host work
     # the GPU waits for at batch 1, forwards included. H100, SmolLM2 and the shipped head, k = 4
-    # every step: 1.71 ms against a decode step's 1.14 (~1.05 for the q = 5 replay;
-    # results/spec_eagle3_device_loop_h100.json).
+    # every step: 1.67 ms against a decode step's 1.14 (~1.05 for the q = 5 replay), 1.64 against
+    # 1.31 at 16 rows (results/spec_eagle3_device_loop_b1_h100.json, _b16_; the host's speed moves
+    # it: 1.71-2.1 ms in two other calls before draft 1 moved into the chain's graph).
     built_drafter_overhead: float = 0.0
 
 
