@@ -71,9 +71,14 @@ def random_step(seed: int, rows: int, q: int):
     return tokens, args, shape
 
 
+def fresh_outputs(rows: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's static inputs (filled with 99) and result buffers for `rows` rows."""
+    return (torch.full((3 * T + 2 * R + 1,), 99, dtype=torch.int64, device=device),
+            torch.zeros(rows, 3 + MAX_DRAFTS_CAP, dtype=torch.int64, device=device))
+
+
 def run_reference(args, shape):
-    inputs = torch.full((3 * T + 2 * R + 1,), 99, dtype=torch.int64)
-    result = torch.zeros(shape["rows"], 3 + MAX_DRAFTS_CAP, dtype=torch.int64)
+    inputs, result = fresh_outputs(shape["rows"])
     history = args[3].clone()
     next_verify_step(args[0], args[1], args[2], history, args[4], inputs, result, **shape)
     return inputs, result, history
@@ -116,8 +121,14 @@ def test_the_reference_is_the_hosts_rule(seed: int) -> None:
         else:
             want = _C.propose_ngram(committed, 1, 3, limit) if limit else []
         assert res[r, 1] == len(want) and list(res[r, 3:3 + len(want)]) == list(want)
-    # the static inputs: the host's staging of the same step
-    first = info[:, FIRST_POSITION] + 1 + res[:, 0]
+    assert np.array_equal(inputs.numpy(), host_staging(info, tables, res, q))
+
+
+def host_staging(info: np.ndarray, tables: np.ndarray, res: np.ndarray, q: int) -> np.ndarray:
+    """The static inputs of the step the results describe, as the host stages it (launch_rows,
+    stage_graph_step)."""
+    rows = len(res)
+    first = info[:rows, FIRST_POSITION] + 1 + res[:, 0]
     step = _C.launch_rows(first, (1 + res[:, 1]).astype(np.int32), tables[:rows], BS, WIDTH * BS)
     assert step is not None
     sq, pos, slot_mapping, ctx, _ = step
@@ -125,7 +136,7 @@ def test_the_reference_is_the_hosts_rule(seed: int) -> None:
     h64 = np.full(3 * T + 2 * R + 1, 99, dtype=np.int64)
     _C.stage_graph_step(h64, np.zeros((R, WIDTH), np.int32), T, R, 2 * rows, q, rows * q, sq.astype(np.int32),
                         next_ids, pos, slot_mapping, ctx, tables[:rows])
-    assert np.array_equal(inputs.numpy(), h64)
+    return h64
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
@@ -245,8 +256,7 @@ def test_the_kernel_is_the_reference(seed: int) -> None:
     _, args, shape = random_step(seed, rows, q)
     want = run_reference(args, shape)
     cuda = [t.cuda() for t in args]
-    inputs = torch.full((3 * T + 2 * R + 1,), 99, dtype=torch.int64, device="cuda")
-    result = torch.zeros(rows, 3 + MAX_DRAFTS_CAP, dtype=torch.int64, device="cuda")
+    inputs, result = fresh_outputs(rows, "cuda")
     kernel(cuda[0], cuda[1], cuda[2], cuda[3], cuda[4], inputs, result, **shape)
     torch.cuda.synchronize()
     assert torch.equal(inputs.cpu(), want[0])

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from pyengine import LLM, SamplingParams, _C
+from pyengine import LLM, SamplingParams
 from pyengine.engine.host_arrays import draft_token_ids
 from pyengine.ops.reference.next_verify_step import (ACCEPT, FIRST_POSITION, LAYER_DRAFTS, MAX_DRAFTS, PREDICTED,
                                                      TOKENS_LEFT, next_verify_step)
-from tests.test_device_verify import BS, MAX_DRAFTS_CAP, R, T, WIDTH, random_step
+from tests.test_device_verify import BS, MAX_DRAFTS_CAP, R, fresh_outputs, host_staging, random_step
 from tests.test_eagle3 import head, target  # noqa: F401  (module fixtures: the tiny target and its trained head)
 from tests.test_verify_ahead import graph_llm, outputs, stopping_params
 from tests.tiny_models import make_deepseek_checkpoint, make_prompts
@@ -23,9 +23,7 @@ from tests.tiny_models import make_deepseek_checkpoint, make_prompts
 
 def _phases(args, shape, drafts: torch.Tensor, kernel=next_verify_step):
     """The two halves on fresh outputs: (inputs, result after ACCEPT, result, history)."""
-    device = args[0].device
-    inputs = torch.full((3 * T + 2 * R + 1,), 99, dtype=torch.int64, device=device)
-    result = torch.zeros(shape["rows"], 3 + MAX_DRAFTS_CAP, dtype=torch.int64, device=device)
+    inputs, result = fresh_outputs(shape["rows"], args[0].device)
     history = args[3].clone()
     kernel(args[0], args[1], args[2], history, args[4], inputs, result, **shape, phase=ACCEPT)
     accepted = result.clone()
@@ -45,8 +43,7 @@ def test_the_halves_are_the_whole_with_the_layers_drafts(seed: int) -> None:
     _, args, shape = random_step(seed, rows, q)
     shape = dict(shape, min_n=0, max_n=0)
     args[1][:, PREDICTED] = 0  # the whole step then drafts nothing
-    whole_inputs = torch.full((3 * T + 2 * R + 1,), 99, dtype=torch.int64)
-    whole = torch.zeros(rows, 3 + MAX_DRAFTS_CAP, dtype=torch.int64)
+    whole_inputs, whole = fresh_outputs(rows)
     whole_history = args[3].clone()
     next_verify_step(args[0], args[1], args[2], whole_history, args[4], whole_inputs, whole, **shape)
     assert (whole[:, 1] == 0).all()
@@ -65,15 +62,7 @@ def test_the_halves_are_the_whole_with_the_layers_drafts(seed: int) -> None:
             limit -= 1
         assert accepted[r, 1] == limit == res[r, 1]
         assert list(res[r, 3:3 + limit]) == list(drafts[:limit, r].numpy())
-    first = info[:rows, FIRST_POSITION] + 1 + res[:, 0]
-    step = _C.launch_rows(first, (1 + res[:, 1]).astype(np.int32), tables[:rows], BS, WIDTH * BS)
-    assert step is not None
-    sq, pos, slot_mapping, ctx, _ = step
-    next_ids = np.concatenate([res[r, 2:3 + res[r, 1]] for r in range(rows)])
-    h64 = np.full(3 * T + 2 * R + 1, 99, dtype=np.int64)
-    _C.stage_graph_step(h64, np.zeros((R, WIDTH), np.int32), T, R, 2 * rows, q, rows * q, sq.astype(np.int32),
-                        next_ids, pos, slot_mapping, ctx, tables[:rows])
-    assert np.array_equal(inputs.numpy(), h64)
+    assert np.array_equal(inputs.numpy(), host_staging(info, tables, res, q))
 
 
 @pytest.mark.gpu

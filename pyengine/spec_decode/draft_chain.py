@@ -65,49 +65,45 @@ class DraftChain:
 
     def prepare(self, rows: int, steps: int) -> None:
         """Capture the graph run_from_state replays for `rows` rows and `steps` steps, if not yet."""
-        key = (next(x for x in self.buckets if x >= rows), steps, "state")
+        key = self._key(rows, steps, "state")
         if self.use_graphs and key not in self.graphs:
             self.graphs[key] = self._capture(key)
 
-    @torch.inference_mode()
     def run_from_state(self, tables: np.ndarray, first_pos: np.ndarray, steps_per_row: np.ndarray,
                        shift: torch.Tensor) -> torch.Tensor:
         """The device loop's drafts of greedy rows, one replay: row i's draft 1 is the argmax of
         the layer's logits on first_hidden[i] (the caller writes it), then as run() from position
         first_pos[i] + shift[i] (shift on the device; every such position must lie in the row's
         blocks). Returns [1 + steps, rows]: draft 1, then the chain's (a static buffer)."""
-        rows, steps = len(first_pos), int(steps_per_row.max())
-        b = next(x for x in self.buckets if x >= rows)
-        key = (b, steps, "state")
-        if self.use_graphs and key not in self.graphs:
-            self.graphs[key] = self._capture(key)
-        self._stage(tables, first_pos.astype(np.int64), steps_per_row.astype(np.int64), steps)
-        self._copy()
-        self.shift[:rows].copy_(shift)
-        if self.use_graphs:
-            graph, tokens = self.graphs[key]
-            graph.replay()
-        else:
-            tokens = self._forward(key)
-        return tokens[:, :rows]
+        key = self._key(len(first_pos), int(steps_per_row.max()), "state")
+        return self._replay(key, tables, first_pos, steps_per_row, lambda rows: self.shift[:rows].copy_(shift))
 
-    @torch.inference_mode()
     def run(self, tables: np.ndarray, first_pos: np.ndarray, steps_per_row: np.ndarray, first_ids: torch.Tensor,
             first_hidden: torch.Tensor) -> torch.Tensor:
         """Drafts 2.. of each row: row i (block table tables[i]) feeds first_ids[i] with
         first_hidden[i] at position first_pos[i], then its own argmax, steps_per_row[i] times in
         all. Returns the drawn tokens [steps, rows] (device int64, a static buffer valid until the
         next run); entry (j, i) is meaningful for j < steps_per_row[i]."""
-        rows, steps = len(first_pos), int(steps_per_row.max())
-        b = next(x for x in self.buckets if x >= rows)
-        self._stage(tables, first_pos.astype(np.int64), steps_per_row.astype(np.int64), steps)
-        key = (b, steps)
+        def fill(rows: int) -> None:
+            self.first_ids[:rows].copy_(first_ids)
+            self.first_hidden[:rows].copy_(first_hidden)
+        return self._replay(self._key(len(first_pos), int(steps_per_row.max())), tables, first_pos, steps_per_row,
+                            fill)
+
+    def _key(self, rows: int, steps: int, *mode: str) -> tuple:
+        return (next(x for x in self.buckets if x >= rows), steps, *mode)
+
+    @torch.inference_mode()
+    def _replay(self, key: tuple, tables: np.ndarray, first_pos: np.ndarray, steps_per_row: np.ndarray,
+                fill) -> torch.Tensor:
+        """Capture key's graph if new, stage the rows' steps, fill(rows) the device inputs the
+        staging does not carry, replay (CPU: run eagerly); the drawn tokens [.., rows]."""
+        rows = len(first_pos)
         if self.use_graphs and key not in self.graphs:
-            self.graphs[key] = self._capture(key)
-            self._stage(tables, first_pos.astype(np.int64), steps_per_row.astype(np.int64), steps)
+            self.graphs[key] = self._capture(key)  # stages padding: the rows are staged after it
+        self._stage(tables, first_pos.astype(np.int64), steps_per_row.astype(np.int64), key[1])
         self._copy()
-        self.first_ids[:rows].copy_(first_ids)
-        self.first_hidden[:rows].copy_(first_hidden)
+        fill(rows)
         if self.use_graphs:
             graph, tokens = self.graphs[key]
             graph.replay()
