@@ -67,11 +67,10 @@ class DeviceRates:
     drafter_overhead_per_row: float = 0.0
     # ... and a drafting layer's step built on the device (spec_decode/layer_device_drafts.py): its
     # launch (the catch-up, first draft and chain queued, next_verify_step's halves) is host work
-    # the GPU waits for at batch 1, forwards included: such a step costs at least batch 1's decode
-    # replay + this, whatever its rows. H100, SmolLM2 and the shipped head, k = 4 every step: 1.67
-    # ms against a decode step's 1.14 (replay ~1.02), and 1.64 against 1.31 at 16 rows
-    # (results/spec_eagle3_device_loop_b1_h100.json, _b16_; the host's speed moves it: 1.71-2.1 ms
-    # in two other calls before draft 1 moved into the chain's graph).
+    # the GPU waits for at batch 1, forwards included. H100, SmolLM2 and the shipped head, k = 4
+    # every step: 1.67 ms against a decode step's 1.14 (~1.05 for the q = 5 replay), 1.64 against
+    # 1.31 at 16 rows (results/spec_eagle3_device_loop_b1_h100.json, _b16_; the host's speed moves
+    # it: 1.71-2.1 ms in two other calls before draft 1 moved into the chain's graph).
     built_drafter_overhead: float = 0.0
 
 
@@ -176,8 +175,8 @@ def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None,
     drafter_overhead and drafter_overhead_per_row); and,
     with a drafting layer on graphs (drafter_graphs: its HeadGraphs), d of its forwards
     (HeadGraphs.measure_forward_seconds, run here once: a catch-up and d - 1 chained drafts, each
-    waited for; a drafting layer's built steps cost at least batch 1's decode replay +
-    built_drafter_overhead instead, forwards included). None when the runner replays no graphs."""
+    waited for; a drafting layer's built steps pay built_drafter_overhead instead, forwards
+    included). None when the runner replays no graphs."""
     graphs = getattr(runner, "graph_runner", None)
     if graphs is None or not graphs.use_graphs:
         return None
@@ -193,10 +192,7 @@ def runner_graph_costs(runner: Any, k: int, drafter_graphs: Any = None,
         out = np.array(replay[:k + 1], dtype=np.float64)
         built = built_rows is not None and rows <= built_rows()
         if built and drafting_layer:
-            # the launch's host work bounds the step: a floor of batch 1's replay + the overhead,
-            # which a larger batch's longer replay hides (forwards included)
-            floor = graphs.step_costs(1)[0] + rates.built_drafter_overhead
-            out[1:] = np.maximum(out[1:] + rates.built_overhead, floor)
+            out[1:] += rates.built_drafter_overhead  # the layer's forwards included
             return out
         if built:
             out[1:] += rates.built_overhead
