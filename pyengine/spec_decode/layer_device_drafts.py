@@ -98,4 +98,4 @@ class LayerDeviceDrafts:
     def adopt(self, seq_ids: np.ndarray, first_positions: np.ndarray, accepted: np.ndarray) -> None:
         """The launched step is used, its predecessor's acceptance known: each row's layer entries
         now run through its bonus token's predecessor (first + a), as the host's catch-up leaves them."""
-        self.proposer.valid.update(zip(seq_ids.tolist(), (first_positions + accepted + 1).tolist()))
+        self.proposer.caught_up(seq_ids, first_positions + accepted + 1)

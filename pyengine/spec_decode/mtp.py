@@ -231,8 +231,13 @@ class MtpProposer:
             pos = lo[row] + np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
             feed = HeadFeed.build(scheduler.block_tables(ids), lo, lens, self.block_size, tails.astype(np.int64))
             self._forward(feed, self.target_hidden(self.ring.gather(ids[row], pos)), np.zeros(0, np.int64))
-        self.valid.update(zip(seq_ids.tolist(), first.tolist()))
+        self.caught_up(seq_ids, first)
         self.ring.release(seq_ids)
+
+    def caught_up(self, seq_ids: np.ndarray, ends: np.ndarray) -> None:
+        """The layer's entries of these rows now run up to ends (exclusive): a catch-up queued by
+        catch_up_held or by the device loop (LayerDeviceDrafts.adopt)."""
+        self.valid.update(zip(seq_ids.tolist(), ends.tolist()))
 
     def forget(self, seq_ids: Sequence[int], finished: bool) -> None:
         for sid in seq_ids:
