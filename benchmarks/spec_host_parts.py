@@ -110,6 +110,18 @@ def main() -> None:
             head.graphs.key_for = key_for_noting_eager
         if head.chain is not None:
             head.chain.run = timed("layer.chain.run", head.chain.run)
+    loop = eng.device_verify
+    if loop is not None:  # the device loop's launch and the host's read of it
+        for name in ("launch", "resolve"):
+            setattr(loop, name, timed("loop." + name, getattr(loop, name)))
+        loop.kernel = timed("loop.kernel", loop.kernel)
+        if loop.layer is not None:  # a drafting layer's part of the launch
+            for name in ("prepare", "draft"):
+                setattr(loop.layer, name, timed("loop.layer." + name, getattr(loop.layer, name)))
+            head = loop.layer.proposer
+            head.catch_up_held = timed("layer.catch_up_held", head.catch_up_held)
+            if head.chain is not None:
+                head.chain.run_from_state = timed("layer.chain.run_from_state", head.chain.run_from_state)
     if eng.draft_length is not None:
         for name in ("draft_lengths", "observe_rows"):
             setattr(eng.draft_length, name, timed("policy." + name, getattr(eng.draft_length, name)))
