@@ -113,6 +113,9 @@ class DeviceVerifyLoop:
         self.dev_sync = torch.zeros(4096, dtype=torch.int32, device=dev)
         self.staged = torch.cuda.Event() if pin else None  # the last launch's sync copy left host_sync
         self.ready = torch.cuda.Event() if pin else None  # the result reached the host
+        # a drafting layer's launch: the result again once the layer's drafts are in it
+        self.host_drafts = torch.zeros_like(self.host_result, pin_memory=pin)
+        self.drafts_ready = torch.cuda.Event() if pin else None
         if dev.type == "cuda":
             from pyengine.ops.cuda.next_verify_step import next_verify_step
             self.kernel = next_verify_step
@@ -181,9 +184,14 @@ class DeviceVerifyLoop:
             if self.layer is None:
                 self.kernel(*args, **shape)
             else:
+                # the acceptance reaches the host before the layer's drafts (resolve waits for it
+                # alone: the host commits while the GPU drafts; PendingStep.complete waits for the rest)
                 self.kernel(*args, **shape, phase=ACCEPT)
+                streams.copy_async(self.host_result[:rows], self.result[:rows], g.device, self.ready)
                 drafts = self.layer.draft(argmax, self.result[:, 0], tables, p0, cap)
                 self.kernel(*args, **shape, phase=LAYER_DRAFTS, layer_drafts=drafts)
+                streams.copy_async(self.host_drafts[:rows], self.result[:rows], g.device, self.drafts_ready)
+                return
             streams.copy_async(self.host_result[:rows], self.result[:rows], g.device, self.ready)
 
         logits = g.launch_built(key, tables, info, build)
@@ -207,15 +215,28 @@ class DeviceVerifyLoop:
                                self.max_context)
         assert built is not None, "a launched row's positions lack blocks"
         qsl, pos, slot_mapping, ctx, num_blocks = built
-        width = np.arange(1 + self.max_drafts)[None, :]
-        input_ids = res[:, 2:][width < counts_next[:, None]]
         pending = PendingStep(launched.key, launched.logits[:int(qsl[-1])], launched.seq_ids, pos, slot_mapping, ctx,
-                              launched.tables, num_blocks, qsl, input_ids, from_device=True)
-        pending.drafts = (res[:, 3:][width[:, :-1] < num_drafts[:, None]].astype(np.int32), num_drafts.astype(np.int32))
-        if self.layer is not None:
+                              launched.tables, num_blocks, qsl, from_device=True)
+        if self.layer is None:
+            self._take_drafts(pending, res)
+        else:  # the layer's drafts arrive after the acceptance
             self._resolved = (launched.seq_ids, launched.first_positions, accepted)
+            pending.fill = self._wait_for_drafts
         self._appended = (launched.slots, launched.first_positions + 1)
         return pending
+
+    def _wait_for_drafts(self, pending: PendingStep) -> None:
+        if self.drafts_ready is not None:
+            self.drafts_ready.synchronize()
+        self._take_drafts(pending, self.host_drafts.numpy()[:len(pending.seq_ids)].copy())
+
+    def _take_drafts(self, pending: PendingStep, res: np.ndarray) -> None:
+        """The launched step's input ids and the drafts the scheduler is to be given, from the
+        result rows [accepted, drafts, bonus, drafts ...]."""
+        num_drafts = res[:, 1]
+        width = np.arange(1 + self.max_drafts)[None, :]
+        pending.input_ids = res[:, 2:][width < 1 + num_drafts[:, None]]
+        pending.drafts = (res[:, 3:][width[:, :-1] < num_drafts[:, None]].astype(np.int32), num_drafts.astype(np.int32))
 
     def adopted(self) -> None:
         """The last resolved step is the one the scheduler runs next (its drafts are taken): a

@@ -254,6 +254,8 @@ class LLMEngine(LaunchAhead):
         if not view.num_rows:
             return
         pending = self._pending
+        if pending is not None:
+            pending.complete()  # a drafting layer's drafts built on the device
         if pending is not None and pending.drafts is not None:  # verify ahead, confirmed
             if np.array_equal(view.seq_ids, pending.seq_ids):
                 self.scheduler.set_draft_tokens_batch(pending.seq_ids, *pending.drafts)

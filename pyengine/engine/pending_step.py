@@ -4,6 +4,7 @@ with, and the test that the scheduler's next batch is that step."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -29,11 +30,21 @@ class PendingStep:
     expected: tuple[np.ndarray, np.ndarray] | None = field(default=None)
     drafts: tuple[np.ndarray, np.ndarray] | None = field(default=None)
     from_device: bool = False  # built on the device from the launching step's argmax (device_verify.py)
+    # a drafting layer's step built on the device: its drafts (and so its input ids) reach the host
+    # after its launching step's tokens; fill(self) waits for them and sets both (complete())
+    fill: Callable[["PendingStep"], None] | None = field(default=None)
+
+    def complete(self) -> None:
+        """Wait for what a step built on the device sends after its acceptance (fill)."""
+        if self.fill is not None:
+            fill, self.fill = self.fill, None
+            fill(self)
 
     def matches(self, batch) -> bool:
         """Is `batch` exactly the step that was launched (rows, order and every input the forward
         reads, of the block tables each row's context blocks: a table may have gained a block past
         them since, the next step's lookahead)? Then its logits are the ones this batch would compute."""
+        self.complete()
         rows = len(self.seq_ids)
         return (self.input_ids is not None and batch.num_rows == rows and batch.num_decode_rows == rows
                 and np.array_equal(batch.seq_ids, self.seq_ids)
