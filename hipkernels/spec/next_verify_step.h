@@ -74,7 +74,7 @@ struct NextVerifyStepParams {
   int32_t min_n = 1;                   // 0: no lookup
   int32_t max_n = 1;
   int32_t phase = kWhole;
-  const int64_t* layer_drafts = nullptr;  // kLayerDrafts: [max_drafts][layer_stride]
+  const int64_t* layer_drafts = nullptr;  // kLayerDrafts: [>= each row's limit][layer_stride]
   int64_t layer_stride = 0;
 };
 

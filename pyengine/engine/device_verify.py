@@ -99,7 +99,7 @@ class DeviceVerifyLoop:
         self.max_rows = self.MAX_ROWS
         self.max_drafts = g.max_q - 1
         # a drafting layer's drafts between the kernel's halves (MtpProposer), or None
-        self.layer = LayerDeviceDrafts(drafter, g.max_rows, self.max_drafts) if drafter is not None else None
+        self.layer = LayerDeviceDrafts(drafter) if drafter is not None else None
         self.max_context = g.width * g.block_size
         dev, pin = g.device, g.use_graphs
         self.history = torch.zeros(num_slots, self.max_context, dtype=torch.int32, device=dev)

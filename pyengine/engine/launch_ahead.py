@@ -28,12 +28,12 @@ first), and the next step proposes with that plan. Proposers that read the targe
 (MTP, EAGLE-3) get a copy of this step's (ModelRunner.hold_hidden: the launched replay overwrites
 the graphs' buffers), and a launched step that is used leaves its own (adopt_launched).
 
-A greedy verify step with a proposer on the host (ngram, suffix) launches the next verify step
-ahead. With the device loop (pyengine/engine/device_verify.py: ngram and suffix up to 16 rows)
-it is built on the device from this step's argmax and needs no prediction; it is also where a
-decode step whose next step plans drafts sends it (_may_launch_next). Otherwise its tokens and
-drafts are predicted as if every row accepts all its drafts (verify ahead,
-pyengine/engine/verify_ahead.py). Either way the next step proposes nothing and takes the launched
+A greedy verify step launches the next verify step ahead. With the device loop
+(pyengine/engine/device_verify.py: ngram, suffix, MTP and EAGLE-3 up to 16 rows) it is built on
+the device from this step's argmax and needs no prediction; it is also where a
+decode step whose next step plans drafts sends it (_may_launch_next). Otherwise, with a proposer
+on the host (ngram, suffix), its tokens and drafts are predicted as if every row accepts all its
+drafts (verify ahead, pyengine/engine/verify_ahead.py). Either way the next step proposes nothing and takes the launched
 step's drafts (a predicted step's only when this step committed the predicted tokens), and the
 scheduler's batch must again be exactly the launched one. Where nothing was launched ahead (or the
 prediction failed), a greedy step with such a proposer launches the next step as soon as its
@@ -95,9 +95,10 @@ class LaunchAhead:
         """Launch the next verify step now, where _may_launch_ahead allows it and the next step
         drafts: a verify step's rows again as this step's plan said (_lengths), a decode step's as
         planned for the next step (_plan_next, which ran when it asked to launch a decode step and
-        found drafts planned). With the device loop (ngram, suffix, MTP, EAGLE-3; steps within its row limit) it is
-        built on the device from this step's argmax and returned, for resolve() once the tokens are
-        read; else it is predicted (verify ahead) where VerifyAhead.worth_trying agrees."""
+        found drafts planned). With the device loop (ngram, suffix, MTP, EAGLE-3; steps within its
+        row limit) it is built on the device from this step's argmax and returned, for resolve()
+        once the tokens are read; else (ngram, suffix) it is predicted (verify ahead) where
+        VerifyAhead.worth_trying agrees."""
         if (self.verify_ahead is None and self.device_verify is None) or not self._may_launch_ahead(batch):
             return None
         plan = self._lengths if batch.num_draft_tokens.any() else self._next_plan

@@ -14,8 +14,8 @@ a. What MtpProposer.propose would do on the host for step N + 1, queued on the s
 - chain: draft 1, then drafts 2.. from position p0 + a + 1 on, in one replay (DraftChain.run_from_state:
   its positions shifted by a on the device; every such position lies in blocks the launch checked
   for the longest outcome).
-The drafts land in a [draft, row] buffer, which next_verify_step's second half takes (each row its
-limit's worth). A row's layer entries must be complete up to p0 first: the positions it deferred
+The drafts come as [draft, row] (the chain's static output), which next_verify_step's second half
+takes (each row its limit's worth, which the caps bound). A row's layer entries must be complete up to p0 first: the positions it deferred
 (HiddenRing) are caught up on the host's usual path before (catch_up_held). When the step is used
 (the scheduler's next batch is it), adopt() records what the layer now holds (MtpProposer.valid);
 when it is discarded the host's propose() catches up and drafts as if nothing had been launched,
@@ -31,9 +31,8 @@ from pyengine.spec_decode.head_graphs import HeadFeed
 
 
 class LayerDeviceDrafts:
-    def __init__(self, proposer, max_rows: int, max_drafts: int) -> None:
+    def __init__(self, proposer) -> None:
         self.proposer = proposer
-        self.buffer = torch.zeros(max(max_drafts, 1), max_rows, dtype=torch.int64, device=proposer.device)
         self._feed: tuple | None = None  # (key, HeadFeed, chain steps) of the step being launched
 
     def prepare(self, scheduler, seq_ids: np.ndarray, first_positions: np.ndarray, num_drafts: np.ndarray,
@@ -73,8 +72,8 @@ class LayerDeviceDrafts:
     def draft(self, argmax: torch.Tensor, accepted: torch.Tensor, tables: np.ndarray, first_positions: np.ndarray,
               caps: np.ndarray) -> torch.Tensor:
         """Queue the catch-up and the chain for the prepared step (argmax: its argmax, one per
-        token; accepted: each row's a, on the device) and return the drafts [max drafts, rows
-        capacity] (row r's draft j at [j, r])."""
+        token; accepted: each row's a, on the device) and return the drafts [1 + chain steps,
+        rows] (row r's draft j at [j, r]; a static buffer the kernel's second half reads next)."""
         assert self._feed is not None, "prepare() first"
         (key, feed, steps), self._feed = self._feed, None
         p = self.proposer
@@ -85,15 +84,11 @@ class LayerDeviceDrafts:
         starts = to_device(feed.query_start_loc[:-1].astype(np.int64), p.device)
         after_bonus = starts + accepted[:rows]  # each row's state after its bonus token: draft 1's
         if steps == 0:
-            first = p.layer.compute_logits(out.index_select(0, after_bonus)).argmax(dim=-1)
-            self.buffer[0, :rows].copy_(first)
-            return self.buffer
+            return p.layer.compute_logits(out.index_select(0, after_bonus)).argmax(dim=-1)[None]
         chain = p.chain
         torch.index_select(out, 0, after_bonus, out=chain.first_hidden[:rows])
-        drawn = chain.run_from_state(tables, first_positions + 1, np.maximum(caps - 1, 0), accepted[:rows])
-        self.buffer[:1 + steps, :rows].copy_(drawn)
         p.num_forwards += steps
-        return self.buffer
+        return chain.run_from_state(tables, first_positions + 1, np.maximum(caps - 1, 0), accepted[:rows])
 
     def adopt(self, seq_ids: np.ndarray, first_positions: np.ndarray, accepted: np.ndarray) -> None:
         """The launched step is used, its predecessor's acceptance known: each row's layer entries

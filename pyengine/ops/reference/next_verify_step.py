@@ -34,7 +34,7 @@ def next_verify_step(argmax: torch.Tensor, rows_in: torch.Tensor, sync_tokens: t
     3 + max_drafts] ([accepted, drafts, bonus, drafts ...]) and inputs (the next step's ids,
     positions, slots, context lengths and query starts, padding rows included). phase ACCEPT
     leaves the drafts to a layer (result[:, 1]: how many each row may take), LAYER_DRAFTS takes
-    them from layer_drafts [>= max drafts, >= rows] (draft j of row r at [j, r]) and stages."""
+    them from layer_drafts [>= each row's limit, >= rows] (draft j of row r at [j, r]) and stages."""
     am, info, sync = argmax.numpy(), rows_in.numpy()[:rows], sync_tokens.numpy()
     hist, tables, res = history.numpy(), block_tables.numpy(), result.numpy()
     if phase == LAYER_DRAFTS:
