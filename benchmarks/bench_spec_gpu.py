@@ -14,7 +14,8 @@ at a time) tokens/s and the ratio to plain by category; --eagle3 DIR adds an EAG
 round (the spread between runs of one tree is a few percent at batch 16 and 64, more than many
 changes' effect: docs/speculation.md); each method then reports its median run, every run's
 tokens/s and the ratio to plain round by round. benchmarks/plot_spec.py draws a result as a PNG. --device cpu runs the same comparison on the CPU
-(no graphs there: the graph fields stay 0 and every step counts as eager).
+(no graphs there: the graph fields stay 0 and every step counts as eager); a method name ending
+in "_avx2" runs it with KernelConfig.cpu_avx512_vnni off (the int16-limb linears on AVX2).
 
     python3 benchmarks/bench_spec_gpu.py --gguf PATH --prompts spec_bench.jsonl --out results.json
     python benchmarks/bench_spec_gpu.py --device cpu --gguf PATH --prompts spec_bench.jsonl --batches 1 --per-category 2
@@ -126,12 +127,14 @@ def run_method(args, name: str, batch: int, prompts: list[str], categories: list
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     spec, ragged = METHODS[name]
+    avx2 = name.endswith("_avx2")  # the CPU's int16-limb linears on AVX2 where AVX-512 VNNI would run
+    base = name.removesuffix("_avx2")
     llm = LLM(args.gguf, device=args.device, dtype="bfloat16" if cuda else "auto", max_num_seqs=batch,
-              max_model_len=2048,
-              speculative_config=spec, kernel_config={"graph_ragged_verify": ragged})
-    if name.endswith("_host"):
+              max_model_len=2048, speculative_config=spec,
+              kernel_config={"graph_ragged_verify": ragged, "cpu_avx512_vnni": not avx2})
+    if base.endswith("_host"):
         llm.engine.device_verify = None
-    elif name.endswith("_device"):
+    elif base.endswith("_device"):
         llm.engine.device_verify.max_rows = 1 << 30
     conversations = [[{"role": "user", "content": q}] for q in prompts]
     # warm-up: --capture all: every graph captured first (CudaGraphRunner.capture_all), else the
@@ -226,6 +229,8 @@ def main() -> None:
                                     "adaptive_draft_length": False}, True)  # every step drafts: the drafting step's cost
         for name in ("eagle3_adaptive", "eagle3_fixed"):  # the head's drafts on the host's paths
             METHODS[name + "_host"] = METHODS[name]
+    for name in list(METHODS):  # the same on the CPU's AVX2 kernels (KernelConfig.cpu_avx512_vnni off)
+        METHODS[name + "_avx2"] = METHODS[name]
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         ap.error(f"unknown --methods {unknown} (known: {sorted(METHODS)}; eagle3_adaptive needs --eagle3 DIR)")

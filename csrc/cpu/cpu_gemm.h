@@ -54,8 +54,10 @@ class PackedWeight {
   // making them. nullopt where both refuse, or check(k, n, fp32) fails.
   // act_bits 8: llama.cpp's arithmetic (cpu_gemm_qdot.h) where the CPU has it; 32: the same
   // panels with activations as two int16 limbs (cpu_gemm_qdot.h); else, and 0, the dequantised
-  // weights' fp32 products, rebuilt exactly (cpu_gemm_affine.h).
-  static std::optional<PackedWeight> from_gguf(const GgufRows& rows, int64_t k, int64_t n, int act_bits);
+  // weights' fp32 products, rebuilt exactly (cpu_gemm_affine.h). avx512: act_bits 32 runs the
+  // AVX-512 VNNI kernels where the CPU has them (isa() says which; the same bits either way).
+  static std::optional<PackedWeight> from_gguf(const GgufRows& rows, int64_t k, int64_t n, int act_bits,
+                                               bool avx512 = true);
 
   int64_t k() const { return k_; }
   int64_t n() const { return n_; }

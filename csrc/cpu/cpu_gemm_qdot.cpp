@@ -148,8 +148,13 @@ bool has_qdot() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
+bool has_qdot16_avx512() {
+  return has_qdot() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
 void qdot_matmul(const uint8_t* packed, int bits, int64_t k, int64_t n, const float* x, int64_t x_row_stride,
-                 int64_t m, const float* bias, float* y, int act_bits) {
+                 int64_t m, const float* bias, float* y, int act_bits, bool avx512) {
   const int64_t blocks = k / kRun, panels = ceil_div(n, kPanel), row_bytes = k * (act_bits / 8);
   const int64_t block_bytes = qdot_block_bytes(bits);
   ThreadPool& pool = shared_pool();
@@ -171,7 +176,9 @@ void qdot_matmul(const uint8_t* packed, int bits, int64_t k, int64_t n, const fl
     const int64_t parts = std::min<int64_t>(m, kChunksPerThread * pool.num_threads());
     pool.run_chunks(parts, [&](int64_t c) { quantise(split_begin(m, c, parts), split_begin(m, c + 1, parts)); });
   }
-  const Kernel* kernels = act_bits == 32 ? qdot16x2_kernels(bits) : bits == 4 ? kQ4 : kQ8;
+  const Kernel* kernels = act_bits == 32 ? (avx512 ? qdot16x2_avx512_kernels(bits) : qdot16x2_kernels(bits))
+                         : bits == 4      ? kQ4
+                                          : kQ8;
   const int64_t chunk = std::max<int64_t>(kMaxRows, kChunkBytes / row_bytes / kMaxRows * kMaxRows);
   const int64_t parts = std::min<int64_t>(panels, kChunksPerThread * pool.num_threads());
   pool.run_chunks(parts, [&](int64_t c) {
@@ -202,7 +209,9 @@ void qdot_matmul(const uint8_t* packed, int bits, int64_t k, int64_t n, const fl
 #else  // no x86-64 GCC/Clang: has_qdot() is false and nothing packs for the rest
 
 bool has_qdot() { return false; }
-void qdot_matmul(const uint8_t*, int, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*, int) {}
+bool has_qdot16_avx512() { return false; }
+void qdot_matmul(const uint8_t*, int, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*, int,
+                 bool) {}
 
 #endif  // PE_HAVE_QDOT
 

@@ -24,8 +24,8 @@
 //     column c + 8 (high nibble), c < 8 - what vpmaddubsw pairs with 4 bytes of x broadcast.
 //   8-bit block, 544 bytes: s fp16[16], then 8 groups of 64 bytes: columns 0-7 (byte 4c + i:
 //     input 4g + i of column c), then columns 8-15.
-// The kernels are AVX2 (+ FMA, F16C) on every x86-64 CPU that has them, AVX-512 ones included, so
-// the bits do not depend on the machine's kernel family.
+// The kernels are AVX2 (+ FMA, F16C) on every x86-64 CPU that has them; the int16x2 ones also run
+// on AVX-512 VNNI where the CPU has it, with the same bits: the bits do not depend on the machine.
 //
 // int16x2 activations (act_bits 32, cpu_gemm_qdot16.cpp; spec: quant_dot.py, act_bits=32), the
 // same panels: each input as two int16 limbs, x_k ~ d_b * (q1_k + q2_k * 2^-15):
@@ -52,6 +52,9 @@ constexpr int64_t qdot_block_bytes(int bits) { return bits == 4 ? 320 : 544; }
 
 // AVX2, FMA and F16C at run time.
 bool has_qdot();
+// And AVX-512 F / BW / VL / VNNI: the int16x2 kernels with one vpdpwssd per pair of products
+// (cpu_gemm_qdot16_avx512.cpp), the same bits as the AVX2 ones.
+bool has_qdot16_avx512();
 
 // Packs GGUF rows (cpu_gguf_pack.h) into the layout above: bits 4 (Q4_0, Q4_1) or 8 (Q8_0).
 // False (out unspecified) for another type, K not a multiple of 32, a non-finite d or m, or a
@@ -59,9 +62,10 @@ bool has_qdot();
 bool pack_gguf_qdot(const GgufRows& src, int64_t k, int64_t n, PanelStore& out);
 
 // y [M, N] (row stride N) = x [M, K] (row stride x_row_stride) @ W + bias (null or [N]), with x
-// quantised per 32-input block to act_bits 8 (int8) or 32 (two int16 limbs).
+// quantised per 32-input block to act_bits 8 (int8) or 32 (two int16 limbs). avx512: act_bits 32 on
+// the AVX-512 VNNI kernels (has_qdot16_avx512() must hold), the same bits.
 void qdot_matmul(const uint8_t* packed, int bits, int64_t k, int64_t n, const float* x, int64_t x_row_stride,
-                 int64_t m, const float* bias, float* y, int act_bits = 8);
+                 int64_t m, const float* bias, float* y, int act_bits = 8, bool avx512 = false);
 
 // Columns ids[0 .. count) of W as rows out[count][K] fp32: s * q (8-bit: Q8_0's d * q) or
 // fma(s, q, m) (4-bit: exact, d * q has at most 15 significant bits). False for an id outside [0, N).

@@ -117,6 +117,8 @@ PE_QDOT_INLINE __m256 load_half8(const uint8_t* p) {
 // The int16x2-activation kernels (kernels[R - 1] for `bits`) and quantiser: cpu_gemm_qdot16.cpp.
 const Kernel* qdot16x2_kernels(int bits);
 void quantise_row16x2(const float* x, int64_t blocks, uint8_t* q, float* d, float* sx);
+// The same on AVX-512 VNNI, the same bits (has_qdot16_avx512()): cpu_gemm_qdot16_avx512.cpp.
+const Kernel* qdot16x2_avx512_kernels(int bits);
 
 }  // namespace pyengine::cpu::qdot
 

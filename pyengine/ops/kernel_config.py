@@ -29,6 +29,10 @@ class KernelConfig:
     # x1.88 / x1.58; the exact products x1.28-1.37 / x1.23-1.49); prompts run at 0.6-0.7x the exact
     # products' speed, still 1.6-2x llama.cpp's (docs/kernels/cpu.md). False: the exact products.
     cpu_int16_dot: bool = True
+    # CPU: the int16-limb linears on AVX-512 VNNI (one vpdpwssd per two products: a verify row costs
+    # ~2/3 of what it does on AVX2) where the CPU has it, with the same bits (csrc/cpu/
+    # cpu_gemm_qdot16_avx512.cpp); False keeps the AVX2 kernels, for comparisons
+    cpu_avx512_vnni: bool = True
     skinny_gemm: bool = True  # CUDA: single-row projections on pyengine's skinny GEMM (False: cuBLAS)
     pdl: bool = True  # CUDA: programmatic dependent launch for the skinny GEMM and GQA attention
     gqa_fma: bool = False  # NVIDIA: the CUDA-core (FMA) GQA kernel instead of the tensor-core one

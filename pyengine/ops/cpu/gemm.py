@@ -36,7 +36,8 @@ class PackedLinear:
 
     @classmethod
     def from_gguf(cls, ggml_type: int, rows: np.ndarray, in_features: int,
-                  int8_dot: bool | None = None, int16_dot: bool | None = None) -> PackedLinear | None:
+                  int8_dot: bool | None = None, int16_dot: bool | None = None,
+                  avx512: bool | None = None) -> PackedLinear | None:
         """An fp32 [in_features, len(rows)] weight packed straight from GGUF Q4_0 / Q4_1 / Q8_0
         blocks: rows (uint64) holds the address of each output's first block (a row of the file's
         tensor, anywhere: fused and reordered matrices need no copy), valid during the call. Its
@@ -51,7 +52,9 @@ class PackedLinear:
         the same for a row whatever the batch. Else with int16_dot (None: KernelConfig.cpu_int16_dot)
         the same panels and integer dots with each activation as two int16 limbs (the `int16_dot`
         property; csrc/cpu/cpu_gemm_qdot16.cpp, the spec with act_bits=32): the dequantised weights'
-        products up to fp32 rounding, other bits, the same for a row whatever the batch."""
+        products up to fp32 rounding, other bits, the same for a row whatever the batch. Those run
+        on AVX-512 VNNI where the CPU has it (`isa` "avx512"; avx512 None: KernelConfig.cpu_avx512_vnni;
+        False keeps AVX2), with the same bits (csrc/cpu/cpu_gemm_qdot16_avx512.cpp)."""
         if rows.dtype != np.uint64 or rows.ndim != 1 or not rows.flags.c_contiguous:
             raise ValueError(f"PackedLinear.from_gguf takes a contiguous uint64 array of row addresses, got {rows.dtype}")
         kernels.set_num_threads(pool_threads_for(torch.get_num_threads()))  # the pool packs too
@@ -59,8 +62,10 @@ class PackedLinear:
             int8_dot = get_kernel_config().cpu_int8_dot
         if int16_dot is None:
             int16_dot = get_kernel_config().cpu_int16_dot
+        if avx512 is None:
+            avx512 = get_kernel_config().cpu_avx512_vnni
         act_bits = 8 if int8_dot else 32 if int16_dot else 0
-        packed = kernels.pack_gguf(ggml_type, rows.ctypes.data, in_features, rows.shape[0], False, act_bits)
+        packed = kernels.pack_gguf(ggml_type, rows.ctypes.data, in_features, rows.shape[0], False, act_bits, avx512)
         if packed is None:
             return None
         self = cls.__new__(cls)
