@@ -15,7 +15,8 @@ round (the spread between runs of one tree is a few percent at batch 16 and 64, 
 changes' effect: docs/speculation.md); each method then reports its median run, every run's
 tokens/s and the ratio to plain round by round. benchmarks/plot_spec.py draws a result as a PNG. --device cpu runs the same comparison on the CPU
 (no graphs there: the graph fields stay 0 and every step counts as eager); a method name ending
-in "_avx2" runs it with KernelConfig.cpu_avx512_vnni off (the int16-limb linears on AVX2).
+in "_avx2" or "_avx512" runs it with KernelConfig.cpu_qdot_isa so (the int16-limb linears on AVX2 or
+AVX-512 VNNI where AMX would run; the same bits).
 
     python3 benchmarks/bench_spec_gpu.py --gguf PATH --prompts spec_bench.jsonl --out results.json
     python benchmarks/bench_spec_gpu.py --device cpu --gguf PATH --prompts spec_bench.jsonl --batches 1 --per-category 2
@@ -127,11 +128,11 @@ def run_method(args, name: str, batch: int, prompts: list[str], categories: list
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     spec, ragged = METHODS[name]
-    avx2 = name.endswith("_avx2")  # the CPU's int16-limb linears on AVX2 where AVX-512 VNNI would run
-    base = name.removesuffix("_avx2")
+    isa = next((i for i in ("avx2", "avx512") if name.endswith("_" + i)), "amx")  # the CPU's int16-limb linears
+    base = name.removesuffix("_" + isa)
     llm = LLM(args.gguf, device=args.device, dtype="bfloat16" if cuda else "auto", max_num_seqs=batch,
               max_model_len=2048, speculative_config=spec,
-              kernel_config={"graph_ragged_verify": ragged, "cpu_avx512_vnni": not avx2})
+              kernel_config={"graph_ragged_verify": ragged, "cpu_qdot_isa": isa})
     if base.endswith("_host"):
         llm.engine.device_verify = None
     elif base.endswith("_device"):
@@ -229,8 +230,8 @@ def main() -> None:
                                     "adaptive_draft_length": False}, True)  # every step drafts: the drafting step's cost
         for name in ("eagle3_adaptive", "eagle3_fixed"):  # the head's drafts on the host's paths
             METHODS[name + "_host"] = METHODS[name]
-    for name in list(METHODS):  # the same on the CPU's AVX2 kernels (KernelConfig.cpu_avx512_vnni off)
-        METHODS[name + "_avx2"] = METHODS[name]
+    for name in list(METHODS):  # the same with the CPU's linears on lower kernels (KernelConfig.cpu_qdot_isa)
+        METHODS[name + "_avx2"] = METHODS[name + "_avx512"] = METHODS[name]
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         ap.error(f"unknown --methods {unknown} (known: {sorted(METHODS)}; eagle3_adaptive needs --eagle3 DIR)")

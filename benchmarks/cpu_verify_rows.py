@@ -4,7 +4,7 @@ drafts): the layers and the logits apart; and layer 0's linears alone at M = 1..
 pays on the CPU only if a draft's row costs well under a decode step (docs/speculation.md).
 Prints JSON.
 
-    python benchmarks/cpu_verify_rows.py [--repeats 20] [--avx2] [--out FILE]
+    python benchmarks/cpu_verify_rows.py [--repeats 20] [--isa amx|avx512|avx2] [--out FILE]
 """
 from __future__ import annotations
 
@@ -49,10 +49,10 @@ def main() -> None:
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out")
-    ap.add_argument("--avx2", action="store_true",
-                    help="the int16-limb linears on AVX2 where AVX-512 VNNI would run (KernelConfig.cpu_avx512_vnni off)")
+    ap.add_argument("--isa", default="amx", choices=["amx", "avx512", "avx2"],
+                    help="the best kernels the int16-limb linears may run (KernelConfig.cpu_qdot_isa)")
     args = ap.parse_args()
-    llm = LLM(args.gguf or default_gguf(), device="cpu", kernel_config={"cpu_avx512_vnni": not args.avx2})
+    llm = LLM(args.gguf or default_gguf(), device="cpu", kernel_config={"cpu_qdot_isa": args.isa})
     eng, runner = llm.engine, llm.engine.runner
     eng.add_request(list(range(100, 400)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for _ in range(3):
@@ -70,7 +70,7 @@ def main() -> None:
                                  max_context_len=last + 1, block_size=B)
         return torch.full((q,), 200, dtype=torch.long), pos, meta
 
-    isa = runner.model.layers[0].qkv_proj.isa  # the linears' kernels: "avx512" (VNNI) or "avx2"
+    isa = runner.model.layers[0].qkv_proj.isa  # the linears' kernels: "amx", "avx512" (VNNI) or "avx2"
     result = dict(machine(), command="python " + " ".join(sys.argv), context=last + 1, isa=isa, steps=[], linears={})
     layer0 = runner.model.layers[0]
     with runner.step_threads(), torch.inference_mode():

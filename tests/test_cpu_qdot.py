@@ -73,26 +73,30 @@ def test_bits_do_not_depend_on_threads_or_the_stall_policy(ggml_type: int, act_b
                 assert _same(packed(x[:m]), want[:m]), f"{threads} threads, {adaptive} {fraction}, M {m}"
 
 
+@pytest.mark.parametrize("isa", ["avx512", "amx"])
 @pytest.mark.parametrize("ggml_type", TYPES)
-def test_int16_limbs_give_the_same_bits_on_avx512_vnni_and_avx2(ggml_type: int) -> None:
-    """The int16-limb kernels on AVX-512 VNNI (cpu_gemm_qdot16_avx512.cpp) against the AVX2 ones on
-    the same panels: bit for bit at every row-group size, with a bias, a partial last panel and
-    non-finite rows (both also equal the spec: test_every_m_equals_the_reference)."""
+def test_int16_limbs_give_the_same_bits_on_every_isa(ggml_type: int, isa: str) -> None:
+    """The int16-limb kernels on AVX-512 VNNI (cpu_gemm_qdot16_avx512.cpp) and on AMX tiles
+    (cpu_gemm_qdot16_amx.cpp: groups of 8 rows, a last group padded) against the AVX2 ones on the
+    same panels: bit for bit at every row-group size, with a bias, a partial last panel and
+    non-finite rows (all also equal the spec: test_every_m_equals_the_reference)."""
     raw = random_blocks(ggml_type, 40, 1536, seed=9)
     rows = addresses(raw, np.arange(40))
-    fast = PackedLinear.from_gguf(ggml_type, rows, 1536, int8_dot=False, int16_dot=True, avx512=True)
-    avx2 = PackedLinear.from_gguf(ggml_type, rows, 1536, int8_dot=False, int16_dot=True, avx512=False)
-    if fast is None or fast.isa != "avx512":
-        pytest.skip("no AVX-512 VNNI on this CPU")
+    fast = PackedLinear.from_gguf(ggml_type, rows, 1536, int8_dot=False, int16_dot=True, isa=isa)
+    avx2 = PackedLinear.from_gguf(ggml_type, rows, 1536, int8_dot=False, int16_dot=True, isa="avx2")
+    if fast is None or fast.isa != isa:
+        pytest.skip(f"no {isa} kernels on this CPU")
     assert avx2.isa == "avx2"
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(70, 1536, generator=gen) * torch.logspace(-4, 3, 1536)
     x[5, 100] = float("nan")
     x[6, 1500] = float("inf")
+    x[9, :32] = 0.0  # a zero block
     bias = torch.randn(40, generator=gen)
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 70):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 70):
         assert _same(fast(x[:m]), avx2(x[:m])), f"M {m}"
         assert _same(fast(x[:m], bias), avx2(x[:m], bias)), f"M {m}, bias"
+    assert _same(fast(x[3:12]), avx2(x[3:12]))
 
 
 def test_quantiser_edge_cases() -> None:

@@ -129,7 +129,7 @@ void register_cpu_ops(py::module_& m) {
       .def_property_readonly("qdot_act_bits", &PackedWeight::qdot_act_bits,
                              "cpu_gemm_qdot.h's activation bits (8, or 32: two int16 limbs); 0: not its panels")
       .def_property_readonly("isa", [](const PackedWeight& self) { return static_cast<int32_t>(self.isa()); },
-                             "the kernels it runs: 2 AVX2 + FMA, 3 AVX-512 (int16 limbs: AVX-512 VNNI)")
+                             "the kernels it runs: 2 AVX2 + FMA, 3 AVX-512 (int16 limbs: AVX-512 VNNI), 4 AMX (int16 limbs, from 4 rows)")
       .def("matmul", [](const PackedWeight& self, uintptr_t x, int64_t x_row_stride, int64_t m, uintptr_t bias,
                         uintptr_t y) {
         py::gil_scoped_release release;  // the pool's threads run while Python may do other work
@@ -142,21 +142,21 @@ void register_cpu_ops(py::module_& m) {
   cpu.def(
       "pack_gguf",
       [](int32_t ggml_type, uintptr_t row_addresses, int64_t k, int64_t n, bool int8_dot, int act_bits,
-         bool avx512) -> py::object {
+         int32_t isa_limit) -> py::object {
         const GgufRows rows{ggml_type, ptr<const uint8_t* const>(row_addresses)};
         std::optional<PackedWeight> w;
         {
           py::gil_scoped_release release;
-          w = PackedWeight::from_gguf(rows, k, n, int8_dot ? 8 : act_bits, avx512);
+          w = PackedWeight::from_gguf(rows, k, n, int8_dot ? 8 : act_bits, static_cast<GemmIsa>(isa_limit));
         }
         return w ? py::cast(std::move(*w)) : py::none();
       },
       "an fp32 [k, n] PackedWeight from n rows of GGUF blocks (row_addresses: n uint64 addresses; "
       "cpu_gguf_pack.h), or None where they cannot be packed; int8_dot: llama.cpp's arithmetic "
       "(cpu_gemm_qdot.h) where the CPU has it; else act_bits 32: its panels with activations as two "
-      "int16 limbs (avx512: on the AVX-512 VNNI kernels where the CPU has them, the same bits)",
+      "int16 limbs (isa_limit: their best kernels up to 2 AVX2, 3 AVX-512 VNNI, 4 AMX; the same bits)",
       py::arg("ggml_type"), py::arg("row_addresses"), py::arg("k"), py::arg("n"), py::arg("int8_dot") = false,
-      py::arg("act_bits") = 0, py::arg("avx512") = true);
+      py::arg("act_bits") = 0, py::arg("isa_limit") = 4);
   cpu.def("gguf_string_starts", [](uintptr_t base, int64_t size, int64_t pos, int64_t count, uintptr_t starts) {
     return gguf_string_starts(ptr<const uint8_t>(base), size, pos, count, ptr<int64_t>(starts));
   }, "the body offsets of a GGUF string array (starts: count int64) and its end, -1 if it runs past size");

@@ -177,13 +177,13 @@ PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, boo
 }
 
 std::optional<PackedWeight> PackedWeight::from_gguf(const GgufRows& rows, int64_t k, int64_t n, int act_bits,
-                                                    bool avx512) {
+                                                    GemmIsa isa_limit) {
   if (!check(k, n, DType::kFloat32).empty()) return std::nullopt;
   PackedWeight w(nullptr, 0, 1, DType::kFloat32, false);  // an empty weight (check fails: nothing read)
   if ((act_bits == 8 || act_bits == 32) && pack_gguf_qdot(rows, k, n, w.packed_)) {
     w.qdot_act_bits_ = act_bits;
-    // AVX2 kernels on every CPU, the int16x2 ones on AVX-512 VNNI where it has it: the same bits
-    w.isa_ = act_bits == 32 && avx512 && has_qdot16_avx512() ? GemmIsa::kAvx512 : GemmIsa::kAvx2;
+    // AVX2 kernels on every CPU, the int16x2 ones on AVX-512 VNNI / AMX where it has them: the same bits
+    w.isa_ = act_bits == 32 ? static_cast<GemmIsa>(qdot16_isa(static_cast<int>(isa_limit))) : GemmIsa::kAvx2;
   } else if (!pack_gguf_rows(rows, k, n, w.packed_, w.isa_ == GemmIsa::kAvx2)) {
     return std::nullopt;
   }
@@ -207,7 +207,7 @@ void PackedWeight::matmul(const void* x, int64_t x_row_stride, int64_t m, const 
   auto* yf = static_cast<float*>(y);
   if (qdot_act_bits_ != 0) {
     qdot_matmul(reinterpret_cast<const uint8_t*>(packed_.data()), format_ == PanelFormat::kAffine4 ? 4 : 8, k_, n_, xf,
-                x_row_stride, m, bf, yf, qdot_act_bits_, isa_ == GemmIsa::kAvx512);
+                x_row_stride, m, bf, yf, qdot_act_bits_, static_cast<int>(isa_));
     return;
   }
   if (isa_ == GemmIsa::kAvx2) {

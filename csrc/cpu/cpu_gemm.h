@@ -35,7 +35,8 @@ namespace pyengine::cpu {
 
 // Which kernels run `dtype` here: AVX-512 (for bf16 also avx512_bf16), else AVX2 + FMA
 // (cpu_gemm_avx2.h: dense fp32, bf16 pairs and the affine formats), else none.
-enum class GemmIsa : int32_t { kNone = 0, kAvx2 = 2, kAvx512 = 3 };
+// kAmx: the int16-limb GGUF panels on AMX-INT8 for two rows or more (cpu_gemm_qdot.h).
+enum class GemmIsa : int32_t { kNone = 0, kAvx2 = 2, kAvx512 = 3, kAmx = 4 };
 GemmIsa gemm_isa(DType dtype);
 // Whether some kernel runs `dtype` on this CPU (gemm_isa(dtype) != kNone).
 bool has_gemm(DType dtype);
@@ -54,10 +55,10 @@ class PackedWeight {
   // making them. nullopt where both refuse, or check(k, n, fp32) fails.
   // act_bits 8: llama.cpp's arithmetic (cpu_gemm_qdot.h) where the CPU has it; 32: the same
   // panels with activations as two int16 limbs (cpu_gemm_qdot.h); else, and 0, the dequantised
-  // weights' fp32 products, rebuilt exactly (cpu_gemm_affine.h). avx512: act_bits 32 runs the
-  // AVX-512 VNNI kernels where the CPU has them (isa() says which; the same bits either way).
+  // weights' fp32 products, rebuilt exactly (cpu_gemm_affine.h). act_bits 32 runs the best kernels
+  // of cpu_gemm_qdot.h's qdot16_isa(isa_limit) (isa() says which; the same bits on each).
   static std::optional<PackedWeight> from_gguf(const GgufRows& rows, int64_t k, int64_t n, int act_bits,
-                                               bool avx512 = true);
+                                               GemmIsa isa_limit = GemmIsa::kAmx);
 
   int64_t k() const { return k_; }
   int64_t n() const { return n_; }

@@ -13,6 +13,7 @@
 #include "common/common.h"
 #include "cpu_thread_pool.h"
 
+#include "cpu_gemm_qdot_amx.h"
 #include "cpu_gemm_qdot_kernels.h"
 
 namespace pyengine::cpu {
@@ -142,6 +143,60 @@ PE_QDOT void store_rows(const float* acc, int rows, const float* bias16, float* 
   }
 }
 
+// y = the quantised rows (int16 limbs) against every panel, kAmxMinRows or more: AMX tile products over
+// row groups of up to kAmxGroup rows (the last one padded with zero rows), the same bits.
+void amx_matmul(const uint8_t* packed, int bits, int64_t blocks, int64_t n, const uint8_t* q, const float* d, const float* sx, int64_t m,
+                const float* bias, float* y) {
+  const int64_t panels = ceil_div(n, kPanel), row_bytes = blocks * kRun * 4, block_bytes = qdot_block_bytes(bits);
+  const int tile_rows = static_cast<int>(std::min<int64_t>(kAmxGroup, m));
+  const int64_t groups = ceil_div(m, tile_rows), group_bytes = blocks * 4 * tile_rows * kRun;
+  ThreadPool& pool = shared_pool();
+  thread_local std::vector<uint8_t> abuf;  // amx_rows' layout, group after group
+  abuf.resize(static_cast<size_t>(groups * group_bytes));
+  uint8_t* xa = abuf.data();
+  auto repack = [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t r0 = g * tile_rows;
+      const QRows xr{q + r0 * row_bytes, row_bytes, d + r0 * blocks, sx + r0 * blocks, blocks};
+      amx_rows(xr, static_cast<int>(std::min<int64_t>(tile_rows, m - r0)), tile_rows, blocks, xa + g * group_bytes);
+    }
+  };
+  if (m * blocks * kRun < kQuantisePerJob) {
+    repack(0, groups);
+  } else {
+    const int64_t parts = std::min<int64_t>(groups, kChunksPerThread * pool.num_threads());
+    pool.run_chunks(parts, [&](int64_t c) { repack(split_begin(groups, c, parts), split_begin(groups, c + 1, parts)); });
+  }
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / group_bytes);  // groups whose rows stay in L2
+  const int64_t parts = std::min<int64_t>(panels, kChunksPerThread * pool.num_threads());
+  pool.run_chunks(parts, [&](int64_t c) {
+    const int64_t begin = split_begin(panels, c, parts), end = split_begin(panels, c + 1, parts);
+    if (begin == end) return;
+    alignas(64) float acc[kAmxGroup * kPanel];
+    float bias_buf[kPanel];
+    amx_begin(tile_rows);
+    for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
+        const float* b = nullptr;
+        if (bias) {
+          for (int col = 0; col < kPanel; ++col) bias_buf[col] = col < cols ? bias[p * kPanel + col] : 0.0f;
+          b = bias_buf;
+        }
+        const uint8_t* panel = packed + p * blocks * block_bytes;
+        for (int64_t g = g0; g < std::min(groups, g0 + chunk); ++g) {
+          const int64_t r0 = g * tile_rows;
+          const int rows = static_cast<int>(std::min<int64_t>(tile_rows, m - r0));
+          amx_panel(bits, rows, tile_rows, xa + g * group_bytes, d + r0 * blocks, sx + r0 * blocks, blocks, panel,
+                    blocks, acc);
+          store_rows(acc, rows, b, y + r0 * n + p * kPanel, n, cols);
+        }
+      }
+    }
+    amx_end();
+  });
+}
+
 }  // namespace
 
 bool has_qdot() {
@@ -153,8 +208,14 @@ bool has_qdot16_avx512() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
+int qdot16_isa(int limit) {
+  if (limit >= kQdotAmx && has_qdot16_amx()) return kQdotAmx;
+  if (limit >= kQdotAvx512 && has_qdot16_avx512()) return kQdotAvx512;
+  return kQdotAvx2;
+}
+
 void qdot_matmul(const uint8_t* packed, int bits, int64_t k, int64_t n, const float* x, int64_t x_row_stride,
-                 int64_t m, const float* bias, float* y, int act_bits, bool avx512) {
+                 int64_t m, const float* bias, float* y, int act_bits, int isa) {
   const int64_t blocks = k / kRun, panels = ceil_div(n, kPanel), row_bytes = k * (act_bits / 8);
   const int64_t block_bytes = qdot_block_bytes(bits);
   ThreadPool& pool = shared_pool();
@@ -176,7 +237,11 @@ void qdot_matmul(const uint8_t* packed, int bits, int64_t k, int64_t n, const fl
     const int64_t parts = std::min<int64_t>(m, kChunksPerThread * pool.num_threads());
     pool.run_chunks(parts, [&](int64_t c) { quantise(split_begin(m, c, parts), split_begin(m, c + 1, parts)); });
   }
-  const Kernel* kernels = act_bits == 32 ? (avx512 ? qdot16x2_avx512_kernels(bits) : qdot16x2_kernels(bits))
+  if (act_bits == 32 && isa >= kQdotAmx && m >= kAmxMinRows) {
+    amx_matmul(packed, bits, blocks, n, q, d, sx, m, bias, y);
+    return;
+  }
+  const Kernel* kernels = act_bits == 32 ? (isa >= kQdotAvx512 ? qdot16x2_avx512_kernels(bits) : qdot16x2_kernels(bits))
                          : bits == 4      ? kQ4
                                           : kQ8;
   const int64_t chunk = std::max<int64_t>(kMaxRows, kChunkBytes / row_bytes / kMaxRows * kMaxRows);
@@ -210,8 +275,9 @@ void qdot_matmul(const uint8_t* packed, int bits, int64_t k, int64_t n, const fl
 
 bool has_qdot() { return false; }
 bool has_qdot16_avx512() { return false; }
+int qdot16_isa(int) { return kQdotAvx2; }
 void qdot_matmul(const uint8_t*, int, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*, int,
-                 bool) {}
+                 int) {}
 
 #endif  // PE_HAVE_QDOT
 

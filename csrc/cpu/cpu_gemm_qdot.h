@@ -56,16 +56,22 @@ bool has_qdot();
 // (cpu_gemm_qdot16_avx512.cpp), the same bits as the AVX2 ones.
 bool has_qdot16_avx512();
 
+// The int16x2 kernels a weight runs (cpu_gemm.h's GemmIsa values): AVX2; AVX-512 VNNI; AVX-512
+// VNNI up to 3 rows and AMX-INT8 tile products for more (cpu_gemm_qdot16_amx.cpp). Same bits.
+constexpr int kQdotAvx2 = 2, kQdotAvx512 = 3, kQdotAmx = 4;
+// The best of those this CPU runs, at most `limit`.
+int qdot16_isa(int limit);
+
 // Packs GGUF rows (cpu_gguf_pack.h) into the layout above: bits 4 (Q4_0, Q4_1) or 8 (Q8_0).
 // False (out unspecified) for another type, K not a multiple of 32, a non-finite d or m, or a
 // Q4_0 block whose -8 d is not an fp16 value.
 bool pack_gguf_qdot(const GgufRows& src, int64_t k, int64_t n, PanelStore& out);
 
 // y [M, N] (row stride N) = x [M, K] (row stride x_row_stride) @ W + bias (null or [N]), with x
-// quantised per 32-input block to act_bits 8 (int8) or 32 (two int16 limbs). avx512: act_bits 32 on
-// the AVX-512 VNNI kernels (has_qdot16_avx512() must hold), the same bits.
+// quantised per 32-input block to act_bits 8 (int8) or 32 (two int16 limbs). isa: act_bits 32's
+// kernels, one qdot16_isa() returned (the same bits on each).
 void qdot_matmul(const uint8_t* packed, int bits, int64_t k, int64_t n, const float* x, int64_t x_row_stride,
-                 int64_t m, const float* bias, float* y, int act_bits = 8, bool avx512 = false);
+                 int64_t m, const float* bias, float* y, int act_bits = 8, int isa = kQdotAvx2);
 
 // Columns ids[0 .. count) of W as rows out[count][K] fp32: s * q (8-bit: Q8_0's d * q) or
 // fma(s, q, m) (4-bit: exact, d * q has at most 15 significant bits). False for an id outside [0, N).

@@ -37,8 +37,8 @@ PE_QDOT512_INLINE __m512 rounded512(__m512 v) {
 #define PE_ACC(r) __m512 acc##r = _mm512_setzero_ps(), accm##r = acc##r;
 #define PE_I32(r) __m512i i##r = _mm512_setzero_si512(), j##r = i##r;
 // f = float(i) + float(j) * 2^-15 (one rounding), then acc += (s * d) * f, accm += m * sx, each
-// product rounded before its add: cpu_gemm_qdot16.cpp's PE_FOLD and PE_SCALE16 per lane.
-#define PE_SCALE(r)                                                                                   \
+// product rounded before its add: cpu_gemm_qdot16.cpp's PE_FOLD and PE_SCALE51216 per lane.
+#define PE_SCALE512(r)                                                                                   \
   if constexpr (R > r) {                                                                              \
     const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(j##r), lo_scale, _mm512_cvtepi32_ps(i##r));  \
     const __m512 db = _mm512_set1_ps(x.d[r * x.bs + b]);                                              \
@@ -46,7 +46,7 @@ PE_QDOT512_INLINE __m512 rounded512(__m512 v) {
     if constexpr (Bits == 4)                                                                          \
       accm##r = _mm512_add_ps(accm##r, rounded512(_mm512_mul_ps(m, _mm512_set1_ps(x.sx[r * x.bs + b])))); \
   }
-#define PE_OUT(r)                                                 \
+#define PE_OUT512(r)                                                 \
   if constexpr (R > r) {                                          \
     if constexpr (Bits == 4) acc##r = _mm512_add_ps(acc##r, accm##r); \
     _mm512_storeu_ps(out + 16 * r, acc##r);                       \
@@ -84,13 +84,13 @@ PE_QDOT512 void kernel16_avx512(const QRows& x, const uint8_t* blk, int64_t bloc
     }
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
     if constexpr (Bits == 4) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-    PE_R(PE_SCALE)
+    PE_R(PE_SCALE512)
   }
   (void)m, (void)low, (void)shift13;
-  PE_R(PE_OUT)
+  PE_R(PE_OUT512)
 }
-#undef PE_OUT
-#undef PE_SCALE
+#undef PE_OUT512
+#undef PE_SCALE512
 #undef PE_I32
 #undef PE_ACC
 #undef PE_DOT

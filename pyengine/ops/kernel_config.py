@@ -29,10 +29,11 @@ class KernelConfig:
     # x1.88 / x1.58; the exact products x1.28-1.37 / x1.23-1.49); prompts run at 0.6-0.7x the exact
     # products' speed, still 1.6-2x llama.cpp's (docs/kernels/cpu.md). False: the exact products.
     cpu_int16_dot: bool = True
-    # CPU: the int16-limb linears on AVX-512 VNNI (one vpdpwssd per two products: a verify row costs
-    # ~2/3 of what it does on AVX2) where the CPU has it, with the same bits (csrc/cpu/
-    # cpu_gemm_qdot16_avx512.cpp); False keeps the AVX2 kernels, for comparisons
-    cpu_avx512_vnni: bool = True
+    # CPU: the best kernels the int16-limb linears may run where the CPU has them, all with the same
+    # bits: "amx" (AMX-INT8 tile products from 4 rows, AVX-512 VNNI for fewer: csrc/cpu/
+    # cpu_gemm_qdot16_amx.cpp), "avx512" (VNNI, one vpdpwssd per two products:
+    # cpu_gemm_qdot16_avx512.cpp) or "avx2"; the lower ones for comparisons
+    cpu_qdot_isa: str = "amx"
     skinny_gemm: bool = True  # CUDA: single-row projections on pyengine's skinny GEMM (False: cuBLAS)
     pdl: bool = True  # CUDA: programmatic dependent launch for the skinny GEMM and GQA attention
     gqa_fma: bool = False  # NVIDIA: the CUDA-core (FMA) GQA kernel instead of the tensor-core one
@@ -54,6 +55,8 @@ class KernelConfig:
     def __post_init__(self) -> None:
         if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be a bool or None, got {self.batch_invariant!r}")
+        if self.cpu_qdot_isa not in ("amx", "avx512", "avx2"):
+            raise ValueError(f"cpu_qdot_isa must be 'amx', 'avx512' or 'avx2', got {self.cpu_qdot_isa!r}")
         if self.gqa_pairs_per_block not in (0, 1, 2, 4, 8):
             raise ValueError(f"gqa_pairs_per_block must be 0 (auto), 1, 2, 4 or 8, got {self.gqa_pairs_per_block!r}")
 

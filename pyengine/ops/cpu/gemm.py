@@ -8,6 +8,9 @@ from pyengine.ops.cpu.extension import DTYPE_CODE, kernels, raise_error
 from pyengine.ops.cpu.threads import pool_threads_for
 from pyengine.ops.kernel_config import get_kernel_config
 
+# csrc/cpu/cpu_gemm.h's GemmIsa values by name (PackedLinear.isa, KernelConfig.cpu_qdot_isa)
+ISA_LEVELS = {"avx2": 2, "avx512": 3, "amx": 4}
+
 
 class PackedLinear:
     """An fp32 or bf16 [in, out] weight in the layout of the C++ decode GEMM (csrc/cpu/cpu_gemm.h):
@@ -37,7 +40,7 @@ class PackedLinear:
     @classmethod
     def from_gguf(cls, ggml_type: int, rows: np.ndarray, in_features: int,
                   int8_dot: bool | None = None, int16_dot: bool | None = None,
-                  avx512: bool | None = None) -> PackedLinear | None:
+                  isa: str | None = None) -> PackedLinear | None:
         """An fp32 [in_features, len(rows)] weight packed straight from GGUF Q4_0 / Q4_1 / Q8_0
         blocks: rows (uint64) holds the address of each output's first block (a row of the file's
         tensor, anywhere: fused and reordered matrices need no copy), valid during the call. Its
@@ -53,8 +56,9 @@ class PackedLinear:
         the same panels and integer dots with each activation as two int16 limbs (the `int16_dot`
         property; csrc/cpu/cpu_gemm_qdot16.cpp, the spec with act_bits=32): the dequantised weights'
         products up to fp32 rounding, other bits, the same for a row whatever the batch. Those run
-        on AVX-512 VNNI where the CPU has it (`isa` "avx512"; avx512 None: KernelConfig.cpu_avx512_vnni;
-        False keeps AVX2), with the same bits (csrc/cpu/cpu_gemm_qdot16_avx512.cpp)."""
+        on the best kernels the CPU has up to `isa` ("amx", "avx512" or "avx2"; None:
+        KernelConfig.cpu_qdot_isa), all with the same bits (csrc/cpu/cpu_gemm_qdot16_avx512.cpp,
+        cpu_gemm_qdot16_amx.cpp); the `isa` property says which."""
         if rows.dtype != np.uint64 or rows.ndim != 1 or not rows.flags.c_contiguous:
             raise ValueError(f"PackedLinear.from_gguf takes a contiguous uint64 array of row addresses, got {rows.dtype}")
         kernels.set_num_threads(pool_threads_for(torch.get_num_threads()))  # the pool packs too
@@ -62,10 +66,9 @@ class PackedLinear:
             int8_dot = get_kernel_config().cpu_int8_dot
         if int16_dot is None:
             int16_dot = get_kernel_config().cpu_int16_dot
-        if avx512 is None:
-            avx512 = get_kernel_config().cpu_avx512_vnni
+        limit = ISA_LEVELS[isa if isa is not None else get_kernel_config().cpu_qdot_isa]
         act_bits = 8 if int8_dot else 32 if int16_dot else 0
-        packed = kernels.pack_gguf(ggml_type, rows.ctypes.data, in_features, rows.shape[0], False, act_bits, avx512)
+        packed = kernels.pack_gguf(ggml_type, rows.ctypes.data, in_features, rows.shape[0], False, act_bits, limit)
         if packed is None:
             return None
         self = cls.__new__(cls)
@@ -91,8 +94,9 @@ class PackedLinear:
 
     @property
     def isa(self) -> str:
-        """The kernels this weight runs: "avx512" or "avx2"."""
-        return {2: "avx2", 3: "avx512"}[int(self.packed.isa)]
+        """The kernels this weight runs: "avx512" or "avx2"; "amx" (int16 limbs: AMX tiles from 4
+        rows, AVX-512 VNNI for fewer)."""
+        return {level: name for name, level in ISA_LEVELS.items()}[int(self.packed.isa)]
 
     @property
     def packed_bytes(self) -> int:
