@@ -100,7 +100,7 @@ def _recorded_run(target: str, spec: dict, loop: bool, prompts, params, spy_held
         catch_up = p.catch_up_held
 
         def spy(scheduler, seq_ids, first):
-            valid = np.array([p.valid.get(s, 0) for s in seq_ids.tolist()])
+            valid = p.valid.get(seq_ids)
             spy_held.append(int(np.maximum(first - np.maximum(p.ring.held_from(seq_ids, first), valid), 0).sum()))
             return catch_up(scheduler, seq_ids, first)
         p.catch_up_held = spy

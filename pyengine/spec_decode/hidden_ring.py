@@ -8,8 +8,8 @@ step's hidden states here and catches up, all at once, in the first step it draf
 then computes the same entries, only later; nothing is lost as long as a row's pending positions
 fit the ring (the proposer catches up before they would not).
 
-Each request holds one row of `size` positions (position p at p % size) and the span [lo, hi) of
-positions held, contiguous up to the last step's.
+Each request holds one row of `size` positions (position p at p % size), from its first deferral
+until it is dropped, and the span [lo, hi) of positions held, contiguous up to the last step's.
 """
 from __future__ import annotations
 
@@ -17,42 +17,42 @@ import numpy as np
 import torch
 
 from pyengine.engine.host_arrays import to_device
+from pyengine.spec_decode.seq_columns import SeqColumns
 
 
 class HiddenRing:
     SLICE_ROWS = 2  # up to this many requests a keep() copies slices, more take one indexed copy
+    LO, HI = 0, 1  # the span's columns in `spans`
 
     def __init__(self, size: int, device: torch.device) -> None:
         self.size, self.device = size, device
         self.buf: torch.Tensor | None = None  # [rows, size, width], made (and grown) on demand
-        self.row: dict[int, int] = {}  # seq id -> its row of buf
-        self.free: list[int] = []
-        self.span: dict[int, tuple[int, int]] = {}  # seq id -> [lo, hi): the positions held
+        # per request its row of buf (kept until drop: a request defers again and again) and the
+        # span [lo, hi) of positions held (-1, -1: none)
+        self.spans = SeqColumns(width=2, default=-1)
 
     def held_from(self, seq_ids: np.ndarray, first: np.ndarray) -> np.ndarray:
         """Per request, the first position whose hidden state is at hand in this step: its span's
         lo where the span reaches this step's first position, else first (the step's own states)."""
-        if not self.span:
+        if not len(self.spans):
             return first.copy()
-        out = first.copy()
-        for i, (sid, f) in enumerate(zip(seq_ids.tolist(), first.tolist())):
-            lo_hi = self.span.get(sid)
-            if lo_hi is not None and lo_hi[1] == f:
-                out[i] = lo_hi[0]
-        return out
+        rows = self.spans.rows(seq_ids)
+        span = self.spans.values[np.maximum(rows, 0)]
+        reaches = (rows >= 0) & (span[:, self.HI] == first)
+        return np.where(reaches, span[:, self.LO], first)
 
     def keep(self, seq_ids: np.ndarray, lo: np.ndarray, first: np.ndarray, end: np.ndarray,
              rows: np.ndarray, hidden: torch.Tensor) -> None:
         """Requests defer their catch-up: positions [first, end) of each are this step's hidden rows
         rows[i] + (p - first[i]); the span becomes [lo, end) (lo: held_from's answer)."""
         assert ((end - lo) <= self.size).all(), "a deferred catch-up must fit the ring"
-        ring_rows = np.array([self._row_of(int(s)) for s in seq_ids.tolist()], dtype=np.int64)
+        ring_rows = self.spans.rows(seq_ids, create=True)
         if self.buf is None or self.buf.shape[2] != hidden.shape[1]:
-            self.buf = torch.zeros(max(16, len(self.row)), self.size, hidden.shape[1], dtype=hidden.dtype,
+            self.buf = torch.zeros(self.spans.capacity, self.size, hidden.shape[1], dtype=hidden.dtype,
                                    device=self.device)
-        if int(ring_rows.max()) >= self.buf.shape[0]:
-            grow = torch.zeros(max(self.buf.shape[0], int(ring_rows.max()) + 1 - self.buf.shape[0]), self.size,
-                               self.buf.shape[2], dtype=self.buf.dtype, device=self.device)
+        if self.spans.capacity > self.buf.shape[0]:
+            grow = torch.zeros(self.spans.capacity - self.buf.shape[0], self.size, self.buf.shape[2],
+                               dtype=self.buf.dtype, device=self.device)
             self.buf = torch.cat([self.buf, grow])
         counts = end - first
         if len(seq_ids) <= self.SLICE_ROWS:  # a copy or two per request: no index arrays to stage
@@ -68,25 +68,22 @@ class HiddenRing:
             index = to_device(np.stack([ring_rows[which] * self.size + pos % self.size,
                                         rows[which] + pos - first[which]]), self.device)
             self.buf.view(-1, self.buf.shape[2]).index_copy_(0, index[0], hidden.index_select(0, index[1]))
-        self.span.update((int(s), (int(a), int(b))) for s, a, b in zip(seq_ids.tolist(), lo.tolist(), end.tolist()))
+        self.spans.values[ring_rows, self.LO] = lo
+        self.spans.values[ring_rows, self.HI] = end
 
     def gather(self, seq_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """The held hidden states of (request, position) pairs, [len(positions), width]."""
         assert self.buf is not None
-        ring_rows = np.array([self.row[int(s)] for s in seq_ids.tolist()], dtype=np.int64)
+        ring_rows = self.spans.rows(seq_ids)
+        assert (ring_rows >= 0).all(), "a gathered request holds nothing"
         index = to_device(ring_rows * self.size + positions % self.size, self.device)
         return self.buf.view(-1, self.buf.shape[2]).index_select(0, index)
 
     def release(self, seq_ids) -> None:
-        """These requests hold nothing any more (caught up, finished or preempted)."""
-        for sid in seq_ids:
-            sid = int(sid)
-            self.span.pop(sid, None)
-            ring_row = self.row.pop(sid, None)
-            if ring_row is not None:
-                self.free.append(ring_row)
+        """These requests hold no positions any more (caught up); their rows stay theirs."""
+        rows = self.spans.rows(np.asarray(seq_ids, dtype=np.int64))
+        self.spans.values[rows[rows >= 0]] = -1
 
-    def _row_of(self, sid: int) -> int:
-        if sid not in self.row:
-            self.row[sid] = self.free.pop() if self.free else len(self.row)  # rows 0..len-1 in use
-        return self.row[sid]
+    def drop(self, seq_ids) -> None:
+        """These requests are gone (finished or preempted): their rows go to others."""
+        self.spans.drop(seq_ids)

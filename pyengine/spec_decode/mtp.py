@@ -52,6 +52,7 @@ from pyengine.spec_decode.draft_chain import DraftChain
 from pyengine.spec_decode.draft_sampling import DraftRow, DraftSampler
 from pyengine.spec_decode.head_graphs import HeadFeed, HeadGraphs
 from pyengine.spec_decode.hidden_ring import HiddenRing
+from pyengine.spec_decode.seq_columns import SeqColumns
 
 
 class MtpProposer:
@@ -72,7 +73,7 @@ class MtpProposer:
         runner.keep_hidden = True
         self.kv_cache = self.layer.make_kv_cache(runner.num_kv_blocks, runner.block_size, runner.device)
         self.max_position = runner.config.max_position_embeddings
-        self.valid: dict[int, int] = {}
+        self.valid = SeqColumns()  # per request: positions before this one are in the layer's cache
         self.gone: set[int] = set()  # forgotten since the target's last step: its rows there are stale
         self.sampler = DraftSampler(seed, runner.config.vocab_size, runner.device)
         self.device_drafts = DeviceDrafts(runner.device)  # this step's drafts, read after the verify launch
@@ -123,7 +124,7 @@ class MtpProposer:
             return
         ids, first = seq_ids[live], firsts[live].astype(np.int64)
         row_start = qsl[:-1][live].astype(np.int64)
-        valid = np.fromiter((self.valid.get(s, 0) for s in ids.tolist()), np.int64, len(ids))
+        valid = self.valid.get(ids)
         held = self.ring.held_from(ids, first)  # positions before: not computed by the target (prefix hit)
         start = np.maximum(held, valid)
         lo = np.minimum(start, first)
@@ -132,20 +133,23 @@ class MtpProposer:
         end = np.minimum(first + np.diff(qsl)[live], n - 1)
         # Drafts wanted per decode row: k, the policy's cap, and room left (tokens and positions).
         room = np.minimum(view.tokens_left, self.max_position - view.num_tokens) - 1
-        wanted = dict(zip(view.seq_ids.tolist(), np.minimum(np.minimum(max_drafts, self.k), room).tolist()))
-        ks_all = np.fromiter((wanted.get(s, 0) for s in ids.tolist()), np.int64, len(ids))
+        ks_all = drafts_wanted(np.asarray(view.seq_ids, dtype=np.int64),
+                               np.minimum(np.minimum(max_drafts, self.k), room), ids)
         # A row that drafts nothing now defers its catch-up while its pending positions fit the ring
-        # with room for one more step's (module docstring).
+        # with room for one more step's (module docstring); when some row catches up anyway, rows
+        # past half the ring join its forward (one forward for many, not one per row and step).
         pending = end - start
         defer = (ks_all <= 0) & (pending > 0) & (pending <= self.ring.size - (self.k + 1)) if self.lazy else \
             np.zeros(len(ids), dtype=bool)
+        if ((pending > 0) & ~defer).any():
+            defer &= pending < self.ring.size // 2
         if defer.any():
             keep = np.flatnonzero(defer & (end > first))
             self.ring.keep(ids[keep], start[keep], first[keep], end[keep], row_start[keep], hidden)
         fed = np.flatnonzero((pending > 0) & ~defer)  # rows with a catch-up now, in the target's row order
         if not len(fed):
             return
-        self.valid.update(zip(ids[fed].tolist(), end[fed].tolist()))
+        self.valid.set(ids[fed], end[fed])
         tables = scheduler.block_tables(ids[fed])
         lens = end[fed] - start[fed]
         # token t of feed row i sits at position p: x_{p+1} is tails[offsets[i] + p - lo[i]]; the
@@ -220,8 +224,7 @@ class MtpProposer:
         each row's layer entries then run up to its first position (the device loop's catch-up
         covers the step from there: layer_device_drafts.py). Positions neither caught up nor held
         (a prefix-cache hit) are skipped, as propose skips them."""
-        valid = np.fromiter((self.valid.get(s, 0) for s in seq_ids.tolist()), np.int64, len(seq_ids))
-        start = np.maximum(self.ring.held_from(seq_ids, first), valid)
+        start = np.maximum(self.ring.held_from(seq_ids, first), self.valid.get(seq_ids))
         fed = np.flatnonzero(start < first)
         if len(fed):
             ids, lo, lens = seq_ids[fed], start[fed], first[fed] - start[fed]
@@ -237,13 +240,12 @@ class MtpProposer:
     def caught_up(self, seq_ids: np.ndarray, ends: np.ndarray) -> None:
         """The layer's entries of these rows now run up to ends (exclusive): a catch-up queued by
         catch_up_held or by the device loop (LayerDeviceDrafts.adopt)."""
-        self.valid.update(zip(seq_ids.tolist(), ends.tolist()))
+        self.valid.set(seq_ids, ends)
 
     def forget(self, seq_ids: Sequence[int], finished: bool) -> None:
-        for sid in seq_ids:
-            self.valid.pop(int(sid), None)
-            self.gone.add(int(sid))
-        self.ring.release(seq_ids)
+        self.valid.drop(seq_ids)
+        self.gone.update(int(s) for s in seq_ids)
+        self.ring.drop(seq_ids)
         self.sampler.forget(seq_ids, finished)
 
     def _catch_up_hidden(self, hidden: torch.Tensor, seq_ids: np.ndarray, pos: np.ndarray, first: np.ndarray,
@@ -291,3 +293,13 @@ class MtpProposer:
             return out, out.new_empty(0)
         last = to_device(feed.query_start_loc[1:].astype(np.int64)[logit_rows] - 1, out.device)
         return out, self.layer.compute_logits(out.index_select(0, last))
+
+
+def drafts_wanted(view_ids: np.ndarray, caps: np.ndarray, seq_ids: np.ndarray) -> np.ndarray:
+    """The cap of each of seq_ids among the decode view's rows (view_ids, caps), 0 for a row not
+    there (a prefill row)."""
+    if not len(view_ids):
+        return np.zeros(len(seq_ids), dtype=np.int64)
+    order = np.argsort(view_ids, kind="stable")
+    at = order[np.minimum(np.searchsorted(view_ids, seq_ids, sorter=order), len(order) - 1)]
+    return np.where(view_ids[at] == seq_ids, caps[at], 0).astype(np.int64)
