@@ -17,7 +17,10 @@ propose(), before schedule():
             and keeps the step's hidden states in a ring (HiddenRing, RING_POSITIONS a row) until
             the first step it drafts in, or until one more step would overflow the ring: steps
             without drafts then run no layer forward, and the layer's entries are the same, only
-            computed later (tests/test_lazy_catch_up.py).
+            computed later (tests/test_lazy_catch_up.py). A step whose forward runs anyway takes
+            every deferred row past half the ring along: at batch 64 the rows' forced catch-ups
+            came one step after another, a small forward each (results/
+            spec_eagle3_grouped_catch_up_b64_h100.json).
   drafts    draft j + 1 feeds draft j at position n - 2 + j with the layer's own previous output
             as the hidden state (the target has not seen x_{n-1} yet), j = 1..k-1.
   valid     becomes n - 1: the draft positions' entries are rewritten by the next catch-up.
