@@ -103,19 +103,37 @@ def test_greedy_eagle3_equals_plain(target: str, head: str, batch: int, k: int, 
         assert rec.had_mixed_step(), "no step verified drafts next to a prefill"
 
 
+class _RotaryWithoutTables(torch.nn.Module):
+    """The model's rotary rows without its tables: the C++ stack's path that takes cos / sin rows."""
+
+    cos_table = sin_table = None
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, positions: torch.Tensor):
+        return self.inner(positions)
+
+
 def test_aux_states_same_on_every_cpu_path(target: str) -> None:
-    """The residual streams the C++ stack's segments hand out equal the per-layer loop's (and the
-    hidden states are those of a forward without aux states) bit for bit."""
+    """The residual streams the C++ stack keeps (the whole step in one call, the stream before the
+    final norm included; and the call that takes rotary rows) equal the per-layer loop's, and the
+    hidden states are those of a forward without aux states, bit for bit."""
     from pyengine.ops.kernel_config import use_kernel_config
     from pyengine.spec_decode.draft_model import rows_batch
 
     llm = LLM(target, device="cpu")
     model = llm.model
     assert model.cpu_stack is not None, "head_dim 16: the C++ stack must run this target"
+    assert model.rotary_emb.cos_table is not None, "the whole-step path needs the rotary tables"
     seqs = make_prompts(3)
     results = []
-    for layers, stack in [(None, True), ((0, 2, 3, 6), True), ((0, 2, 3, 6), False)]:
+    rotary = model.rotary_emb
+    for layers, stack, tables in [(None, True, True), ((0, 2, 3, 6), True, True), ((0, 2, 3, 6), True, False),
+                                  ((0, 2, 3, 6), False, True), ((6, 1), True, True), ((6, 1), False, True)]:
         model.set_aux_layers(layers)
+        model.rotary_emb = rotary if tables else _RotaryWithoutTables(rotary)
         with use_kernel_config(cpu_layer_stack=stack):
             shape = (16, 16, 2, 16)
             caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(6)]
@@ -123,10 +141,14 @@ def test_aux_states_same_on_every_cpu_path(target: str) -> None:
             hidden = model(torch.from_numpy(batch.input_ids), torch.from_numpy(batch.positions),
                            llm.engine.runner.build_metadata(batch), caches)
         results.append((hidden, model.last_aux))
+    model.rotary_emb = rotary
     model.set_aux_layers(None)
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[1][0], results[2][0])
-    assert torch.equal(results[1][1], results[2][1])
+    assert all(torch.equal(results[0][0], r[0]) for r in results[1:])
+    assert torch.equal(results[1][1], results[3][1]) and torch.equal(results[2][1], results[3][1])
     assert torch.equal(results[1][1][:, :64], model.embed(torch.from_numpy(batch.input_ids)))
+    assert torch.equal(results[4][1], results[5][1]), "columns in the order asked, on both paths"
+    assert torch.equal(results[4][1][:, :64], results[1][1][:, 3 * 64:]), "the stream before the final norm"
+    assert not torch.equal(results[4][1][:, 64:], results[1][1][:, :64])
 
 
 def test_greedy_eagle3_equals_plain_per_layer_path(target: str, head: str) -> None:

@@ -181,8 +181,10 @@ void register_cpu_ops(py::module_& m) {
                          uintptr_t sin, uintptr_t slot_mapping, uintptr_t block_tables, int64_t block_table_stride,
                          uintptr_t query_start_loc, uintptr_t context_lens, int32_t num_rows, const py::list& k_caches,
                          const py::list& v_caches, int32_t block_size, int64_t num_blocks, bool use_pool,
-                         uintptr_t positions, int64_t num_positions, uintptr_t final_norm) {
+                         uintptr_t positions, int64_t num_positions, uintptr_t final_norm,
+                         std::vector<int32_t> aux_layers, uintptr_t aux, int64_t aux_row_stride) {
         LlamaStepParams p;
+        p.aux_layers = std::move(aux_layers), p.aux = ptr(aux), p.aux_row_stride = aux_row_stride;
         p.positions = ptr<const int64_t>(positions), p.num_positions = num_positions, p.final_norm = ptr(final_norm);
         p.h = ptr(h), p.residual = ptr(residual), p.num_tokens = num_tokens, p.cos = ptr(cos), p.sin = ptr(sin);
         p.slot_mapping = ptr<const int64_t>(slot_mapping), p.block_tables = ptr<const int32_t>(block_tables);
@@ -197,7 +199,8 @@ void register_cpu_ops(py::module_& m) {
       py::arg("slot_mapping"), py::arg("block_tables"), py::arg("block_table_stride"), py::arg("query_start_loc"),
       py::arg("context_lens"), py::arg("num_rows"), py::arg("k_caches"), py::arg("v_caches"), py::arg("block_size"),
       py::arg("num_blocks"), py::arg("use_pool"), py::arg("positions") = 0, py::arg("num_positions") = 0,
-      py::arg("final_norm") = 0);
+      py::arg("final_norm") = 0, py::arg("aux_layers") = std::vector<int32_t>{}, py::arg("aux") = 0,
+      py::arg("aux_row_stride") = 0);
   cpu.def("argmax_rows", [](uintptr_t x, int64_t rows, int64_t cols, int64_t row_stride, uintptr_t tok,
                             uintptr_t finite) {
     argmax_rows(ptr<const float>(x), rows, cols, row_stride, ptr<int64_t>(tok), ptr<bool>(finite));

@@ -65,6 +65,11 @@ std::string LlamaStack::forward(const LlamaStepParams& p) const {
   if (p.k_caches.size() != layers_.size() || p.v_caches.size() != layers_.size())
     return concat("llama stack: ", p.k_caches.size(), " K and ", p.v_caches.size(), " V caches for ", layers_.size(),
                   " layers");
+  for (const int32_t a : p.aux_layers)
+    if (a < 0 || a > num_layers()) return concat("llama stack: aux layer ", a, " outside 0..", num_layers());
+  if (!p.aux_layers.empty() && (p.aux == nullptr || p.aux_row_stride < static_cast<int64_t>(p.aux_layers.size()) * hidden_))
+    return concat("llama stack: ", p.aux_layers.size(), " aux layers need aux rows of at least ",
+                  static_cast<int64_t>(p.aux_layers.size()) * hidden_, " values");
   if (p.num_tokens <= 0) return {};
   const int64_t t = p.num_tokens, q_width = static_cast<int64_t>(num_heads_) * head_dim_;
   const int64_t qkv_width = static_cast<int64_t>(num_heads_ + 2 * num_kv_heads_) * head_dim_;
@@ -86,6 +91,16 @@ std::string LlamaStack::forward(const LlamaStepParams& p) const {
   attn.num_kv_heads = num_kv_heads_, attn.head_dim = head_dim_, attn.block_size = p.block_size;
   attn.num_blocks = p.num_blocks, attn.scale = scale_, attn.dtype = dtype_, attn.use_pool = p.use_pool;
 
+  // residual holds the stream at the input of layer l (l = L: before the final norm): into aux's columns
+  auto keep_aux = [&](size_t l) {
+    for (size_t j = 0; j < p.aux_layers.size(); ++j) {
+      if (p.aux_layers[j] != static_cast<int32_t>(l)) continue;
+      for (int64_t r = 0; r < t; ++r)
+        std::memcpy(static_cast<char*>(p.aux) + static_cast<size_t>(r * p.aux_row_stride + static_cast<int64_t>(j) * hidden_) * elem,
+                    static_cast<const char*>(p.residual) + static_cast<size_t>(r * hidden_) * elem,
+                    static_cast<size_t>(hidden_) * elem);
+    }
+  };
   for (size_t l = 0; l < layers_.size(); ++l) {
     const LlamaLayerWeights& w = layers_[l];
     // x = norm(residual) lands in h: the incoming states are not needed after the residual add.
@@ -97,6 +112,7 @@ std::string LlamaStack::forward(const LlamaStepParams& p) const {
       norm.x = p.h, norm.residual = p.residual, norm.out = nullptr;
     }
     if (std::string e = rms_norm(norm); !e.empty()) return e;
+    keep_aux(l);
     w.qkv->matmul(p.h, hidden_, t, nullptr, s.qkv);
     rope.k_cache = p.k_caches[l], rope.v_cache = p.v_caches[l];
     if (std::string e = rope_and_cache(rope); !e.empty()) return e;
@@ -111,7 +127,8 @@ std::string LlamaStack::forward(const LlamaStepParams& p) const {
   }
   if (p.final_norm) {
     norm.x = p.h, norm.residual = p.residual, norm.out = nullptr, norm.weight = p.final_norm;
-    return rms_norm(norm);
+    if (std::string e = rms_norm(norm); !e.empty()) return e;
+    keep_aux(layers_.size());
   }
   return {};
 }

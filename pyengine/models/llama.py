@@ -58,7 +58,6 @@ class LlamaForCausalLM(nn.Module):
         self.aux_layers: tuple[int, ...] | None = None
         self.last_aux: torch.Tensor | None = None
         self.aux_out: torch.Tensor | None = None
-        self._aux_stacks: list[tuple[int, int, CpuLlamaStack]] = []
 
     @torch.inference_mode()
     def forward(
@@ -76,17 +75,25 @@ class LlamaForCausalLM(nn.Module):
         config = get_kernel_config()
         rotary = self.rotary_emb
         use_stack = stack is not None and config.cpu_layer_stack and stack.applies(meta, kv_caches)
-        if (use_stack and aux is None and config.cpu_kernels and rotary.cos_table is not None
+        layers = self.aux_layers or ()
+        if (use_stack and config.cpu_kernels and rotary.cos_table is not None
                 and rotary.cos_table.dtype == stack.dtype):
-            # The whole step in one C++ call: the rotary rows looked up and the final fused add +
-            # norm applied there (the same C++ ops and bits as below, fewer Python ops per step).
-            return stack(h, rotary.cos_table, rotary.sin_table, meta, kv_caches, positions, self.norm)[0]
+            # The whole step in one C++ call: the rotary rows looked up, the final fused add + norm
+            # applied and the aux states kept there (the same C++ ops and bits as below, fewer
+            # Python ops per step).
+            states = self._aux_states(h.shape[0]) if layers else None
+            out = stack(h, rotary.cos_table, rotary.sin_table, meta, kv_caches, positions, self.norm, layers, states)[0]
+            if states is not None:
+                self.last_aux = states
+            return out
         cos, sin = rotary(positions)  # [T, D], shared by all heads and layers
         if use_stack:
-            if aux is None:
-                h, residual = stack(h, cos, sin, meta, kv_caches)
-            else:
-                h, residual = self._stack_segments(h, cos, sin, meta, kv_caches, aux)
+            states = self._aux_states(h.shape[0]) if layers else None
+            h, residual = stack(h, cos, sin, meta, kv_caches, aux_layers=layers, aux=states)
+            if states is not None:  # the stream before the final norm is the caller's h + residual
+                for j in (j for j, i in enumerate(layers) if i == len(self.layers)):
+                    states[:, j * h.shape[1]:(j + 1) * h.shape[1]] = h + residual
+                self.last_aux, aux = states, None
         else:
             residual = None
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -94,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
                     aux[i] = h.clone() if residual is None else h + residual  # the layer adds in place
                 h, residual = layer(h, residual, cos, sin, meta, kv_cache)
         assert residual is not None
-        if aux is not None:
+        if aux is not None:  # the per-layer loop's
             if len(self.layers) in self.aux_layers:
                 aux[len(self.layers)] = h + residual
             self._store_aux(aux)
@@ -122,29 +129,15 @@ class LlamaForCausalLM(nn.Module):
         if layers is not None and max_graph_tokens > 0:
             self.aux_out = torch.zeros(max_graph_tokens, len(layers) * self.config.hidden_size, dtype=self.dtype,
                                        device=self.norm.device)
-        self._aux_stacks = []
-        if layers is not None and self.cpu_stack is not None:
-            # The C++ stack runs in segments cut at the aux layers. A segment's first layer takes the
-            # stream x = h + residual as its "embedding" (residual = x, norm(x)): the same rounded
-            # values and the same norm as the unsplit stack's fused add, so the same bits.
-            from pyengine.models.llama_cpu_stack import CpuLlamaStack
 
-            cuts = sorted({0, len(self.layers), *layers})
-            for a, b in zip(cuts, cuts[1:]):
-                segment = CpuLlamaStack.build(self.layers[a:b], self.config, self.dtype)
-                assert segment is not None, "the whole stack was built, so each slice of it is"
-                self._aux_stacks.append((a, b, segment))
-
-    def _stack_segments(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                        kv_caches: list[KVCache], aux: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        residual: torch.Tensor | None = None
-        for a, b, segment in self._aux_stacks:
-            x = h if residual is None else h + residual
-            if a in self.aux_layers:
-                aux[a] = x.clone()  # the stack overwrites its input
-            h, residual = segment(x, cos, sin, meta, kv_caches[a:b])
-        assert residual is not None
-        return h, residual
+    def _aux_states(self, num_tokens: int) -> torch.Tensor:
+        """Where a step's aux states go: aux_out's first rows where they fit (a graph's replay
+        reads them there), else a new tensor."""
+        out = self.aux_out
+        if out is not None and num_tokens <= out.shape[0]:
+            return out[:num_tokens]
+        return torch.empty(num_tokens, len(self.aux_layers) * self.config.hidden_size, dtype=self.dtype,
+                           device=self.norm.device)
 
     def _store_aux(self, aux: dict[int, torch.Tensor]) -> None:
         states = torch.cat([aux[i] for i in self.aux_layers], dim=-1)

@@ -71,12 +71,16 @@ class CpuLlamaStack:
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, meta: AttentionMetadata,
                  kv_caches: list[KVCache], positions: torch.Tensor | None = None,
-                 final_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 final_norm: torch.Tensor | None = None, aux_layers: tuple[int, ...] = (),
+                 aux: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings h [T, hidden] -> (last layer's MLP output, residual stream), as the layer loop
         of LlamaForCausalLM.forward returns them. With positions, cos and sin are the rotary
         tables [max_positions, D] and token t takes row positions[t] (RotaryEmbedding's
         index_select, in C++). With final_norm [hidden], the model's final fused add + norm runs
-        here too: h comes back as norm(residual + h), the op-by-op path's bits."""
+        here too: h comes back as norm(residual + h), the op-by-op path's bits. With aux_layers,
+        the residual stream at the input of each of those layers goes to aux [T, >= n * hidden]
+        (row-contiguous), layer aux_layers[j] at columns j * hidden.. (the number of layers: the
+        stream before the final norm, written only with final_norm)."""
         k_ptrs, v_ptrs, block_size, num_blocks = self._cache_pointers(kv_caches)
         bt, qsl, ctx, _ = step_tables(meta)
         h = h.contiguous()
@@ -94,5 +98,6 @@ class CpuLlamaStack:
             h.data_ptr(), residual.data_ptr(), h.shape[0], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
             bt.data_ptr(), bt.shape[1], qsl.data_ptr(), ctx.data_ptr(), ctx.shape[0], k_ptrs, v_ptrs, block_size,
             num_blocks, pool_threads(), 0 if positions is None else positions.data_ptr(), num_positions,
-            0 if final_norm is None else final_norm.contiguous().data_ptr()))
+            0 if final_norm is None else final_norm.contiguous().data_ptr(), list(aux_layers),
+            0 if aux is None else aux.data_ptr(), 0 if aux is None else aux.stride(0)))
         return h, residual
