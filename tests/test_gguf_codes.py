@@ -202,7 +202,7 @@ def test_packed_columns_are_the_dequantised_rows(ggml_type):
     rows, cols = 40, 96
     raw = random_blocks(ggml_type, rows, cols, seed=3)
     packed = PackedLinear.from_gguf(ggml_type, addresses(raw, np.arange(rows)), cols)
-    if packed is None or packed.isa not in ("avx2", "avx512"):
+    if packed is None or packed.isa not in ("avx2", "avx512", "amx"):
         pytest.skip("no packed GEMM here")
     table = torch.from_numpy(dequantize(raw.reshape(-1), ggml_type, (rows, cols)).copy())  # [rows, cols]
     ids = torch.tensor([0, 39, 17, 17, 16, 15, 1])

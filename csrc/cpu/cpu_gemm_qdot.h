@@ -25,7 +25,8 @@
 //   8-bit block, 544 bytes: s fp16[16], then 8 groups of 64 bytes: columns 0-7 (byte 4c + i:
 //     input 4g + i of column c), then columns 8-15.
 // The kernels are AVX2 (+ FMA, F16C) on every x86-64 CPU that has them; the int16x2 ones also run
-// on AVX-512 VNNI where the CPU has it, with the same bits: the bits do not depend on the machine.
+// on AVX-512 VNNI and AMX-INT8 where the CPU has them, with the same bits: the bits do not depend
+// on the machine.
 //
 // int16x2 activations (act_bits 32, cpu_gemm_qdot16.cpp; spec: quant_dot.py, act_bits=32), the
 // same panels: each input as two int16 limbs, x_k ~ d_b * (q1_k + q2_k * 2^-15):

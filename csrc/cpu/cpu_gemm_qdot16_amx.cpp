@@ -1,12 +1,13 @@
-// cpu_gemm_qdot.h, int16x2 activations on AMX-INT8 for groups of 2-8 rows: the integer sums of
-// cpu_gemm_qdot16.cpp from the tile unit, the float part as the AVX-512 kernels do it. Same bits.
+// cpu_gemm_qdot.h, int16x2 activations on AMX-INT8 (calls of kAmxMinRows rows or more, in groups of
+// up to kAmxGroup): the integer sums of cpu_gemm_qdot16.cpp from the tile unit, the float part as
+// the AVX-512 kernels do it. Same bits.
 //
 // Why: on AVX-512 VNNI each row still costs 4 vpdpwssd per 64 weights, so a verify row of a
 // speculative step adds ~0.45 of a decode step and prompts run at half the exact path's speed.
 // One tile product sums 16 rows x 16 columns x 64 bytes.
 //
 // The integers: each int16 limb q = 256 h + l with l = q & 255 (unsigned byte) and h = q >> 8
-// (signed byte, |h| <= 128), so sum w q = 256 sum w h + sum w l, exactly (|sum| < 2^28). Per
+// (signed byte, -128..127), so sum w q = 256 sum w h + sum w l, exactly (|sum| < 2^28). Per
 // block of 32 inputs: C_l = A_l B (TDPBUSD: unsigned l bytes x signed codes), C_h = A_h B
 // (TDPBSSD), A's rows (row r, limb 1 / 2) at 2r / 2r + 1, B the block's codes as one byte each in
 // the panels' own order (4-bit: nibbles unpacked; 8-bit: the panel as stored). Then i = 256 C_h +
