@@ -151,6 +151,19 @@ def test_aux_states_same_on_every_cpu_path(target: str) -> None:
     assert not torch.equal(results[4][1][:, 64:], results[1][1][:, :64])
 
 
+def test_the_head_runs_on_the_packed_gemm_on_the_cpu(target: str, head: str) -> None:
+    """The head's linears are pyengine's PackedLinear (the batch-invariant kernels) wherever the
+    target's are, not oneDNN's weights."""
+    from pyengine.ops.cpu import PackedLinear
+
+    llm = LLM(target, device="cpu", speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 2})
+    if not isinstance(llm.model.lm_head, PackedLinear) and not isinstance(getattr(llm.model, "packed_lm_head", None),
+                                                                          PackedLinear):
+        pytest.skip("no packed GEMM on this CPU")
+    drafter = llm.engine.proposer.layer
+    assert all(isinstance(w, PackedLinear) for w in (drafter.fc, drafter.lm_head, drafter.layer.qkv_proj))
+
+
 def test_greedy_eagle3_equals_plain_per_layer_path(target: str, head: str) -> None:
     _spec_run(target, head, 8, 3, 16, kernel_config={"cpu_layer_stack": False})
 

@@ -128,6 +128,13 @@ PE_QDOT void kernel_q8(const QRows& x, const uint8_t* blk, int64_t blocks, float
 constexpr Kernel kQ4[kMaxRows] = {&kernel_q4<1, 4>, &kernel_q4<2, 4>, &kernel_q4<3, 4>, &kernel_q4<4, 4>};
 constexpr Kernel kQ8[kMaxRows] = {&kernel_q8<1, 8>, &kernel_q8<2, 8>, &kernel_q8<3, 8>, &kernel_q8<4, 8>};
 
+// Panel p's bias (its `cols` valid columns, zeros after) in buf, or null without a bias.
+const float* panel_bias(const float* bias, int64_t p, int cols, float* buf) {
+  if (!bias) return nullptr;
+  for (int col = 0; col < kPanel; ++col) buf[col] = col < cols ? bias[p * kPanel + col] : 0.0f;
+  return buf;
+}
+
 // y rows (stride ys, `cols` valid columns) = acc [rows][16] + bias16 (or not).
 PE_QDOT void store_rows(const float* acc, int rows, const float* bias16, float* y, int64_t ys, int cols) {
   for (int r = 0; r < rows; ++r) {
@@ -178,11 +185,7 @@ void amx_matmul(const uint8_t* packed, int bits, int64_t blocks, int64_t n, cons
     for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
       for (int64_t p = begin; p < end; ++p) {
         const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
-        const float* b = nullptr;
-        if (bias) {
-          for (int col = 0; col < kPanel; ++col) bias_buf[col] = col < cols ? bias[p * kPanel + col] : 0.0f;
-          b = bias_buf;
-        }
+        const float* b = panel_bias(bias, p, cols, bias_buf);
         const uint8_t* panel = packed + p * blocks * block_bytes;
         for (int64_t g = g0; g < std::min(groups, g0 + chunk); ++g) {
           const int64_t r0 = g * tile_rows;
@@ -254,11 +257,7 @@ void qdot_matmul(const uint8_t* packed, int bits, int64_t k, int64_t n, const fl
       const int64_t rows = std::min(chunk, m - r0);
       for (int64_t p = begin; p < end; ++p) {
         const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
-        const float* b = nullptr;
-        if (bias) {
-          for (int col = 0; col < kPanel; ++col) bias_buf[col] = col < cols ? bias[p * kPanel + col] : 0.0f;
-          b = bias_buf;
-        }
+        const float* b = panel_bias(bias, p, cols, bias_buf);
         const uint8_t* panel = packed + p * blocks * block_bytes;
         for (int64_t g = r0; g < r0 + rows; g += kMaxRows) {
           const int rg = static_cast<int>(std::min<int64_t>(kMaxRows, r0 + rows - g));

@@ -101,7 +101,7 @@ class Eagle3Head(nn.Module):
         return full
 
     def prepack_for_cpu(self) -> None:
-        pack = cpu_linear_packer(self.norm)
+        pack = cpu_linear_packer(self.fc)  # the sample must be a 2-D linear weight for PackedLinear
         if pack is not None:
             self.layer.pack(pack)
             pack_weights(self, LINEARS, pack)
