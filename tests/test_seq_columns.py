@@ -3,13 +3,16 @@ seq ids, rows reused after a drop and never shared by two requests present."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pyengine.spec_decode.seq_columns import SeqColumns
 
 
-def test_columns_behave_as_a_dict_per_request() -> None:
-    rng = np.random.default_rng(0)
+@pytest.mark.parametrize("few", [0, 4, 1000])  # the dict lookups, the sorted arrays, both
+def test_columns_behave_as_a_dict_per_request(few: int) -> None:
+    rng = np.random.default_rng(few)
     cols, ref = SeqColumns(width=2, default=-1), {}
+    cols.FEW = few
     for _ in range(300):
         ids = rng.choice(200, size=int(rng.integers(0, 40)), replace=False).astype(np.int64) + 10**9
         op = rng.integers(3)

@@ -17,6 +17,8 @@ class SeqColumns:
     """`width` int64 columns per seq id (`default` where never set); row r of `values` is the
     request rows() gives r, until drop() frees it for another."""
 
+    FEW = 4  # up to this many seq ids a lookup goes through the dict
+
     def __init__(self, width: int = 1, default: int = 0) -> None:
         self.default = default
         self.values = np.full((16, width), default, dtype=np.int64)
@@ -36,10 +38,14 @@ class SeqColumns:
     def rows(self, seq_ids: np.ndarray, create: bool = False) -> np.ndarray:
         """Each request's row, -1 for one never set (create: a new row for it, `default` values)."""
         seq_ids = np.asarray(seq_ids, dtype=np.int64)
-        at = np.searchsorted(self._keys, seq_ids)
-        at = np.minimum(at, max(len(self._keys) - 1, 0))
-        found = (self._keys[at] == seq_ids) if len(self._keys) else np.zeros(len(seq_ids), dtype=bool)
-        out = np.where(found, self._key_rows[at] if len(self._keys) else -1, -1)
+        if len(seq_ids) <= self.FEW:  # dict lookups: numpy's per-call cost is the larger here
+            out = np.fromiter((self._row.get(s, -1) for s in seq_ids.tolist()), np.int64, len(seq_ids))
+            found = out >= 0
+        else:
+            at = np.searchsorted(self._keys, seq_ids)
+            at = np.minimum(at, max(len(self._keys) - 1, 0))
+            found = (self._keys[at] == seq_ids) if len(self._keys) else np.zeros(len(seq_ids), dtype=bool)
+            out = np.where(found, self._key_rows[at] if len(self._keys) else -1, -1)
         if create and not found.all():
             for i in np.flatnonzero(~found).tolist():
                 sid = int(seq_ids[i])
@@ -56,6 +62,8 @@ class SeqColumns:
 
     def get(self, seq_ids: np.ndarray, column: int = 0) -> np.ndarray:
         rows = self.rows(seq_ids)
+        if len(rows) == 1:
+            return np.array([self.values[rows[0], column] if rows[0] >= 0 else self.default], dtype=np.int64)
         return np.where(rows >= 0, self.values[np.maximum(rows, 0), column], self.default)
 
     def set(self, seq_ids: np.ndarray, values: np.ndarray | int, column: int = 0) -> None:
