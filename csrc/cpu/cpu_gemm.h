@@ -35,7 +35,7 @@ namespace pyengine::cpu {
 
 // Which kernels run `dtype` here: AVX-512 (for bf16 also avx512_bf16), else AVX2 + FMA
 // (cpu_gemm_avx2.h: dense fp32, bf16 pairs and the affine formats), else none.
-// kAmx: the int16-limb GGUF panels on AMX-INT8 for two rows or more (cpu_gemm_qdot.h).
+// kAmx: the int16-limb GGUF panels on AMX-INT8 from 4 rows, AVX-512 VNNI below (cpu_gemm_qdot.h).
 enum class GemmIsa : int32_t { kNone = 0, kAvx2 = 2, kAvx512 = 3, kAmx = 4 };
 GemmIsa gemm_isa(DType dtype);
 // Whether some kernel runs `dtype` on this CPU (gemm_isa(dtype) != kNone).

@@ -54,11 +54,6 @@ PE_AMX void configure(int rows) {
   __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
-PE_AVX512 inline __m512 rounded512(__m512 v) {
-  __asm__("" : "+v"(v));
-  return v;
-}
-
 // Block b's codes as tile B: 4-bit, the nibbles unpacked into buf (low: columns 0-7, high: 8-15).
 #define PE_LOAD_B(TILE, buf)                                                                                        \
   if constexpr (Bits == 4) {                                                                                        \
@@ -95,10 +90,7 @@ PE_AVX512 inline __m512 rounded512(__m512 v) {
       const __m512i i = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ch + 32 * r), 8), _mm512_load_si512(cl + 32 * r)); \
       const __m512i j = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ch + 32 * r + 16), 8),               \
                                          _mm512_load_si512(cl + 32 * r + 16));                                     \
-      const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(j), lo_scale, _mm512_cvtepi32_ps(i));                   \
-      acc[r] = _mm512_add_ps(acc[r], rounded512(_mm512_mul_ps(_mm512_mul_ps(s, _mm512_set1_ps(d[r * bs + bb])), f))); \
-      if constexpr (Bits == 4)                                                                                     \
-        accm[r] = _mm512_add_ps(accm[r], rounded512(_mm512_mul_ps(m, _mm512_set1_ps(sx[r * bs + bb]))));          \
+      fold_block512<Bits>(i, j, s, m, d[r * bs + bb], sx[r * bs + bb], acc[r], accm[r]);                        \
     }                                                                                                              \
   }
 
@@ -116,7 +108,6 @@ PE_AMX void panel_amx(const uint8_t* xa, int tile_rows, const float* d, const fl
   alignas(64) int32_t cl[2 * kAmxGroup * 16], ch[2 * kAmxGroup * 16];
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-  const __m512 lo_scale = _mm512_set1_ps(1.0f / 32768.0f);
   __m512 acc[G], accm[G];
 #pragma GCC unroll 8
   for (int r = 0; r < G; ++r) acc[r] = accm[r] = _mm512_setzero_ps();

@@ -17,15 +17,6 @@ namespace pyengine::cpu::qdot {
 namespace {
 
 #define PE_QDOT512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-#define PE_QDOT512_INLINE inline __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"), always_inline))
-
-constexpr float kLimb = 32768.0f;  // cpu_gemm_qdot16.cpp's second limb scale
-
-// v, materialised: its product is rounded before the add that takes it (no contraction to FMA).
-PE_QDOT512_INLINE __m512 rounded512(__m512 v) {
-  __asm__("" : "+v"(v));
-  return v;
-}
 
 // 4 bytes of row r's limb-l codes for inputs 4g .. 4g + 3 of block b (cpu_gemm_qdot16.cpp's order).
 #define PE_XW(r, l, j) _mm512_set1_epi32(load_i32(x.q + r * x.qs + 64 * (2 * b + l) + 8 * g + 4 * j))
@@ -36,16 +27,8 @@ PE_QDOT512_INLINE __m512 rounded512(__m512 v) {
   }
 #define PE_ACC(r) __m512 acc##r = _mm512_setzero_ps(), accm##r = acc##r;
 #define PE_I32(r) __m512i i##r = _mm512_setzero_si512(), j##r = i##r;
-// f = float(i) + float(j) * 2^-15 (one rounding), then acc += (s * d) * f, accm += m * sx, each
-// product rounded before its add: cpu_gemm_qdot16.cpp's PE_FOLD and PE_SCALE51216 per lane.
-#define PE_SCALE512(r)                                                                                   \
-  if constexpr (R > r) {                                                                              \
-    const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(j##r), lo_scale, _mm512_cvtepi32_ps(i##r));  \
-    const __m512 db = _mm512_set1_ps(x.d[r * x.bs + b]);                                              \
-    acc##r = _mm512_add_ps(acc##r, rounded512(_mm512_mul_ps(_mm512_mul_ps(s, db), f)));              \
-    if constexpr (Bits == 4)                                                                          \
-      accm##r = _mm512_add_ps(accm##r, rounded512(_mm512_mul_ps(m, _mm512_set1_ps(x.sx[r * x.bs + b])))); \
-  }
+#define PE_SCALE512(r) \
+  if constexpr (R > r) fold_block512<Bits>(i##r, j##r, s, m, x.d[r * x.bs + b], x.sx[r * x.bs + b], acc##r, accm##r);
 #define PE_OUT512(r)                                                 \
   if constexpr (R > r) {                                          \
     if constexpr (Bits == 4) acc##r = _mm512_add_ps(acc##r, accm##r); \
@@ -64,7 +47,6 @@ PE_QDOT512 void kernel16_avx512(const QRows& x, const uint8_t* blk, int64_t bloc
   const __m512i low = _mm512_set1_epi16(0x0F);
   const __m512i shift02 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   const __m512i shift13 = _mm512_add_epi16(shift02, _mm512_set1_epi16(8));
-  const __m512 lo_scale = _mm512_set1_ps(1.0f / kLimb);
   __m512 m = _mm512_setzero_ps();
   PE_R(PE_ACC)
   for (int64_t b = 0; b < blocks; ++b, blk += kBytes) {

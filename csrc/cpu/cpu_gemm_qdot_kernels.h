@@ -114,6 +114,26 @@ PE_QDOT_INLINE __m256 load_half8(const uint8_t* p) {
     _mm256_storeu_ps(out + 16 * r, acc##r##0), _mm256_storeu_ps(out + 16 * r + 8, acc##r##1); \
   }
 
+// ---- What the AVX-512 VNNI and AMX int16x2 kernels share (cpu_gemm_qdot16_avx512.cpp, _amx.cpp) ----
+#define PE_QDOT512_INLINE inline __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline))
+
+// v, materialised: its product is rounded before the add that takes it (no contraction to FMA).
+PE_QDOT512_INLINE __m512 rounded512(__m512 v) {
+  __asm__("" : "+v"(v));
+  return v;
+}
+
+// One row's block sums of a panel's 16 columns (i: limb 1, j: limb 2) into its accumulators:
+// f = float(i) + float(j) * 2^-15 (one rounding), acc += (s * d) * f and, 4-bit, accm += m * sx,
+// each product rounded before its add - cpu_gemm_qdot16.cpp's PE_FOLD and PE_SCALE16, per lane.
+template <int Bits>
+PE_QDOT512_INLINE void fold_block512(__m512i i, __m512i j, __m512 s, __m512 m, float d, float sx, __m512& acc,
+                                     __m512& accm) {
+  const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(j), _mm512_set1_ps(1.0f / 32768.0f), _mm512_cvtepi32_ps(i));
+  acc = _mm512_add_ps(acc, rounded512(_mm512_mul_ps(_mm512_mul_ps(s, _mm512_set1_ps(d)), f)));
+  if constexpr (Bits == 4) accm = _mm512_add_ps(accm, rounded512(_mm512_mul_ps(m, _mm512_set1_ps(sx))));
+}
+
 // The int16x2-activation kernels (kernels[R - 1] for `bits`) and quantiser: cpu_gemm_qdot16.cpp.
 const Kernel* qdot16x2_kernels(int bits);
 void quantise_row16x2(const float* x, int64_t blocks, uint8_t* q, float* d, float* sx);

@@ -23,3 +23,12 @@ def draft_token_ids(batch) -> np.ndarray:
     first token; cu_num_draft_tokens gives where each row's start)."""
     cu, starts = batch.cu_num_draft_tokens, batch.query_start_loc[:-1] + 1
     return np.asarray(batch.input_ids)[np.arange(int(cu[-1])) + np.repeat(starts - cu[:-1], batch.num_draft_tokens)]
+
+
+def index_of(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """Each query's index in keys (distinct values, any order), -1 where it is not there."""
+    if not len(keys):
+        return np.full(len(queries), -1, dtype=np.int64)
+    order = np.argsort(keys, kind="stable")
+    at = order[np.minimum(np.searchsorted(keys, queries, sorter=order), len(keys) - 1)]
+    return np.where(keys[at] == queries, at, -1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pyengine.engine.host_arrays import to_device
+from pyengine.engine.host_arrays import index_of, to_device
 from pyengine.ops import streams
 
 PLACEHOLDER = -1  # an id no embedding holds: an input that missed its patch fails loudly on the CPU
@@ -64,10 +64,8 @@ class DeviceDrafts:
         dst = np.repeat(np.asarray(batch.query_start_loc, dtype=np.int64)[rows] + 1, n) + offset
         if np.array_equal(seq_ids, self.seq_ids) and np.array_equal(n, self.counts):
             return dst, None  # the usual step: the proposed rows, in order, none trimmed
-        order = np.argsort(self.seq_ids, kind="stable")
-        at = np.searchsorted(self.seq_ids, seq_ids, sorter=order)
-        at = order[np.minimum(at, len(order) - 1)]
-        assert (self.seq_ids[at] == seq_ids).all(), "a verify row's drafts are not on the device"
+        at = index_of(self.seq_ids, seq_ids)
+        assert (at >= 0).all(), "a verify row's drafts are not on the device"
         assert (n <= self.counts[at]).all(), "the batch carries more drafts than were proposed"
         starts = np.cumsum(self.counts) - self.counts
         return dst, np.repeat(starts[at], n) + offset

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from pyengine import _C
-from pyengine.engine.host_arrays import to_device
+from pyengine.engine.host_arrays import index_of, to_device
 from pyengine.engine.model_runner import ModelRunner
 from pyengine.engine.prefill_graphs import PREFILL_GRAPH_TOKENS
 from pyengine.spec_decode.config import SpeculativeConfig
@@ -136,8 +136,8 @@ class MtpProposer:
         end = np.minimum(first + np.diff(qsl)[live], n - 1)
         # Drafts wanted per decode row: k, the policy's cap, and room left (tokens and positions).
         room = np.minimum(view.tokens_left, self.max_position - view.num_tokens) - 1
-        ks_all = drafts_wanted(np.asarray(view.seq_ids, dtype=np.int64),
-                               np.minimum(np.minimum(max_drafts, self.k), room), ids)
+        caps = np.append(np.minimum(np.minimum(max_drafts, self.k), room), 0).astype(np.int64)
+        ks_all = caps[index_of(np.asarray(view.seq_ids, dtype=np.int64), ids)]  # index -1 (a prefill row): 0
         # A row that drafts nothing now defers its catch-up while its pending positions fit the ring
         # with room for one more step's (module docstring); when some row catches up anyway, rows
         # past half the ring join its forward (one forward for many, not one per row and step).
@@ -296,13 +296,3 @@ class MtpProposer:
             return out, out.new_empty(0)
         last = to_device(feed.query_start_loc[1:].astype(np.int64)[logit_rows] - 1, out.device)
         return out, self.layer.compute_logits(out.index_select(0, last))
-
-
-def drafts_wanted(view_ids: np.ndarray, caps: np.ndarray, seq_ids: np.ndarray) -> np.ndarray:
-    """The cap of each of seq_ids among the decode view's rows (view_ids, caps), 0 for a row not
-    there (a prefill row)."""
-    if not len(view_ids):
-        return np.zeros(len(seq_ids), dtype=np.int64)
-    order = np.argsort(view_ids, kind="stable")
-    at = order[np.minimum(np.searchsorted(view_ids, seq_ids, sorter=order), len(order) - 1)]
-    return np.where(view_ids[at] == seq_ids, caps[at], 0).astype(np.int64)
