@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from pyengine import LLM
 from pyengine.models.eagle3_train import TrainHead, head_config, load_head, save_head
+from pyengine.ops.kernel_config import KernelConfig, use_kernel_config
 from tests.spec_harness import RecordingScheduler, check_second_token_follows_target, plain_greedy, spec_equals_plain
 from tests.tiny_models import _COMMON, make_prompts, write_tokenizer
 
@@ -161,7 +162,24 @@ def test_the_head_runs_on_the_packed_gemm_on_the_cpu(target: str, head: str) -> 
                                                                           PackedLinear):
         pytest.skip("no packed GEMM on this CPU")
     drafter = llm.engine.proposer.layer
-    assert all(isinstance(w, PackedLinear) for w in (drafter.fc, drafter.lm_head, drafter.layer.qkv_proj))
+    linears = (drafter.fc, drafter.lm_head, drafter.layer.qkv_proj, drafter.layer.o_proj, drafter.layer.gate_up_proj,
+               drafter.layer.down_proj)
+    assert all(isinstance(w, PackedLinear) for w in linears)
+    # KernelConfig.cpu_q8_draft_head: rounded to Q8_0 codes on the integer-dot kernels, ~4x fewer bytes
+    assert [w.bits_per_weight for w in linears] == [8] * 6 and all(w.int16_dot for w in linears)
+    dense = LLM(target, device="cpu", speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 2},
+                kernel_config={"cpu_q8_draft_head": False}).engine.proposer.layer
+    assert dense.fc.bits_per_weight == 32 and dense.lm_head.bits_per_weight == 32
+    assert sum(w.packed_bytes for w in linears) < 0.3 * sum(getattr(dense, n).packed_bytes for n in ("fc", "lm_head")) + \
+        0.3 * sum(getattr(dense.layer, n).packed_bytes for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    # the rounded head drafts what the dense one does, nearly always (its logits within Q8_0's error)
+    torch.manual_seed(0)
+    hidden = torch.randn(256, drafter.config.hidden_size)
+    with torch.inference_mode():
+        q8, exact = drafter.compute_logits(hidden), dense.compute_logits(hidden)
+    assert not torch.equal(q8, exact), "the Q8_0 head should not compute the dense head's bits"
+    assert (q8.argmax(-1) == exact.argmax(-1)).float().mean() > 0.9
+    torch.testing.assert_close(q8, exact, rtol=0.05, atol=0.05 * float(exact[exact.isfinite()].abs().max()))
 
 
 def test_greedy_eagle3_equals_plain_per_layer_path(target: str, head: str) -> None:
@@ -185,7 +203,8 @@ def test_training_unroll_is_what_the_proposer_drafts(target: str, head: str) -> 
     steps = 3
     train_logits = load_head(head, llm.model.embed(torch.arange(96))).unroll(
         torch.tensor(seq[1:] + [0])[None], aux[None], steps)
-    ours, _ = load_eagle3(head, llm.model, llm.model_config, torch.device("cpu"), torch.float32)
+    with use_kernel_config(KernelConfig(cpu_q8_draft_head=False)):  # the trained weights as they are
+        ours, _ = load_eagle3(head, llm.model, llm.model_config, torch.device("cpu"), torch.float32)
     ids = ours.target_ids
     build = llm.engine.runner.build_metadata
     n = len(seq)

@@ -159,7 +159,7 @@ class PausingPolicy:
         pass
 
 
-@pytest.mark.parametrize("rows,block_size,blocks,pausing", [(3, 4, 20, False), (2, 2, 40, False), (3, 4, 24, True)])
+@pytest.mark.parametrize("rows,block_size,blocks,pausing", [(3, 4, 20, False), (2, 2, 37, False), (3, 4, 24, True)])
 def test_eagle3_loop_stops_preemption_and_deferrals(target: str, head: str, rows: int, block_size: int, blocks: int,
                                                     pausing: bool) -> None:
     """Stop ids and strings ending rows mid-chain, a small KV pool that preempts, more requests

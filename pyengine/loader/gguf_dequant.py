@@ -16,7 +16,7 @@ import numpy as np
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 BLOCK = 32  # values per block of Q4_0 / Q4_1 / Q8_0
 _ROWS_AT_ONCE = 4096  # rows transposed together: a layer's matrices in one go
-_BLOCK_LAYOUTS = {  # the fp16 scale d (and offset m), then the codes
+BLOCK_LAYOUTS = {  # the fp16 scale d (and offset m), then the codes
     Q4_0: np.dtype([("d", "<f2"), ("qs", "u1", (16,))]),
     Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))]),
     Q8_0: np.dtype([("d", "<f2"), ("qs", "i1", (32,))]),
@@ -90,8 +90,8 @@ def decode(raw: np.ndarray, ggml_type: int, rows: int, cols: int) -> Blocks:
         return Blocks("float", raw.view(np.float16).reshape(rows, cols))
     if ggml_type == BF16:
         return Blocks("float", (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(rows, cols))
-    if ggml_type in _BLOCK_LAYOUTS:
-        blocks = raw.view(_BLOCK_LAYOUTS[ggml_type]).reshape(rows, cols // BLOCK)
+    if ggml_type in BLOCK_LAYOUTS:
+        blocks = raw.view(BLOCK_LAYOUTS[ggml_type]).reshape(rows, cols // BLOCK)
         d = blocks["d"].astype(np.float32)
         if ggml_type == Q8_0:
             return Blocks("q8", blocks["qs"], d)

@@ -36,6 +36,7 @@ from pyengine.config import ModelConfig
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.models.layers import (KVCache, LlamaDecoderLayer, RotaryEmbedding, cpu_linear_packer, linear,
                                     pack_weights, param)
+from pyengine.ops.kernel_config import get_kernel_config
 
 LINEARS = ("fc", "lm_head")  # the head's own linears besides the decoder layer's
 
@@ -102,9 +103,18 @@ class Eagle3Head(nn.Module):
 
     def prepack_for_cpu(self) -> None:
         pack = cpu_linear_packer(self.fc)  # the sample must be a 2-D linear weight for PackedLinear
-        if pack is not None:
-            self.layer.pack(pack)
-            pack_weights(self, LINEARS, pack)
+        if pack is None:
+            return
+        if get_kernel_config().cpu_q8_draft_head and self.fc.dtype == torch.float32 and hasattr(pack, "quantised_q8"):
+            pack = _q8_or(pack)
+        self.layer.pack(pack)
+        pack_weights(self, LINEARS, pack)
+
+
+def _q8_or(dense: Any) -> Callable[[torch.Tensor], Any]:
+    """A packer that rounds a weight to Q8_0 (PackedLinear.quantised_q8: KernelConfig.cpu_q8_draft_head)
+    where it can, else packs it dense."""
+    return lambda w: dense.quantised_q8(w) or dense(w)
 
 
 # The head trained for the default model (scripts/train_eagle3.py), shipped in the package.

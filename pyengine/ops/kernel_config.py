@@ -34,6 +34,11 @@ class KernelConfig:
     # cpu_gemm_qdot16_amx.cpp), "avx512" (VNNI, one vpdpwssd per two products:
     # cpu_gemm_qdot16_avx512.cpp) or "avx2"; the lower ones for comparisons
     cpu_qdot_isa: str = "amx"
+    # CPU: an EAGLE-3 head's linears rounded to GGUF Q8_0 and run on the integer-dot kernels
+    # (PackedLinear.quantised_q8): its fp32 weights (39 MB for the shipped head, 0.4 of the default
+    # model's bytes) were streamed per forward, one per catch-up and per chained draft. Drafts only:
+    # the output is the target's whatever the head computes. False: the dense fp32 weights.
+    cpu_q8_draft_head: bool = True
     skinny_gemm: bool = True  # CUDA: single-row projections on pyengine's skinny GEMM (False: cuBLAS)
     pdl: bool = True  # CUDA: programmatic dependent launch for the skinny GEMM and GQA attention
     gqa_fma: bool = False  # NVIDIA: the CUDA-core (FMA) GQA kernel instead of the tensor-core one

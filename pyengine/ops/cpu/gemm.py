@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pyengine.loader.gguf_dequant import BLOCK, BLOCK_LAYOUTS, Q8_0
 from pyengine.ops.cpu.extension import DTYPE_CODE, kernels, raise_error
 from pyengine.ops.cpu.threads import pool_threads_for
 from pyengine.ops.kernel_config import get_kernel_config
@@ -74,6 +75,26 @@ class PackedLinear:
         self = cls.__new__(cls)
         self.dtype, self.in_features, self.out_features, self.packed = torch.float32, in_features, rows.shape[0], packed
         return self
+
+    @classmethod
+    def quantised_q8(cls, weight: torch.Tensor) -> PackedLinear | None:
+        """An fp32 [in, out] weight rounded to GGUF Q8_0 (per output, blocks of 32 inputs: an fp16
+        scale max|w| / 127 and int8 codes) and packed as from_gguf packs such blocks: ~4x fewer bytes
+        streamed, the integer-dot kernels. Not the weight's own values: only for a module whose
+        numerics change nothing but proposals (an EAGLE-3 head: its drafts are verified). None where
+        from_gguf cannot take it (in_features not a multiple of 32, a non-finite value)."""
+        w = weight.detach().to(torch.float32).t().contiguous().numpy()  # [out, in]: a GGUF row per output
+        out_features, in_features = w.shape
+        if in_features % BLOCK or not np.isfinite(w).all():
+            return None
+        runs = w.reshape(out_features, in_features // BLOCK, BLOCK)
+        scale = (np.abs(runs).max(axis=2) / 127.0).astype(np.float16)
+        inverse = np.divide(1.0, scale.astype(np.float32), out=np.zeros(scale.shape, np.float32), where=scale > 0)
+        blocks = np.empty(runs.shape[:2], dtype=BLOCK_LAYOUTS[Q8_0])
+        blocks["d"] = scale
+        blocks["qs"] = np.clip(np.rint(runs * inverse[:, :, None]), -127, 127).astype(np.int8)
+        rows = np.uint64(blocks.ctypes.data) + np.arange(out_features, dtype=np.uint64) * np.uint64(blocks.strides[0])
+        return cls.from_gguf(Q8_0, rows, in_features)
 
     @property
     def bits_per_weight(self) -> int:
