@@ -3,7 +3,8 @@ row the draft-length policy leaves without drafts keeps its step's hidden states
 catches up when it next drafts. The layer then computes the same cache entries later, so every step
 drafts exactly what catching up every step drafts (the CPU's arithmetic does not depend on how many
 positions one forward feeds), with fewer layer forwards; a quiet spell longer than the ring holds
-forces a catch-up instead of losing positions; output equals plain decoding. On a tiny DeepSeek-V3
+forces a catch-up instead of losing positions (MtpProposer.slide off; on, the spell's oldest
+positions are skipped and quiet rows run no forward at all); output equals plain decoding. On a tiny DeepSeek-V3
 with an MTP layer, with prefix caching, prompts admitted in chunks (mixed steps) and preemption."""
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class DraftLog:
 
 
 def run(target: str, lazy: bool, period: int, ring: int | None = None, batch: int = 8, k: int = 3,
-        graphs: bool = False, **kw):
+        graphs: bool = False, slide: bool = False, **kw):
     llm = LLM(target, device="cpu", max_num_batched_tokens=48,
               speculative_config={"method": "mtp", "num_speculative_tokens": k, "adaptive_draft_length": False}, **kw)
     eng = llm.engine
@@ -71,7 +72,7 @@ def run(target: str, lazy: bool, period: int, ring: int | None = None, batch: in
         eng.proposer.set_graphs(HeadGraphs(eng.proposer.layer, eng.proposer.kv_cache, r.block_size, r.device,
                                            cfg.max_num_seqs, k + 1, cfg.max_model_len + k + 1 + r.block_size))
     eng.draft_length = PatternPolicy(k, period)
-    eng.proposer.lazy = lazy
+    eng.proposer.lazy, eng.proposer.slide = lazy, slide
     if ring is not None:
         eng.proposer.ring.size = ring
     log = DraftLog(eng.scheduler)
@@ -79,7 +80,10 @@ def run(target: str, lazy: bool, period: int, ring: int | None = None, batch: in
     proposer, gathers = eng.proposer, []
     forward, gather = proposer._forward, proposer.ring.gather
 
+    fed = []
+
     def logged_forward(feed, prev_hidden, logit_rows, token_ids=None):
+        fed.append(len(feed.positions))
         out, logits = forward(feed, prev_hidden, logit_rows, token_ids)
         if logits.numel():  # the drafting rows' logits, every draft position
             log.steps[-1].append(logits.clone())
@@ -90,7 +94,7 @@ def run(target: str, lazy: bool, period: int, ring: int | None = None, batch: in
     outs = llm.generate(make_prompts(batch), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
     assert all(o.error is None for o in outs)
-    stats = dict(llm.stats(), ring_gathers=len(gathers))
+    stats = dict(llm.stats(), ring_gathers=len(gathers), fed_tokens=sum(fed))
     return [tuple(o.outputs[0].token_ids) for o in outs], log.steps, proposer.num_forwards, stats
 
 
@@ -129,3 +133,22 @@ def test_quiet_rows_run_no_layer_forward(target: str) -> None:
     assert stats["num_draft_tokens"] == 0
     _, _, eager_forwards, _ = run(target, False, period=10**9)
     assert forwards <= eager_forwards // 4, (forwards, eager_forwards)
+
+
+def test_sliding_quiet_rows_skip_what_the_ring_cannot_hold(target: str) -> None:
+    """MtpProposer.slide: a quiet spell longer than the ring keeps the latest positions and skips the
+    older ones instead of forcing a catch-up. Rows that never draft then feed the layer nothing but
+    the prompt chunks too long for the ring, rows that draft now and then catch up at most the
+    ring's room each time (fewer forwards), some drafts change (skipped entries stay stale), and
+    the output is plain decoding's."""
+    plain = list(plain_greedy(target, 8, MAX_TOKENS)[0])
+    forced = run(target, True, period=10**9, ring=9)
+    quiet = run(target, True, period=10**9, ring=9, slide=True)
+    assert forced[0] == plain and quiet[0] == plain
+    assert quiet[3]["num_draft_tokens"] == 0 and quiet[2] < forced[2], (quiet[2], forced[2])
+    assert 0 < quiet[3]["fed_tokens"] <= quiet[3]["prompt_tokens"] < forced[3]["fed_tokens"]
+    slid = run(target, True, period=13, ring=9, slide=True)
+    kept = run(target, True, period=13, ring=9)
+    assert slid[0] == plain and kept[0] == plain
+    assert slid[3]["num_draft_tokens"] > 0 and slid[2] < kept[2], (slid[2], kept[2])
+    assert not same_steps(slid[1], kept[1]), "skipped positions should change some draft (stale entries)"

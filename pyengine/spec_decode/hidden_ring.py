@@ -5,8 +5,8 @@ A catch-up feeds the layer the target's hidden state of every position the targe
 the layer's KV cache holds them when it drafts. Run every step, that forward costs even the steps
 whose rows draft nothing (a quiet draft-length policy). Instead, a row that drafts nothing keeps its
 step's hidden states here and catches up, all at once, in the first step it drafts in. The layer
-then computes the same entries, only later; nothing is lost as long as a row's pending positions
-fit the ring (the proposer catches up before they would not).
+then computes the same entries, only later, for the positions the ring still holds (a longer quiet
+spell either forces a catch-up or, by default, lets the oldest positions go: MtpProposer.slide).
 
 Each request holds one row of `size` positions (position p at p % size), from its first deferral
 until it is dropped, and the span [lo, hi) of positions held, contiguous up to the last step's.
