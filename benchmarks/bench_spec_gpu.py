@@ -138,13 +138,13 @@ def run_method(args, name: str, batch: int, prompts: list[str], categories: list
     elif base.endswith("_device"):
         llm.engine.device_verify.max_rows = 1 << 30
     conversations = [[{"role": "user", "content": q}] for q in prompts]
-    # warm-up: --capture all: every graph captured first (CudaGraphRunner.capture_all), else the
+    # warm-up: --capture all: every graph captured first (LLMEngine.capture_graphs), else the
     # ones the run needs on first use; then the timed prompts with their words reversed (same
     # lengths, nothing a prefix or suffix cache could reuse)
     mirrored = [[{"role": "user", "content": " ".join(q.split()[::-1])}] for q in prompts]
     g = llm.engine.runner.graph_runner
     capture_s = time.perf_counter()
-    captured = g.capture_all() if g is not None and args.capture == "all" else 0
+    captured = llm.engine.capture_graphs() if args.capture == "all" else 0
     capture_s = time.perf_counter() - capture_s
     llm.chat(mirrored, params, use_tqdm=False)
     replays0, steps0, async0 = g.num_replays if g else 0, llm.stats()["num_steps"], llm.engine.num_async_steps

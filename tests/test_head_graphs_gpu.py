@@ -113,3 +113,23 @@ def test_eagle3_device_loop_drafts_as_the_host(gguf: str, batch: int, k: int) ->
     assert [toks for toks, _ in out] == [toks for toks, _ in plain], f"eagle3 k={k} with the device loop vs plain"
     assert_identical(host_out, plain, f"eagle3 k={k} on the host's paths vs plain")
     assert loop_steps == host_steps
+
+
+def test_capture_graphs_leaves_nothing_to_capture_mid_run(gguf: str) -> None:  # noqa: F811
+    """LLMEngine.capture_graphs captures the head's catch-up and chain graphs (and the device loop's
+    chains) with the target's: a run afterwards, device loop on, batch 1 and 6, captures none."""
+    llm = LLM(model=gguf, device="cuda", dtype="bfloat16", max_model_len=2048,
+              speculative_config={"method": "eagle3", "model": SHIPPED_HEAD, "num_speculative_tokens": 4,
+                                  "adaptive_draft_length": False})
+    eng, proposer = llm.engine, llm.engine.proposer
+    captured = eng.capture_graphs()
+    head, chain, target = len(proposer.graphs.graphs), len(proposer.chain.graphs), len(eng.runner.graph_runner.graphs)
+    assert captured == head + chain + target and head > 0 and chain > 0
+    assert any(len(key) == 3 for key in proposer.chain.graphs), "the device loop's chains"
+    assert eng.capture_graphs() == 0
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for prompts in (PROMPTS[:1], PROMPTS[:6]):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert eng.device_verify.num_used > 0
+    assert (len(proposer.graphs.graphs), len(proposer.chain.graphs), len(eng.runner.graph_runner.graphs)) == \
+        (head, chain, target), "a graph was captured mid-run"

@@ -121,6 +121,17 @@ class LLMEngine(LaunchAhead):
         """The most rows of a step the device loop builds (0: none): the policy's step costs."""
         return self.device_verify.max_rows if self.device_verify is not None else 0
 
+    def capture_graphs(self) -> int:
+        """Capture every CUDA graph a step may replay, now (start-up, a benchmark's warm-up): the
+        target's (CudaGraphRunner.capture_all) and a drafting layer's (MtpProposer.capture_graphs).
+        Otherwise each is captured on first use, inside the step that needs it. Returns how many."""
+        g = self.runner.graph_runner
+        if g is None:
+            return 0
+        capture = getattr(self.proposer, "capture_graphs", None)
+        with use_kernel_config(self.cfg.kernel_config):
+            return g.capture_all() + (capture(self._built_rows()) if capture is not None else 0)
+
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     stream: bool = False) -> Request:

@@ -69,6 +69,20 @@ class DraftChain:
         if self.use_graphs and key not in self.graphs:
             self.graphs[key] = self._capture(key)
 
+    @torch.inference_mode()
+    def capture_all(self, state_rows: int) -> int:
+        """Capture every chain graph not captured yet (start-up, as CudaGraphRunner.capture_all):
+        each bucket and depth 1..max_steps, and run_from_state's for buckets of at most state_rows
+        rows (the device loop's). Returns how many were captured."""
+        if not self.use_graphs:
+            return 0
+        keys = [(b, s) for b in self.buckets for s in range(1, self.max_steps + 1)]
+        keys += [(b, s, "state") for b in self.buckets if b <= state_rows for s in range(1, self.max_steps + 1)]
+        missing = [key for key in keys if key not in self.graphs]
+        for key in missing:
+            self.graphs[key] = self._capture(key)
+        return len(missing)
+
     def run_from_state(self, tables: np.ndarray, first_pos: np.ndarray, steps_per_row: np.ndarray,
                        shift: torch.Tensor) -> torch.Tensor:
         """The device loop's drafts of greedy rows, one replay: row i's draft 1 is the argmax of

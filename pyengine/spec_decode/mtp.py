@@ -110,6 +110,15 @@ class MtpProposer:
             self.chain = DraftChain(self.layer, self.kv_cache, self.block_size, self.device, graphs.buckets,
                                     graphs.width, self.k - 1, self._input_width(), graphs.pool)
 
+    def capture_graphs(self, loop_rows: int = 0) -> int:
+        """Capture the layer's graphs up front (start-up, beside the target's capture_all): catch-ups
+        of every bucket and length, chains of every depth (and the device loop's, up to loop_rows
+        rows). Else each is captured on first use, inside the step that needs it: at batch 64 five
+        such captures cost ~32 ms of a 0.81 s Spec-Bench run (H100). Returns how many."""
+        if self.graphs is None:
+            return 0
+        return self.graphs.capture_all() + (self.chain.capture_all(loop_rows) if self.chain is not None else 0)
+
     def _input_width(self) -> tuple[int, torch.dtype]:
         """(width, dtype) of the layer's input states: an EAGLE-3 head's own width, an MTP layer's the target's."""
         width = getattr(getattr(self.layer, "config", None), "hidden_size", self.runner.config.hidden_size)
