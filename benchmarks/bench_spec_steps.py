@@ -49,7 +49,7 @@ def run(gguf: str, device: str, batch: int, method: str, conv: list, mirror: lis
     e = llm.engine
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if e.runner.graph_runner is not None:
-        e.runner.graph_runner.capture_all()
+        e.capture_graphs()
     llm.chat(mirror, params, use_tqdm=False)
     cur: dict = {}
     steps: list[dict] = []

@@ -55,7 +55,7 @@ def main() -> None:
                                                     "pyengine", "heads", "smollm2-135m-instruct-eagle3")
     llm = LLM(args.gguf, device="cuda", dtype="bfloat16", max_num_seqs=args.batch, max_model_len=2048,
               speculative_config=spec)
-    llm.engine.runner.graph_runner.capture_all()
+    llm.engine.capture_graphs()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     # warm-up on the questions with their words reversed (same lengths, nothing a cache could reuse)
     llm.chat([[{"role": "user", "content": " ".join(q.split()[::-1])}] for q in questions], params, use_tqdm=False)

@@ -51,7 +51,7 @@ def main() -> None:
               max_model_len=2048, speculative_config=spec)
     e, p = llm.engine, llm.engine.proposer
     if e.runner.graph_runner is not None:
-        e.runner.graph_runner.capture_all()
+        e.capture_graphs()
     llm.chat([[{"role": "user", "content": q}] for q in prompts[:8]], params, use_tqdm=False)  # warm-up, captures
     events: list = []
     parts = [(e, "_step", "step"), (e, "_propose", "propose"), (p, "_catch_up_hidden", "catch_up_hidden"),
