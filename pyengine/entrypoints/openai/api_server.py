@@ -147,6 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     from pyengine.engine.async_llm import AsyncLLM
 
     llm = build_llm(args)
+    # every CUDA graph (the target's, a drafting layer's) now, not inside the first requests' steps
+    captured = llm.engine.capture_graphs()
+    if captured:
+        print(f"pyengine: captured {captured} CUDA graphs", flush=True)
     app = build_app(AsyncLLM(llm), model_name(args))
     print(f"pyengine: serving {model_name(args)} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
