@@ -150,9 +150,9 @@ class MtpProposer:
         room = np.minimum(view.tokens_left, self.max_position - view.num_tokens) - 1
         caps = np.append(np.minimum(np.minimum(max_drafts, self.k), room), 0).astype(np.int64)
         ks_all = caps[index_of(np.asarray(view.seq_ids, dtype=np.int64), ids)]  # index -1 (a prefill row): 0
-        # A row that drafts nothing now defers its catch-up while its pending positions fit the ring
-        # with room for one more step's (module docstring); when some row catches up anyway, rows
-        # past half the ring join its forward (one forward for many, not one per row and step).
+        # A row that drafts nothing now defers its catch-up (module docstring): sliding, it keeps at
+        # most `room` positions (room for one more step's); else while they fit, and when some row
+        # catches up anyway, rows past half the ring join its forward (one forward for many).
         pending, room = end - start, self.ring.size - (self.k + 1)
         if self.lazy and self.slide:
             # a quiet row keeps its latest `room` positions; older ones are skipped (module docstring)
