@@ -62,9 +62,10 @@ from pyengine.spec_decode.seq_columns import SeqColumns
 
 class MtpProposer:
     RING_POSITIONS = 64  # positions a row may leave un-caught-up (HiddenRing)
-    # catch-ups longer than a verify row replay graphs up to this many tokens (as many as the target's
-    # prefill graphs: a prompt that fits one needs no eager forward of the layer)
-    CATCH_UP_GRAPH_TOKENS = PREFILL_GRAPH_TOKENS
+    # catch-ups longer than a verify row replay graphs up to this many tokens: at least the target's
+    # prefill graphs' (a prompt that fits one needs no eager forward of the layer) and what 64 rows
+    # catching up a full ring each feed (a probe step at batch 64: ~3100 tokens had run eagerly)
+    CATCH_UP_GRAPH_TOKENS = max(PREFILL_GRAPH_TOKENS, 64 * RING_POSITIONS)
 
     def __init__(self, cfg: SpeculativeConfig, runner: ModelRunner, get_request: Callable[[int], Any], seed: int,
                  max_model_len: int, layer: Any = None) -> None:
