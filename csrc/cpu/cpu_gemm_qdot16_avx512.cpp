@@ -20,15 +20,28 @@ namespace {
 
 // 4 bytes of row r's limb-l codes for inputs 4g .. 4g + 3 of block b (cpu_gemm_qdot16.cpp's order).
 #define PE_XW(r, l, j) _mm512_set1_epi32(load_i32(x.q + r * x.qs + 64 * (2 * b + l) + 8 * g + 4 * j))
+// kSplit (1-2 rows): each limb's sum in two chains, (x0, x2) and (x1, x3) products apart, added
+// before the fold: exact integers, so the same sums; a 16-deep vpdpwssd chain per block bound one
+// row's kernel by latency (3-4 rows have chains enough, and the extra registers spilled there).
 #define PE_DOT(r)                                                                                            \
   if constexpr (R > r) {                                                                                     \
-    i##r = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i##r, c02, PE_XW(r, 0, 0)), c13, PE_XW(r, 0, 1));         \
-    j##r = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(j##r, c02, PE_XW(r, 1, 0)), c13, PE_XW(r, 1, 1));         \
+    if constexpr (kSplit) {                                                                                  \
+      i##r = _mm512_dpwssd_epi32(i##r, c02, PE_XW(r, 0, 0));                                                 \
+      i2##r = _mm512_dpwssd_epi32(i2##r, c13, PE_XW(r, 0, 1));                                               \
+      j##r = _mm512_dpwssd_epi32(j##r, c02, PE_XW(r, 1, 0));                                                 \
+      j2##r = _mm512_dpwssd_epi32(j2##r, c13, PE_XW(r, 1, 1));                                               \
+    } else {                                                                                                 \
+      i##r = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i##r, c02, PE_XW(r, 0, 0)), c13, PE_XW(r, 0, 1));       \
+      j##r = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(j##r, c02, PE_XW(r, 1, 0)), c13, PE_XW(r, 1, 1));       \
+    }                                                                                                        \
   }
 #define PE_ACC(r) __m512 acc##r = _mm512_setzero_ps(), accm##r = acc##r;
-#define PE_I32(r) __m512i i##r = _mm512_setzero_si512(), j##r = i##r;
-#define PE_SCALE512(r) \
-  if constexpr (R > r) fold_block512<Bits>(i##r, j##r, s, m, x.d[r * x.bs + b], x.sx[r * x.bs + b], acc##r, accm##r);
+#define PE_I32(r) __m512i i##r = _mm512_setzero_si512(), j##r = i##r, i2##r = i##r, j2##r = i##r;
+#define PE_SCALE512(r)                                                                                    \
+  if constexpr (R > r) {                                                                                  \
+    if constexpr (kSplit) i##r = _mm512_add_epi32(i##r, i2##r), j##r = _mm512_add_epi32(j##r, j2##r);     \
+    fold_block512<Bits>(i##r, j##r, s, m, x.d[r * x.bs + b], x.sx[r * x.bs + b], acc##r, accm##r);        \
+  }
 #define PE_OUT512(r)                                                 \
   if constexpr (R > r) {                                          \
     if constexpr (Bits == 4) acc##r = _mm512_add_ps(acc##r, accm##r); \
@@ -44,6 +57,7 @@ PE_QDOT512 void kernel16_avx512(const QRows& x, const uint8_t* blk, int64_t bloc
   static_assert(R >= 1 && R <= kMaxRows && (Bits == 4 || Bits == 8));
   constexpr int64_t kBytes = qdot_block_bytes(Bits);
   constexpr int kAhead = Bits == 4 ? 8 : 6;  // the AVX2 kernels' prefetch distances
+  constexpr bool kSplit = R == 1;
   const __m512i low = _mm512_set1_epi16(0x0F);
   const __m512i shift02 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   const __m512i shift13 = _mm512_add_epi16(shift02, _mm512_set1_epi16(8));
