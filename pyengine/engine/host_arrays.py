@@ -25,10 +25,14 @@ def draft_token_ids(batch) -> np.ndarray:
     return np.asarray(batch.input_ids)[np.arange(int(cu[-1])) + np.repeat(starts - cu[:-1], batch.num_draft_tokens)]
 
 
-def index_of(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
-    """Each query's index in keys (distinct values, any order), -1 where it is not there."""
+def index_of(keys: np.ndarray, queries: np.ndarray, keys_sorted: bool = False) -> np.ndarray:
+    """Each query's index in keys (distinct values, any order; keys_sorted: ascending, no sort
+    here), -1 where it is not there."""
     if not len(keys):
         return np.full(len(queries), -1, dtype=np.int64)
-    order = np.argsort(keys, kind="stable")
-    at = order[np.minimum(np.searchsorted(keys, queries, sorter=order), len(keys) - 1)]
+    if keys_sorted:
+        at = np.minimum(np.searchsorted(keys, queries), len(keys) - 1)
+    else:
+        order = np.argsort(keys, kind="stable")
+        at = order[np.minimum(np.searchsorted(keys, queries, sorter=order), len(keys) - 1)]
     return np.where(keys[at] == queries, at, -1)

@@ -152,15 +152,16 @@ class MtpProposer:
         caps = np.append(np.minimum(np.minimum(max_drafts, self.k), room), 0).astype(np.int64)
         ks_all = caps[index_of(np.asarray(view.seq_ids, dtype=np.int64), ids)]  # index -1 (a prefill row): 0
         # A row that drafts nothing now defers its catch-up (module docstring): sliding, it keeps at
-        # most `room` positions (room for one more step's); else while they fit, and when some row
+        # most ring_room positions (room for one more step's); else while they fit, and when some row
         # catches up anyway, rows past half the ring join its forward (one forward for many).
-        pending, room = end - start, self.ring.size - (self.k + 1)
+        pending, ring_room = end - start, self.ring.size - (self.k + 1)
         if self.lazy and self.slide:
-            # a quiet row keeps its latest `room` positions; older ones are skipped (module docstring)
-            defer = (ks_all <= 0) & (pending > 0) & (end - first <= room)
-            start = np.where(defer & (pending > room), end - room, start)
+            # a quiet row keeps its latest ring_room positions; older ones are skipped (module docstring)
+            defer = (ks_all <= 0) & (pending > 0) & (end - first <= ring_room)
+            start = np.where(defer & (pending > ring_room), end - ring_room, start)
         else:
-            defer = (ks_all <= 0) & (pending > 0) & (pending <= room) if self.lazy else np.zeros(len(ids), dtype=bool)
+            defer = (ks_all <= 0) & (pending > 0) & (pending <= ring_room) if self.lazy else \
+                np.zeros(len(ids), dtype=bool)
             if ((pending > 0) & ~defer).any():
                 defer &= pending < self.ring.size // 2
         if defer.any():

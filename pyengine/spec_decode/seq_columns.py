@@ -12,6 +12,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from pyengine.engine.host_arrays import index_of
+
 
 class SeqColumns:
     """`width` int64 columns per seq id (`default` where never set); row r of `values` is the
@@ -42,10 +44,9 @@ class SeqColumns:
             out = np.fromiter((self._row.get(s, -1) for s in seq_ids.tolist()), np.int64, len(seq_ids))
             found = out >= 0
         else:
-            at = np.searchsorted(self._keys, seq_ids)
-            at = np.minimum(at, max(len(self._keys) - 1, 0))
-            found = (self._keys[at] == seq_ids) if len(self._keys) else np.zeros(len(seq_ids), dtype=bool)
-            out = np.where(found, self._key_rows[at] if len(self._keys) else -1, -1)
+            at = index_of(self._keys, seq_ids, keys_sorted=True)
+            found = at >= 0
+            out = np.where(found, self._key_rows[at], -1) if len(self._keys) else at
         if create and not found.all():
             for i in np.flatnonzero(~found).tolist():
                 sid = int(seq_ids[i])
