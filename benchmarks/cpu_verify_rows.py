@@ -5,6 +5,10 @@ pays on the CPU only if a draft's row costs well under a decode step (docs/specu
 Prints JSON.
 
     python benchmarks/cpu_verify_rows.py [--repeats 20] [--isa amx|avx512|avx2] [--out FILE]
+                                         [--eagle3 HEAD_DIR]
+
+--eagle3 also times the head's forward with its logits (what a catch-up or a chained draft costs)
+at 1 / 5 / 32 tokens, its linears rounded to Q8_0 (KernelConfig.cpu_q8_draft_head) and dense.
 """
 from __future__ import annotations
 
@@ -44,6 +48,27 @@ def timed(f, repeats: int) -> float:
     return round(1e3 * best, 3)
 
 
+def head_forward_ms(args, q8: bool) -> dict:
+    """The EAGLE-3 head's forward + logits (MtpProposer._forward) over T tokens of one row at
+    positions 300.., with random aux states, in ms; and the bytes its linears stream."""
+    from pyengine.spec_decode.head_graphs import HeadFeed
+    from pyengine.spec_decode.step_cost import weight_footprint
+
+    llm = LLM(args.gguf or default_gguf(), device="cpu", kernel_config={"cpu_qdot_isa": args.isa,
+                                                                         "cpu_q8_draft_head": q8},
+              speculative_config={"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": 4})
+    runner, proposer = llm.engine.runner, llm.engine.proposer
+    table = np.arange(64, dtype=np.int32)[None, :]
+    out = {"weight_bytes": weight_footprint(proposer.layer)[1]}
+    with runner.step_threads(), torch.inference_mode():
+        for t in (1, 5, 32):
+            feed = HeadFeed.build(table, np.array([300]), np.array([t]), runner.block_size, np.full(t, 200, np.int64))
+            aux = torch.randn(t, len(proposer.layer.aux_layers) * runner.config.hidden_size)
+            out[f"forward_ms_{t}"] = timed(lambda: proposer._forward(feed, proposer.target_hidden(aux), np.array([0])),
+                                           args.repeats)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", default=None)
@@ -51,6 +76,7 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--isa", default="amx", choices=["amx", "avx512", "avx2"],
                     help="the best kernels the int16-limb linears may run (KernelConfig.cpu_qdot_isa)")
+    ap.add_argument("--eagle3", help="an EAGLE-3 head directory: time its forwards too")
     args = ap.parse_args()
     llm = LLM(args.gguf or default_gguf(), device="cpu", kernel_config={"cpu_qdot_isa": args.isa})
     eng, runner = llm.engine, llm.engine.runner
@@ -88,6 +114,8 @@ def main() -> None:
             k = int(getattr(lin, "in_features", 0) or (1536 if name == "down_proj" else 576))
             result["linears"][name] = {m: timed(lambda x=torch.randn(m, k): lin(x), 50 * args.repeats)
                                        for m in (1, 2, 3, 4, 5, 8)}
+    if args.eagle3:
+        result["eagle3_head"] = {name: head_forward_ms(args, q8) for name, q8 in (("q8", True), ("dense", False))}
     result["loadavg"] = loadavg()
     text = json.dumps(result, indent=1)
     print(text)
