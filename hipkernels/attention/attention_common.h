@@ -4,6 +4,8 @@
 // asynchronous global -> shared copies. Include after hip_compat.h and paged_attention.h.
 #pragma once
 
+#include <type_traits>
+
 #include "common/async_copy.h"
 #include "common/hip_compat.h"
 #include "attention/paged_attention.h"
@@ -112,7 +114,18 @@ PE_DEVICE bool block_tile(const PagedAttentionParams& p, int mt, int* row, int* 
 // 16-bit operand pairs of the tensor-core products (P of P V).
 template <typename T>
 PE_DEVICE uint32_t pack2(float lo, float hi) {
+#if defined(PE_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  // One hardware conversion (the same round-to-nearest-even) instead of two software roundings:
+  // P of P V is converted on the attention kernels' critical path.
+  uint32_t d;
+  if constexpr (std::is_same<T, pe_bf16>::value)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
   return PeVec8<T>::from_float(lo) | ((uint32_t)PeVec8<T>::from_float(hi) << 16);
+#endif
 }
 
 // Eight floats -> one 16-byte vector of T (pe_half / pe_bf16), one rounding each.

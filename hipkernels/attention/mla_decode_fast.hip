@@ -10,9 +10,13 @@
 // cores rarely wait:
 //   warpgroup 0: S = Q K^T for all 64 keys of the tile (m64n64k16 x 36), the whole online softmax
 //                in registers (a row's 64 keys sit in one quad of lanes), P and the rescale factor
-//                of each row into shared memory, then O[:, 0:256] += P V.
+//                of each row into shared memory, then O[:, 0:256] += P V, left running while it
+//                issues the next tile's S (the tensor cores take them in order).
 //   warpgroup 1: issues the key-tile copies (two tiles ahead of the one in use), and
 //                O[:, 256:512] += P V, running while warpgroup 0 computes S of the next tile.
+// Both warpgroups issue their products on descriptors computed once (wgmma_tile.h desc_add), and the
+// softmax is mla_softmax.h's: with 8 warps per SM, instructions between a tile's S and its P V, not
+// the tensor cores, had bounded the loop.
 // Named barriers (ids 1-4, 256 threads; __syncthreads is id 0) hand over: tile t landed (K_READY),
 // P(t) written (P_READY), P read (P_FREE), key stage of tile t free (K_FREE). barrier.sync /
 // barrier.arrive, not the .aligned bar.* forms, which every lane of a warp must execute together
@@ -28,10 +32,15 @@
 #include "attention/mla_kernels.h"
 #include "attention/mla_ranges.h"
 #include "attention/mla_slab.h"
+#include "attention/mla_softmax.h"
 #include "attention/mla_tile.h"
 #include "common/wgmma_tile.h"
 
 #include <math.h>
+
+#if defined(__CUDA_ARCH__) && !defined(PE_WGMMA)
+#error "the fast MLA tile is built for sm_90a only (wgmma)"
+#endif
 
 namespace {
 
@@ -155,6 +164,17 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
   float mx[2] = {neg_inf(), neg_inf()}, ls[2] = {0.f, 0.f};
+  // Operand descriptors: Q, key stage 0 (stage 1 at + stage_desc), P, and this warpgroup's value
+  // columns 256 wg .. of stage 0.
+  const uint64_t q_desc = pe_wg::desc_k_major(sQ), k_desc = pe_wg::desc_k_major(sK);
+  const uint64_t p_desc = pe_wg::desc_k_major(sP), v_desc = pe_wg::desc_mn_major(sK + 4 * wg * kN * 64, kN);
+  constexpr uint64_t stage_desc = pe_wg::step_desc(C::kKElems);
+  // Where the ranges end, counted instead of divided: tiles left in tile t's range, its parity.
+  int to_range_end = tpr - w.t_begin % tpr, range_par = (w.t_begin / tpr) & 1;
+  auto next_tile = [&](bool at_range_end) {
+    to_range_end = at_range_end ? tpr : to_range_end - 1;
+    range_par ^= at_range_end ? 1 : 0;
+  };
   // Folds this warpgroup's half of O for a range (row sums L, maxima M) into the merged state.
   auto fold = [&](const float (&L)[2], const float (&M)[2], bool last) {
     T* out[2];
@@ -185,53 +205,41 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
       lim[j] = m < w.m_count ? w.ctx - (w.q_len - 1 - m / Hq) : 0;  // keys < lim
     }
     const float qscale = p.scale * kLog2e;
+    bool pv_pending = false;  // P V of the previous tile issued, not yet waited for
     for (int i = 0; i < ntiles; ++i) {
       const int t = w.t_begin + i;
-      const bool range_end = walk && i + 1 < ntiles && (t + 1) % tpr == 0;  // a range ends here, not the last
+      const bool at_range_end = to_range_end == 1;  // tile t ends its range
+      const bool range_end = walk && i + 1 < ntiles && at_range_end;  // a range ends here, not the last
       if (i > 0) named_sync(kBarKReady);  // tile i landed
-      const T* kt = sK + (i & 1) * C::kKElems;
       float s[32];
 #pragma unroll
       for (int k = 0; k < 32; ++k) s[k] = 0.f;
       pe_wg::fence_operands(s);
       pe_wg::begin();
+      const uint64_t kt_desc = pe_wg::desc_add(k_desc, stage_desc * (i & 1));
 #pragma unroll
-      for (int ks = 0; ks < kDqk / 16; ++ks) pe_wg::product_nk<T, 64>(s, sQ, kM, 0, 16 * ks, kt, kN, 0, 16 * ks);
-      pe_wg::end();
+      for (int ks = 0; ks < kDqk / 16; ++ks) {
+        const uint64_t step = pe_wg::step_desc(pe_wg::slab_col(16 * ks, 64));  // the same in Q and K (64 rows)
+        pe_wg::mma_nk64<T>(s, pe_wg::desc_add(q_desc, step), pe_wg::desc_add(kt_desc, step));
+      }
+      pe_wg::commit();
+      if (pv_pending) {  // P V of tile i - 1 ran before S(i) on the tensor cores: its stage is free
+        pe_wg::wait_pending<1>();
+        pe_wg::fence_operands(o);
+        if (i + 1 < ntiles) named_arrive(kBarKFree);
+        pv_pending = false;
+      }
+      pe_wg::wait();
       pe_wg::fence_operands(s);
 
-      const int key0 = t * kN + 2 * q;
       float alpha[2];
+      online_softmax_tile(s, t * kN, q, lim, qscale, mx, ls, alpha);
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        float hmax = neg_inf();
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& v = s[4 * nt + 2 * j + e];
-            v = key0 + 8 * nt + e < lim[j] ? v * qscale : neg_inf();
-            hmax = fmaxf(hmax, v);
-          }
-        hmax = fmaxf(hmax, pe_shfl_xor(hmax, 1));
-        hmax = fmaxf(hmax, pe_shfl_xor(hmax, 2));
-        const float mn = fmaxf(mx[j], hmax);
-        alpha[j] = 1.f;
-        if (mn != mx[j]) {
-          alpha[j] = exp2f(mx[j] - mn);  // 0 when the old max was -inf (o and ls are 0 then)
-          ls[j] *= alpha[j];
+      for (int j = 0; j < 2; ++j)
+        if (alpha[j] != 1.f) {
 #pragma unroll
           for (int nt = 0; nt < 32; ++nt) o[4 * nt + 2 * j] *= alpha[j], o[4 * nt + 2 * j + 1] *= alpha[j];
-          mx[j] = mn;
         }
-        const float ref = mn == neg_inf() ? 0.f : mn;  // a row with no key yet: all P are 0
-#pragma unroll
-        for (int k = 0; k < 16; ++k) {
-          float& v = s[4 * (k >> 1) + 2 * j + (k & 1)];
-          v = exp2f(v - ref);
-          ls[j] += v;
-        }
-      }
       float L[2];  // a range's row sums over the quad (the same reduction as after the loop)
       if (range_end) {
 #pragma unroll
@@ -240,7 +248,7 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
           l += pe_shfl_xor(l, 1);
           l += pe_shfl_xor(l, 2);
           L[j] = l;
-          if (q == 0) sSum[((t / tpr) & 1) * kM + r[j]] = l, sMx[((t / tpr) & 1) * kM + r[j]] = mx[j];
+          if (q == 0) sSum[range_par * kM + r[j]] = l, sMx[range_par * kM + r[j]] = mx[j];
         }
       }
       if (i > 0) named_sync(kBarPFree);  // warpgroup 1 is done with P(i - 1)
@@ -258,11 +266,16 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
       pe_wg::fence_operands(o);
       pe_wg::begin();
 #pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) pe_wg::product_kn<T, 256>(o, sP, kM, 0, 16 * kk, kt, kN, 16 * kk, 0);
-      pe_wg::end();
-      pe_wg::fence_operands(o);
-      if (i + 2 < ntiles) named_arrive(kBarKFree);  // stage i & 1 may be refilled
+      for (int kk = 0; kk < kN / 16; ++kk)
+        pe_wg::mma_kn256<T>(o, pe_wg::desc_add(p_desc, pe_wg::step_desc(16 * kk)),
+                            pe_wg::desc_add(v_desc, stage_desc * (i & 1) + pe_wg::step_desc(16 * kk * 64)));
+      pe_wg::commit();  // left in flight while the next tile's S is issued, unless a range ends here
+      pv_pending = true;
       if (range_end) {
+        pe_wg::wait();
+        pe_wg::fence_operands(o);
+        if (i + 2 < ntiles) named_arrive(kBarKFree);  // stage i & 1 may be refilled
+        pv_pending = false;
         fold(L, mx, false);
         __syncwarp();  // converged again before the next tile's wgmma (.aligned)
 #pragma unroll
@@ -270,7 +283,10 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
         mx[0] = mx[1] = neg_inf();
         ls[0] = ls[1] = 0.f;
       }
+      next_tile(at_range_end);
     }
+    pe_wg::wait();
+    pe_wg::fence_operands(o);
     // Row sums over the quad; warpgroup 1 reads them (and the maxima) after the barrier below.
     const int par = ntiles > 0 ? ((w.t_end - 1) / tpr) & 1 : 0;
 #pragma unroll
@@ -283,10 +299,9 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
     }
   } else {
     for (int i = 0; i < ntiles; ++i) {
-      const int t = w.t_begin + i;
-      const bool range_end = walk && i + 1 < ntiles && (t + 1) % tpr == 0;
+      const bool at_range_end = to_range_end == 1;
+      const bool range_end = walk && i + 1 < ntiles && at_range_end;
       named_sync(kBarPReady);  // P(i) and the rescale factors written
-      const T* kt = sK + (i & 1) * C::kKElems;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const float a = sScale[r[j]];
@@ -298,7 +313,9 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
       pe_wg::fence_operands(o);
       pe_wg::begin();
 #pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) pe_wg::product_kn<T, 256>(o, sP, kM, 0, 16 * kk, kt, kN, 16 * kk, 256);
+      for (int kk = 0; kk < kN / 16; ++kk)
+        pe_wg::mma_kn256<T>(o, pe_wg::desc_add(p_desc, pe_wg::step_desc(16 * kk)),
+                            pe_wg::desc_add(v_desc, stage_desc * (i & 1) + pe_wg::step_desc(16 * kk * 64)));
       pe_wg::commit();
       if (i + 1 < ntiles) {  // while the products run: publish tile i + 1 (issued two tiles ago)
         copy_wait<0>();
@@ -314,14 +331,14 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
         load_blocks(i + 3, nblk);
       }
       if (range_end) {  // warpgroup 0 wrote the range's sums before P_READY(i)
-        const int par = (t / tpr) & 1;
-        const float L[2] = {sSum[par * kM + r[0]], sSum[par * kM + r[1]]};
-        const float M[2] = {sMx[par * kM + r[0]], sMx[par * kM + r[1]]};
+        const float L[2] = {sSum[range_par * kM + r[0]], sSum[range_par * kM + r[1]]};
+        const float M[2] = {sMx[range_par * kM + r[0]], sMx[range_par * kM + r[1]]};
         fold(L, M, false);
         __syncwarp();  // converged again before the next tile's wgmma (.aligned)
 #pragma unroll
         for (int k = 0; k < 128; ++k) o[k] = 0.f;
       }
+      next_tile(at_range_end);
     }
   }
   copy_wait<0>();

@@ -125,6 +125,14 @@ PE_DEVICE void wait() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
 }
+// Waits until at most N of the warpgroup's committed batches are still running (they complete in
+// order): a batch issued after another can be left in flight while the earlier one is used.
+template <int N>
+PE_DEVICE void wait_pending() {
+#if defined(PE_WGMMA)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
 PE_DEVICE void end() {
   commit();
   wait();
@@ -172,18 +180,64 @@ PE_DEVICE void fma_product(float (&d)[N / 2], const T* a, int a_rows, int ar0, i
 // d (16 kWarps x N) += A * B with A = a[ar0 .. +16 kWarps][ac0 .. +16] and B[k][n] = b[bn0 + n][bk0 + k]:
 // B stored with k contiguous ("K-major", e.g. the keys of S = Q K^T). ar0, bn0 multiples of 8, ac0, bk0
 // of 16. Tensor cores only for N 64, a warpgroup, and kTensor.
+// The products on descriptors the caller keeps: a tile's descriptor is computed once and a k-step's
+// operand is reached by adding step_desc of its element offset (the address field is the byte
+// address / 16, and a tile lies below 256 KB, so the sum never carries out of it). The S chain of
+// the MLA kernel issues 36 products a tile: computing each descriptor from a pointer (~12
+// instructions) made issuing them, not the tensor cores, the chain's limit. sm_90a only (the bodies
+// are empty elsewhere: callers are kernels built for sm_90a alone).
+PE_DEVICE constexpr uint64_t step_desc(int elems16) { return (uint64_t)(elems16 * 2 / 16); }
+// d + step, computed in the low word alone (the address field cannot carry into the high word):
+// half the instructions of a 64-bit add, which the product chains issue once per product.
+PE_DEVICE uint64_t desc_add(uint64_t d, uint64_t step) {
+  return (d & 0xffffffff00000000ull) | (uint32_t)((uint32_t)d + (uint32_t)step);
+}
+// Element offset of slab tile column c of row 0 in a tile of R rows.
+PE_DEVICE constexpr int slab_col(int c, int R) { return (c >> 6) * R * 64 + (c & 63); }
+// Descriptors of a K-major operand (A, or B of product_nk) and of an MN-major B (product_kn: the
+// leading offset steps between 64-column slabs, the stride between 8-row groups) of a slab tile of
+// R rows.
+PE_DEVICE uint64_t desc_k_major(const void* tile) {
+#if defined(PE_WGMMA)
+  return desc(tile, 16, 1024);
+#else
+  return 0;
+#endif
+}
+PE_DEVICE uint64_t desc_mn_major(const void* tile, int R) {
+#if defined(PE_WGMMA)
+  return desc(tile, (uint32_t)R * 128u, 1024);
+#else
+  return 0;
+#endif
+}
+template <typename T>
+PE_DEVICE void mma_nk64(float (&d)[32], uint64_t da, uint64_t db) {
+#if defined(PE_WGMMA)
+  if constexpr (std::is_same<T, pe_bf16>::value)
+    PE_WGMMA_ASM("m64n64k16.f32.bf16.bf16", PE_WG_REGS32, "32", "33", "34", "0", PE_WG_OUTS32(d));
+  else
+    PE_WGMMA_ASM("m64n64k16.f32.f16.f16", PE_WG_REGS32, "32", "33", "34", "0", PE_WG_OUTS32(d));
+#endif
+}
+template <typename T>
+PE_DEVICE void mma_kn256(float (&d)[128], uint64_t da, uint64_t db) {
+#if defined(PE_WGMMA)
+  if constexpr (std::is_same<T, pe_bf16>::value)
+    PE_WGMMA_ASM("m64n256k16.f32.bf16.bf16", PE_WG_REGS128, "128", "129", "130", "1", PE_WG_OUTS128(d));
+  else
+    PE_WGMMA_ASM("m64n256k16.f32.f16.f16", PE_WG_REGS128, "128", "129", "130", "1", PE_WG_OUTS128(d));
+#endif
+}
+
 template <typename T, int N, int kWarps = 4, bool kTensor = true>
 PE_DEVICE void product_nk(float (&d)[N / 2], const T* a, int a_rows, int ar0, int ac0, const T* b, int b_rows,
                           int bn0, int bk0) {
   if constexpr (kTensor && kHaveWgmma) {
     static_assert(N == 64 && kWarps == 4, "wgmma: m64n64k16 only");
 #if defined(PE_WGMMA)
-    const uint64_t da = desc(a + (ac0 >> 6) * a_rows * 64 + ar0 * 64 + (ac0 & 63), 16, 1024);
-    const uint64_t db = desc(b + (bk0 >> 6) * b_rows * 64 + bn0 * 64 + (bk0 & 63), 16, 1024);
-    if constexpr (std::is_same<T, pe_bf16>::value)
-      PE_WGMMA_ASM("m64n64k16.f32.bf16.bf16", PE_WG_REGS32, "32", "33", "34", "0", PE_WG_OUTS32(d));
-    else
-      PE_WGMMA_ASM("m64n64k16.f32.f16.f16", PE_WG_REGS32, "32", "33", "34", "0", PE_WG_OUTS32(d));
+    mma_nk64<T>(d, desc_k_major(a + slab_col(ac0, a_rows) + ar0 * 64),
+                desc_k_major(b + slab_col(bk0, b_rows) + bn0 * 64));
 #endif
   } else {
     fma_product<T, N, kWarps, true>(d, a, a_rows, ar0, ac0, b, b_rows, bn0, bk0);
@@ -199,13 +253,8 @@ PE_DEVICE void product_kn(float (&d)[N / 2], const T* a, int a_rows, int ar0, in
   if constexpr (kTensor && kHaveWgmma) {
     static_assert(N == 256 && kWarps == 4, "wgmma: m64n256k16 only");
 #if defined(PE_WGMMA)
-    const uint64_t da = desc(a + (ac0 >> 6) * a_rows * 64 + ar0 * 64 + (ac0 & 63), 16, 1024);
-    // MN-major: the leading offset steps between 64-column slabs, the stride between 8-row groups.
-    const uint64_t db = desc(b + (bn0 >> 6) * b_rows * 64 + bk0 * 64, (uint32_t)b_rows * 128u, 1024);
-    if constexpr (std::is_same<T, pe_bf16>::value)
-      PE_WGMMA_ASM("m64n256k16.f32.bf16.bf16", PE_WG_REGS128, "128", "129", "130", "1", PE_WG_OUTS128(d));
-    else
-      PE_WGMMA_ASM("m64n256k16.f32.f16.f16", PE_WG_REGS128, "128", "129", "130", "1", PE_WG_OUTS128(d));
+    mma_kn256<T>(d, desc_k_major(a + slab_col(ac0, a_rows) + ar0 * 64),
+                 desc_mn_major(b + (bn0 >> 6) * b_rows * 64 + bk0 * 64, b_rows));
 #endif
   } else {
     fma_product<T, N, kWarps, false>(d, a, a_rows, ar0, ac0, b, b_rows, bk0, bn0);
