@@ -206,6 +206,9 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
     }
     const float qscale = p.scale * kLog2e;
     bool pv_pending = false;  // P V of the previous tile issued, not yet waited for
+    // The stage of tile i and the other one (swapped each tile).
+    uint64_t kt_desc = k_desc, kn_desc = pe_wg::desc_add(k_desc, stage_desc);
+    uint64_t vt_desc = v_desc, vn_desc = pe_wg::desc_add(v_desc, stage_desc);
     for (int i = 0; i < ntiles; ++i) {
       const int t = w.t_begin + i;
       const bool at_range_end = to_range_end == 1;  // tile t ends its range
@@ -216,7 +219,6 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
       for (int k = 0; k < 32; ++k) s[k] = 0.f;
       pe_wg::fence_operands(s);
       pe_wg::begin();
-      const uint64_t kt_desc = pe_wg::desc_add(k_desc, stage_desc * (i & 1));
 #pragma unroll
       for (int ks = 0; ks < kDqk / 16; ++ks) {
         const uint64_t step = pe_wg::step_desc(pe_wg::slab_col(16 * ks, 64));  // the same in Q and K (64 rows)
@@ -240,6 +242,20 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
 #pragma unroll
           for (int nt = 0; nt < 32; ++nt) o[4 * nt + 2 * j] *= alpha[j], o[4 * nt + 2 * j + 1] *= alpha[j];
         }
+      // P as the A fragments of this warpgroup's P V (the S accumulator of keys 16 kk .. + 15 is the
+      // A fragment of k-step kk): its products start now; warpgroup 1 reads P from shared memory.
+      uint32_t pa[4][4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pa[kk][e] = pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+      pe_wg::fence_operands(o);
+      pe_wg::begin();
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk)
+        pe_wg::mma_kn256_rs<T>(o, pa[kk], pe_wg::desc_add(vt_desc, pe_wg::step_desc(16 * kk * 64)));
+      pe_wg::commit();  // left in flight while the next tile's S is issued, unless a range ends here
+      pv_pending = true;
       float L[2];  // a range's row sums over the quad (the same reduction as after the loop)
       if (range_end) {
 #pragma unroll
@@ -255,22 +271,12 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-          *reinterpret_cast<uint32_t*>(sP + slab_off(r[j], 8 * nt + 2 * q, kM)) =
-              pack2<T>(s[4 * nt + 2 * j], s[4 * nt + 2 * j + 1]);
+        for (int nt = 0; nt < 8; ++nt)  // s[4 nt + 2 j + e] is in pa[nt / 2][2 (nt % 2) + j]
+          *reinterpret_cast<uint32_t*>(sP + slab_off(r[j], 8 * nt + 2 * q, kM)) = pa[nt >> 1][2 * (nt & 1) + j];
         if (q == 0) sScale[r[j]] = alpha[j];
       }
       pe_wg::fence_smem_for_async_reads();
       named_sync(kBarPReady);
-
-      pe_wg::fence_operands(o);
-      pe_wg::begin();
-#pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk)
-        pe_wg::mma_kn256<T>(o, pe_wg::desc_add(p_desc, pe_wg::step_desc(16 * kk)),
-                            pe_wg::desc_add(v_desc, stage_desc * (i & 1) + pe_wg::step_desc(16 * kk * 64)));
-      pe_wg::commit();  // left in flight while the next tile's S is issued, unless a range ends here
-      pv_pending = true;
       if (range_end) {
         pe_wg::wait();
         pe_wg::fence_operands(o);
@@ -284,6 +290,9 @@ __global__ void __launch_bounds__(256, 1) mla_fast_kernel(PagedAttentionParams p
         ls[0] = ls[1] = 0.f;
       }
       next_tile(at_range_end);
+      const uint64_t k_swap = kt_desc, v_swap = vt_desc;
+      kt_desc = kn_desc, kn_desc = k_swap;
+      vt_desc = vn_desc, vn_desc = v_swap;
     }
     pe_wg::wait();
     pe_wg::fence_operands(o);

@@ -194,6 +194,23 @@ PE_DEVICE uint64_t desc_add(uint64_t d, uint64_t step) {
 }
 // Element offset of slab tile column c of row 0 in a tile of R rows.
 PE_DEVICE constexpr int slab_col(int c, int R) { return (c >> 6) * R * 64 + (c & 63); }
+// d (64 x 256) += A (64 x 16 in registers: each warp's 16 rows as the m16n8k16 A fragment, which is
+// also the layout of an m64nN accumulator's 16 columns) * B (MN-major, as mma_kn256).
+template <typename T>
+PE_DEVICE void mma_kn256_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t db) {
+#if defined(PE_WGMMA)
+  if constexpr (std::is_same<T, pe_bf16>::value)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" PE_WG_REGS128 "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+                 : PE_WG_OUTS128(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" PE_WG_REGS128 "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+                 : PE_WG_OUTS128(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+#endif
+}
 // Descriptors of a K-major operand (A, or B of product_nk) and of an MN-major B (product_kn: the
 // leading offset steps between 64-column slabs, the stride between 8-row groups) of a slab tile of
 // R rows.
