@@ -231,6 +231,28 @@ def test_the_walk_is_chosen_where_it_fills_the_device():
     assert not cuda_mla.walk_pays(meta(full, U), 128, 1, dev)  # one range: nothing to walk
 
 
+@gpu
+def test_the_default_mode_walks_where_the_walk_is_faster():
+    """A full batch at 8 ranges walks the fixed ranges in the default mode too (the invariant mode's
+    bits, not the per-row rule's); at 64 ranges (context 32k) the per-row rule stays."""
+    dev = torch.device("cuda")
+    rows = cuda_mla.num_sms(dev) // 2
+    ctx, bs = 8 * U, 64
+    gen = torch.Generator(device=dev).manual_seed(5)
+    kv = torch.randn(ctx // bs + 3, bs, 576, device=dev, dtype=torch.bfloat16, generator=gen)
+    table = torch.randperm(ctx // bs + 3, device=dev, generator=gen)[: ctx // bs].tolist()
+    meta = step_meta([(ctx, 1)] * rows, table, bs, dev)
+    q = torch.randn(rows, 128, 576, device=dev, dtype=torch.bfloat16, generator=gen)
+    assert cuda_mla.default_walk_pays(meta, 128, 8, dev)
+    assert not cuda_mla.default_walk_pays(meta, 128, 64, dev)
+    default = ops.paged_attention_mla(q, kv, meta, 192 ** -0.5, return_lse=True)
+    with use_kernel_config(batch_invariant=True):
+        invariant = ops.paged_attention_mla(q, kv, meta, 192 ** -0.5, return_lse=True)
+    assert torch.equal(default[0], invariant[0]) and torch.equal(default[1], invariant[1])
+    ref = reference.paged_attention_mla(q.float(), kv.float(), meta, 192 ** -0.5)
+    torch.testing.assert_close(default[0].float(), ref, atol=2e-2, rtol=2e-2)
+
+
 SANITIZER = shutil.which("compute-sanitizer")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

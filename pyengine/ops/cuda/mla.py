@@ -10,8 +10,9 @@ kernel), longer rows and rows of one range are walked by one block (ranges in tu
 a slab of the accumulator pool); every row walks when that fills the device about as well
 (walk_pays: batch 64 at context 4096), or when force_walk asks. The default mode keeps the per-row
 split rule (at most MAX_SPLITS splits per row, larger as the context grows: fewer partials at long
-contexts; a token's bits depend on its row's context and query length there).
-benchmarks/results/mla_ranges_h100.json compares them."""
+contexts; a token's bits depend on its row's context and query length there), except where the
+fixed ranges' walk is faster (default_walk_pays: large batches up to 16k keys; the walk's bits then).
+benchmarks/results/mla_instr_diet_h100.json compares them."""
 from __future__ import annotations
 
 import torch
@@ -60,6 +61,19 @@ def walk_pays(meta: AttentionMetadata, num_heads: int, max_ranges: int, device: 
     return 4 * -(-walkers // sms) * max_ranges <= 5 * -(-walkers * max_ranges // sms)
 
 
+# The default mode walks rows of at most this many fixed ranges where walk_pays: batch 64 context
+# 4096 / 16k walked 0.199 / 0.776 ms against the per-row rule's 0.280 / 0.858, verify q = 2 / 5
+# 0.388 / 0.905 against 0.509 / 1.197, but context 32k (64 ranges, 63 folds a row) 1.497 against
+# 1.469 (H100, benchmarks/results/mla_instr_diet_h100.json).
+DEFAULT_WALK_MAX_RANGES = 32
+
+
+def default_walk_pays(meta: AttentionMetadata, num_heads: int, max_ranges: int, device: torch.device) -> bool:
+    """Whether the default mode should walk every row over the fixed ranges (mla_ranges.h) instead
+    of splitting it by the per-row rule."""
+    return max_ranges <= DEFAULT_WALK_MAX_RANGES and walk_pays(meta, num_heads, max_ranges, device)
+
+
 def reshape_and_cache_mla(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                           slot_mapping: torch.Tensor) -> None:
     if kv_cache.dtype not in DTYPE_CODE:
@@ -97,9 +111,10 @@ def paged_attention_mla(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         return (out, lse) if return_lse else out
     step = plan(meta, q.device)
     fixed = bool(get_kernel_config().batch_invariant)
-    # The bits are the same either way: only the speed follows the batch.
-    walk = fixed and (walk_pays(meta, num_heads, step["max_splits_fixed"], q.device) if force_walk is None
-                      else force_walk)
+    if fixed:  # the bits are the same either way: only the speed follows the batch
+        walk = walk_pays(meta, num_heads, step["max_splits_fixed"], q.device) if force_walk is None else force_walk
+    else:  # any split is valid here: the fixed ranges' walk where it is the faster one
+        walk = fixed = default_walk_pays(meta, num_heads, step["max_splits_fixed"], q.device)
     max_splits = 1 if walk else step["max_splits_fixed" if fixed else "max_splits"]
     ws = split_workspace(step, ("mla", num_heads, max_splits), num_heads, KV_LORA_RANK, max_splits, q.device)
     acc, locks = accumulator_pool(q.device)
