@@ -16,7 +16,7 @@ import torch
 
 from pyengine import LLM, SamplingParams
 from pyengine.ops import cpu as cpu_ops
-from tests.test_cpu_ops import GEMM_CPU
+from tests.test_cpu_ops import AVX2_FMA_CPU, GEMM_CPU
 
 # Skipped by the CPU's flags, not by has_gemm(): on an x86-64-v3 machine this must run (and fail
 # if the model fell back to oneDNN).
@@ -26,9 +26,15 @@ LONG = "The history of the city is long and full of events. " * 36
 SHORT = ["The capital of France is", "def fibonacci(n):"]
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "bfloat16-avx2-attention"])
 def llm(request, smollm2_path: str):
-    engine = LLM(smollm2_path, device="cpu", dtype=request.param, enable_prefix_caching=False)
+    """The last: attention on the AVX2 + FMA kernel (KernelConfig.cpu_attention_avx2), which CPUs
+    without AVX-512 run."""
+    dtype, _, avx2 = request.param.partition("-")
+    if avx2 and not AVX2_FMA_CPU:
+        pytest.skip("the AVX2 attention kernel needs AVX2 and FMA")
+    engine = LLM(smollm2_path, device="cpu", dtype=dtype, enable_prefix_caching=False,
+                 kernel_config={"cpu_attention_avx2": bool(avx2)})
     engine.engine.cfg.record_logits = True
     yield engine
     del engine

@@ -10,7 +10,7 @@ from pyengine.loader import load_model
 from pyengine.models.llama_cpu_stack import CpuLlamaStack
 from pyengine.ops import cpu as cpu_ops
 from pyengine.ops.kernel_config import use_kernel_config
-from tests.test_cpu_ops import GEMM_CPU
+from tests.test_cpu_ops import AVX2_FMA_CPU, GEMM_CPU
 from tests.tiny_models import make_checkpoint
 from tests.utils_paged import PagedCache, make_meta
 
@@ -30,8 +30,13 @@ def _step(model, rows, cache: PagedCache, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @needs_packed_gemm
+@pytest.mark.parametrize("attention_avx2", [False, True], ids=["best_attention", "avx2_attention"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_stack_equals_the_layer_loop(checkpoint: str, dtype: torch.dtype, monkeypatch) -> None:
+def test_layer_stack_equals_the_layer_loop(checkpoint: str, dtype: torch.dtype, attention_avx2: bool,
+                                           monkeypatch) -> None:
+    """Also with KernelConfig.cpu_attention_avx2: the stack passes it to its attention calls."""
+    if attention_avx2 and not AVX2_FMA_CPU:
+        pytest.skip("the AVX2 attention kernel needs AVX2 and FMA")
     model, config, _ = load_model(checkpoint, "cpu", dtype)
     assert model.cpu_stack is not None
     stack_steps = []  # the steps the C++ stack ran, so the comparison cannot pass with the loop twice
@@ -51,7 +56,7 @@ def test_layer_stack_equals_the_layer_loop(checkpoint: str, dtype: torch.dtype, 
                  [(tables[0], 13, 1), (tables[1], 9, 4), (tables[2], 3, 27)],
                  [(tables[0], 14, 1), (tables[1], 13, 1), (tables[2], 30, 2)]]
         outs[mode] = []
-        with use_kernel_config(cpu_layer_stack=mode == "stack"):
+        with use_kernel_config(cpu_layer_stack=mode == "stack", cpu_attention_avx2=attention_avx2):
             for rows in steps:
                 tokens = torch.randint(0, config.vocab_size, (sum(q for _, _, q in rows),), generator=gen)
                 outs[mode].append(_step(model, rows, cache, tokens))

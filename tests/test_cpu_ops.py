@@ -21,6 +21,16 @@ from tests.utils_paged import make_meta
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(params=["best", "avx2"])
+def attention_kernel(request):
+    """The attention tests run on the kernel this CPU picks and on the AVX2 + FMA one (which CPUs
+    without AVX-512 run; forced here by KernelConfig.cpu_attention_avx2)."""
+    if request.param == "avx2" and not AVX2_FMA_CPU:
+        pytest.skip("the AVX2 attention kernel needs AVX2 and FMA")
+    with use_kernel_config(cpu_attention_avx2=request.param == "avx2"):
+        yield request.param
+
+
 def _tol(dtype: torch.dtype) -> dict[str, float]:
     # fp32: only the summation order differs. bf16: both sides round the same fp32 value once, so
     # they differ by at most one bf16 step (2^-8 relative) where the fp32 values straddle a tie.
@@ -61,7 +71,7 @@ ATTENTION_CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
-def test_paged_attention_matches_reference(case: int, dtype: torch.dtype) -> None:
+def test_paged_attention_matches_reference(case: int, dtype: torch.dtype, attention_kernel) -> None:
     hq, hkv, d, block_size, rows_spec = ATTENTION_CASES[case]
     q, k_cache, v_cache, meta, _ = _paged_case(case, hq, hkv, d, block_size, rows_spec, dtype)
     out, lse = cpu_ops.paged_attention(q, k_cache, v_cache, meta, d**-0.5, return_lse=True)
@@ -72,7 +82,7 @@ def test_paged_attention_matches_reference(case: int, dtype: torch.dtype) -> Non
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_is_batch_invariant(dtype: torch.dtype) -> None:
+def test_paged_attention_is_batch_invariant(dtype: torch.dtype, attention_kernel) -> None:
     """Each query alone (a decode row over exactly the keys it sees) == the same query inside a
     batch of verify and decode rows, bit for bit."""
     hq, hkv, d, bs = 9, 3, 64, 16
@@ -86,6 +96,22 @@ def test_paged_attention_is_batch_invariant(dtype: torch.dtype) -> None:
             alone = cpu_ops.paged_attention(q[t:t + 1], k_cache, v_cache, alone_meta, 0.125)
             assert torch.equal(alone, batched[t:t + 1]), f"token {t} differs alone vs batched"
             t += 1
+
+
+def test_the_avx2_kernel_is_another_arithmetic() -> None:
+    """cpu_attention_avx2 reaches the intrinsics kernel: fp32 outputs of the two kernels differ in
+    the last bits somewhere (each matches the reference, above), on an AVX-512 CPU."""
+    if not AVX2_FMA_CPU:
+        pytest.skip("the AVX2 attention kernel needs AVX2 and FMA")
+    q, k_cache, v_cache, meta, _ = _paged_case(1, 9, 3, 64, 16, [(10, 1), (30, 5), (0, 1), (47, 3)], torch.float32)
+    with use_kernel_config(cpu_attention_avx2=True):
+        avx2 = cpu_ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    best = cpu_ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    if "avx512f" not in _cpu_flags():
+        assert torch.equal(avx2, best)  # this CPU runs the AVX2 kernel anyway
+    else:
+        assert not torch.equal(avx2, best)
+    torch.testing.assert_close(avx2, best, atol=2e-6, rtol=2e-6)
 
 
 @pytest.fixture
@@ -107,7 +133,7 @@ LONG_ROWS = [(40, 1), (0, 200), (70, 1), (35, 3)]
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 80)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_long_prefill_runs_the_kernel_and_every_query_keeps_its_bits(hq: int, hkv: int, d: int, dtype: torch.dtype,
-                                                                    pool_of_two, monkeypatch) -> None:
+                                                                    pool_of_two, monkeypatch, attention_kernel) -> None:
     """A step with a long prefill row runs the C++ kernel (never the reference), split over the
     pool inside the row, and each query's output (and lse) is bit-identical to the same query as a
     1-query row over the same context, whether it belongs to a decode row, a verify row or the long
@@ -235,6 +261,7 @@ def _cpu_flags() -> set[str]:
 # The packed GEMM must run on every AVX-512 or AVX2 + FMA (x86-64-v3) CPU, CI's included: the skip
 # follows the CPU's flags, not has_gemm(), so a GEMM that wrongly reports itself missing fails here.
 GEMM_CPU = {"avx2", "fma"} <= _cpu_flags() or {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags()
+AVX2_FMA_CPU = {"avx2", "fma"} <= _cpu_flags()  # the CPU attention's AVX2 kernel runs here
 needs_gemm = pytest.mark.skipif(not GEMM_CPU, reason="CPU has neither AVX-512 nor AVX2 + FMA")
 
 

@@ -32,7 +32,7 @@ void register_cpu_ops(py::module_& m) {
           [](uintptr_t q, int64_t q_row_stride, uintptr_t k_cache, uintptr_t v_cache, uintptr_t out, uintptr_t lse,
              uintptr_t block_tables, int64_t block_table_stride, uintptr_t query_start_loc, uintptr_t context_lens,
              int32_t num_rows, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-             int64_t num_blocks, float scale, int32_t dtype, bool use_pool) {
+             int64_t num_blocks, float scale, int32_t dtype, bool use_pool, bool avx2_kernel) {
             PagedAttentionParams p;
             p.q = ptr(q), p.q_row_stride = q_row_stride, p.k_cache = ptr(k_cache), p.v_cache = ptr(v_cache);
             p.out = ptr(out), p.lse = ptr<float>(lse), p.block_tables = ptr<const int32_t>(block_tables);
@@ -40,7 +40,7 @@ void register_cpu_ops(py::module_& m) {
             p.context_lens = ptr<const int32_t>(context_lens), p.num_rows = num_rows, p.num_heads = num_heads;
             p.num_kv_heads = num_kv_heads, p.head_dim = head_dim, p.block_size = block_size;
             p.num_blocks = num_blocks, p.scale = scale;
-            p.dtype = static_cast<DType>(dtype), p.use_pool = use_pool;
+            p.dtype = static_cast<DType>(dtype), p.use_pool = use_pool, p.avx2_kernel = avx2_kernel;
             return paged_attention(p);
           });
   cpu.def("rope_and_cache",
@@ -182,7 +182,8 @@ void register_cpu_ops(py::module_& m) {
                          uintptr_t query_start_loc, uintptr_t context_lens, int32_t num_rows, const py::list& k_caches,
                          const py::list& v_caches, int32_t block_size, int64_t num_blocks, bool use_pool,
                          uintptr_t positions, int64_t num_positions, uintptr_t final_norm,
-                         std::vector<int32_t> aux_layers, uintptr_t aux, int64_t aux_row_stride) {
+                         std::vector<int32_t> aux_layers, uintptr_t aux, int64_t aux_row_stride,
+                         bool attention_avx2) {
         LlamaStepParams p;
         p.aux_layers = std::move(aux_layers), p.aux = ptr(aux), p.aux_row_stride = aux_row_stride;
         p.positions = ptr<const int64_t>(positions), p.num_positions = num_positions, p.final_norm = ptr(final_norm);
@@ -193,6 +194,7 @@ void register_cpu_ops(py::module_& m) {
         for (const py::handle c : k_caches) p.k_caches.push_back(ptr(c.cast<uintptr_t>()));
         for (const py::handle c : v_caches) p.v_caches.push_back(ptr(c.cast<uintptr_t>()));
         p.block_size = block_size, p.num_blocks = num_blocks, p.use_pool = use_pool;
+        p.attention_avx2 = attention_avx2;
         py::gil_scoped_release release;
         return self.forward(p);
       }, py::arg("h"), py::arg("residual"), py::arg("num_tokens"), py::arg("cos"), py::arg("sin"),
@@ -200,7 +202,7 @@ void register_cpu_ops(py::module_& m) {
       py::arg("context_lens"), py::arg("num_rows"), py::arg("k_caches"), py::arg("v_caches"), py::arg("block_size"),
       py::arg("num_blocks"), py::arg("use_pool"), py::arg("positions") = 0, py::arg("num_positions") = 0,
       py::arg("final_norm") = 0, py::arg("aux_layers") = std::vector<int32_t>{}, py::arg("aux") = 0,
-      py::arg("aux_row_stride") = 0);
+      py::arg("aux_row_stride") = 0, py::arg("attention_avx2") = false);
   cpu.def("argmax_rows", [](uintptr_t x, int64_t rows, int64_t cols, int64_t row_stride, uintptr_t tok,
                             uintptr_t finite) {
     argmax_rows(ptr<const float>(x), rows, cols, row_stride, ptr<int64_t>(tok), ptr<bool>(finite));

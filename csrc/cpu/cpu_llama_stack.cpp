@@ -90,6 +90,7 @@ std::string LlamaStack::forward(const LlamaStepParams& p) const {
   attn.context_lens = p.context_lens, attn.num_rows = p.num_rows, attn.num_heads = num_heads_;
   attn.num_kv_heads = num_kv_heads_, attn.head_dim = head_dim_, attn.block_size = p.block_size;
   attn.num_blocks = p.num_blocks, attn.scale = scale_, attn.dtype = dtype_, attn.use_pool = p.use_pool;
+  attn.avx2_kernel = p.attention_avx2;
 
   // residual holds the stream at the input of layer l (l = L: before the final norm): into aux's columns
   auto keep_aux = [&](size_t l) {

@@ -55,6 +55,7 @@ struct LlamaStepParams {
   int32_t block_size = 0;
   int64_t num_blocks = 0;
   bool use_pool = false;  // attention rows over the pool (torch at one thread: see cpu_ops.h)
+  bool attention_avx2 = false;  // PagedAttentionParams.avx2_kernel
   // Or empty: the residual stream at the input of layer aux_layers[j] (0: the embeddings; the
   // number of layers: the stream before the final norm, kept only with final_norm) lands in
   // aux [T, aux_row_stride] at columns j * hidden.. (EAGLE-3's states: the layer loop's h + residual).

@@ -33,6 +33,7 @@ struct PagedAttentionParams {
   float scale = 1.0f;
   DType dtype = DType::kFloat32;  // of q, out and the caches
   bool use_pool = false;          // split rows over the shared pool (cpu_thread_pool.h)
+  bool avx2_kernel = false;       // the AVX2 + FMA kernel even where AVX-512 is present (tests)
 };
 
 // Causal varlen attention: query i of a row of q_len tokens sees keys [0, ctx - (q_len - 1 - i)).

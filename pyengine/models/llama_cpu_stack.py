@@ -20,6 +20,7 @@ from pyengine.models.layers import KVCache, LlamaDecoderLayer
 from pyengine.ops.cpu import PackedLinear  # ImportError without the extension's CPU ops: no stack
 from pyengine.ops.cpu.attention import runs_kernel, step_tables
 from pyengine.ops.cpu.extension import DTYPE_CODE, kernels, pool_threads, raise_error
+from pyengine.ops.kernel_config import get_kernel_config
 
 
 class CpuLlamaStack:
@@ -99,5 +100,6 @@ class CpuLlamaStack:
             bt.data_ptr(), bt.shape[1], qsl.data_ptr(), ctx.data_ptr(), ctx.shape[0], k_ptrs, v_ptrs, block_size,
             num_blocks, pool_threads(), 0 if positions is None else positions.data_ptr(), num_positions,
             0 if final_norm is None else final_norm.contiguous().data_ptr(), list(aux_layers),
-            0 if aux is None else aux.data_ptr(), 0 if aux is None else aux.stride(0)))
+            0 if aux is None else aux.data_ptr(), 0 if aux is None else aux.stride(0),
+            get_kernel_config().cpu_attention_avx2))
         return h, residual

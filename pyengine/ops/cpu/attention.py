@@ -12,6 +12,7 @@ import torch
 from pyengine.engine.attention_metadata import AttentionMetadata
 from pyengine.ops import reference
 from pyengine.ops.cpu.extension import DTYPE_CODE, heads_contiguous, kernels, pool_threads, raise_error
+from pyengine.ops.kernel_config import get_kernel_config
 
 _META_KEY = "cpu_paged_attention"
 
@@ -53,5 +54,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     raise_error(kernels.paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                        0 if lse is None else lse.data_ptr(), bt.data_ptr(), bt.shape[1], qsl.data_ptr(),
                        ctx.data_ptr(), ctx.shape[0], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-                       k_cache.shape[0], scale, DTYPE_CODE[q.dtype], pool_threads()))
+                       k_cache.shape[0], scale, DTYPE_CODE[q.dtype], pool_threads(),
+                       get_kernel_config().cpu_attention_avx2))
     return (out, lse) if lse is not None else out
