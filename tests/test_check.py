@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pyengine import check
-from pyengine.check import Comparison, Report, RowResult, RowRun, compare_rows, significant_bits, ulp
+from pyengine.check_rows import Comparison, Report, RowResult, RowRun, compare_rows, significant_bits, ulp
 from pyengine.entrypoints.generate import load_prompts_file
 
 REPO = Path(__file__).resolve().parent.parent

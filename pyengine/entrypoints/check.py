@@ -2,7 +2,7 @@
 
 Runs the prompts greedily plain (batched), speculative (batched) and plain one at a time, and
 reports per row: identical bits, or the first divergence with its top-2 gap and the largest logit
-difference (pyengine/check.py explains the statuses and the tie bound). Exit 0 when every row is
+difference (pyengine/check_rows.py explains the statuses and the tie bound). Exit 0 when every row is
 identical, differs only in logit bits or diverges at a tie within the final rounding (with
 --strict: only when every row is bit-identical); exit 1 otherwise; exit 2 with one error line on
 bad input.
