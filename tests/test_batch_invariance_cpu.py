@@ -26,16 +26,17 @@ LONG = "The history of the city is long and full of events. " * 36
 SHORT = ["The capital of France is", "def fibonacci(n):"]
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16", "bfloat16-avx2-attention"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "bfloat16-avx2-kernels"])
 def llm(request, smollm2_path: str):
-    """The last: attention on the AVX2 + FMA kernel (KernelConfig.cpu_attention_avx2), which CPUs
-    without AVX-512 run."""
+    """The last: attention and the linears on the AVX2 + FMA kernels (KernelConfig.cpu_avx2_kernels),
+    which CPUs without AVX-512 run."""
     dtype, _, avx2 = request.param.partition("-")
     if avx2 and not AVX2_FMA_CPU:
-        pytest.skip("the AVX2 attention kernel needs AVX2 and FMA")
+        pytest.skip("the AVX2 kernels need AVX2 and FMA")
     engine = LLM(smollm2_path, device="cpu", dtype=dtype, enable_prefix_caching=False,
-                 kernel_config={"cpu_attention_avx2": bool(avx2)})
+                 kernel_config={"cpu_avx2_kernels": bool(avx2)})
     engine.engine.cfg.record_logits = True
+    assert not avx2 or engine.model.packed_lm_head.isa == "avx2"
     yield engine
     del engine
     gc.collect()

@@ -30,14 +30,17 @@ def _step(model, rows, cache: PagedCache, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @needs_packed_gemm
-@pytest.mark.parametrize("attention_avx2", [False, True], ids=["best_attention", "avx2_attention"])
+@pytest.mark.parametrize("avx2_kernels", [False, True], ids=["best_kernels", "avx2_kernels"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_stack_equals_the_layer_loop(checkpoint: str, dtype: torch.dtype, attention_avx2: bool,
+def test_layer_stack_equals_the_layer_loop(checkpoint: str, dtype: torch.dtype, avx2_kernels: bool,
                                            monkeypatch) -> None:
-    """Also with KernelConfig.cpu_attention_avx2: the stack passes it to its attention calls."""
-    if attention_avx2 and not AVX2_FMA_CPU:
-        pytest.skip("the AVX2 attention kernel needs AVX2 and FMA")
-    model, config, _ = load_model(checkpoint, "cpu", dtype)
+    """Also with KernelConfig.cpu_avx2_kernels (the linears packed for the AVX2 kernels, the stack's
+    attention calls told to use its AVX2 kernel)."""
+    if avx2_kernels and not AVX2_FMA_CPU:
+        pytest.skip("the AVX2 kernels need AVX2 and FMA")
+    with use_kernel_config(cpu_avx2_kernels=avx2_kernels):
+        model, config, _ = load_model(checkpoint, "cpu", dtype)
+    assert not avx2_kernels or model.packed_lm_head.isa == "avx2"
     assert model.cpu_stack is not None
     stack_steps = []  # the steps the C++ stack ran, so the comparison cannot pass with the loop twice
     stack_call = CpuLlamaStack.__call__
@@ -56,7 +59,7 @@ def test_layer_stack_equals_the_layer_loop(checkpoint: str, dtype: torch.dtype, 
                  [(tables[0], 13, 1), (tables[1], 9, 4), (tables[2], 3, 27)],
                  [(tables[0], 14, 1), (tables[1], 13, 1), (tables[2], 30, 2)]]
         outs[mode] = []
-        with use_kernel_config(cpu_layer_stack=mode == "stack", cpu_attention_avx2=attention_avx2):
+        with use_kernel_config(cpu_layer_stack=mode == "stack", cpu_avx2_kernels=avx2_kernels):
             for rows in steps:
                 tokens = torch.randint(0, config.vocab_size, (sum(q for _, _, q in rows),), generator=gen)
                 outs[mode].append(_step(model, rows, cache, tokens))

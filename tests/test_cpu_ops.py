@@ -22,12 +22,12 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(params=["best", "avx2"])
-def attention_kernel(request):
-    """The attention tests run on the kernel this CPU picks and on the AVX2 + FMA one (which CPUs
-    without AVX-512 run; forced here by KernelConfig.cpu_attention_avx2)."""
+def kernel_family(request):
+    """Attention and packed-GEMM tests run on the kernels this CPU picks and on the AVX2 + FMA ones
+    (which CPUs without AVX-512 run; forced here by KernelConfig.cpu_avx2_kernels)."""
     if request.param == "avx2" and not AVX2_FMA_CPU:
-        pytest.skip("the AVX2 attention kernel needs AVX2 and FMA")
-    with use_kernel_config(cpu_attention_avx2=request.param == "avx2"):
+        pytest.skip("the AVX2 kernels need AVX2 and FMA")
+    with use_kernel_config(cpu_avx2_kernels=request.param == "avx2"):
         yield request.param
 
 
@@ -71,7 +71,7 @@ ATTENTION_CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
-def test_paged_attention_matches_reference(case: int, dtype: torch.dtype, attention_kernel) -> None:
+def test_paged_attention_matches_reference(case: int, dtype: torch.dtype, kernel_family) -> None:
     hq, hkv, d, block_size, rows_spec = ATTENTION_CASES[case]
     q, k_cache, v_cache, meta, _ = _paged_case(case, hq, hkv, d, block_size, rows_spec, dtype)
     out, lse = cpu_ops.paged_attention(q, k_cache, v_cache, meta, d**-0.5, return_lse=True)
@@ -82,7 +82,7 @@ def test_paged_attention_matches_reference(case: int, dtype: torch.dtype, attent
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_is_batch_invariant(dtype: torch.dtype, attention_kernel) -> None:
+def test_paged_attention_is_batch_invariant(dtype: torch.dtype, kernel_family) -> None:
     """Each query alone (a decode row over exactly the keys it sees) == the same query inside a
     batch of verify and decode rows, bit for bit."""
     hq, hkv, d, bs = 9, 3, 64, 16
@@ -99,12 +99,12 @@ def test_paged_attention_is_batch_invariant(dtype: torch.dtype, attention_kernel
 
 
 def test_the_avx2_kernel_is_another_arithmetic() -> None:
-    """cpu_attention_avx2 reaches the intrinsics kernel: fp32 outputs of the two kernels differ in
+    """cpu_avx2_kernels reaches the intrinsics kernel: fp32 outputs of the two kernels differ in
     the last bits somewhere (each matches the reference, above), on an AVX-512 CPU."""
     if not AVX2_FMA_CPU:
         pytest.skip("the AVX2 attention kernel needs AVX2 and FMA")
     q, k_cache, v_cache, meta, _ = _paged_case(1, 9, 3, 64, 16, [(10, 1), (30, 5), (0, 1), (47, 3)], torch.float32)
-    with use_kernel_config(cpu_attention_avx2=True):
+    with use_kernel_config(cpu_avx2_kernels=True):
         avx2 = cpu_ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
     best = cpu_ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
     if "avx512f" not in _cpu_flags():
@@ -133,7 +133,7 @@ LONG_ROWS = [(40, 1), (0, 200), (70, 1), (35, 3)]
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 80)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_long_prefill_runs_the_kernel_and_every_query_keeps_its_bits(hq: int, hkv: int, d: int, dtype: torch.dtype,
-                                                                    pool_of_two, monkeypatch, attention_kernel) -> None:
+                                                                    pool_of_two, monkeypatch, kernel_family) -> None:
     """A step with a long prefill row runs the C++ kernel (never the reference), split over the
     pool inside the row, and each query's output (and lse) is bit-identical to the same query as a
     1-query row over the same context, whether it belongs to a decode row, a verify row or the long
@@ -289,7 +289,7 @@ GEMM_SHAPES = [(64, 30), (96, 70), (576, 200), (1536, 40)]  # K 1536: several L2
 @pytest.mark.parametrize("k,n", GEMM_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_linear_row_bits_do_not_depend_on_m_or_threads(k: int, n: int, dtype: torch.dtype,
-                                                             restore_pool) -> None:
+                                                             restore_pool, kernel_family) -> None:
     """y = x @ W + b for M = 1, 2, 5, 17, 64, 300 rows: every row equals the same row computed
     alone, or in any other slice of the batch (other row groups, other row chunks), bit for bit,
     with 1, 2 or 3 pool threads; and the values are those of the exact product within fp32
@@ -299,6 +299,7 @@ def test_packed_linear_row_bits_do_not_depend_on_m_or_threads(k: int, n: int, dt
     x = torch.randn(300, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
     layer = cpu_ops.PackedLinear(w, compact=False)
+    assert kernel_family == "best" or layer.isa == "avx2"
     cpu_ops.kernels.set_num_threads(1)
     full = layer(x, bias)
     for m in (1, 2, 5, 17, 64, 300):
@@ -322,7 +323,7 @@ def test_packed_linear_row_bits_do_not_depend_on_m_or_threads(k: int, n: int, dt
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 40])
 @pytest.mark.parametrize("n", [70, 30])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_linear_matches_exact_matmul(m: int, n: int, dtype: torch.dtype) -> None:
+def test_packed_linear_matches_exact_matmul(m: int, n: int, dtype: torch.dtype, kernel_family) -> None:
     """fp32 accumulation and one rounding to the dtype: within fp32 noise (fp32) or one bf16 step
     (bf16) of the exact product of the same inputs. n is not a multiple of the 16-column panels;
     70 (5 panels) gives tiles of 2 and 3 panels on two threads, 30 tiles of one; m covers whole
@@ -341,7 +342,7 @@ def test_packed_linear_matches_exact_matmul(m: int, n: int, dtype: torch.dtype) 
 
 @needs_gemm
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_linear_rows_are_batch_invariant(dtype: torch.dtype) -> None:
+def test_packed_linear_rows_are_batch_invariant(dtype: torch.dtype, kernel_family) -> None:
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(576, 960, generator=gen).to(dtype)
     x = torch.randn(37, 576, generator=gen).to(dtype)
@@ -367,7 +368,7 @@ def _gguf_roundtrip(w: torch.Tensor, kind: str) -> torch.Tensor:
 @needs_gemm
 @pytest.mark.parametrize("kind,bits,k", [("Q4_1", 4, 96), ("Q4_0", 4, 96), ("Q8_0", 8, 96), ("Q4_1", 4, 1536),
                                          ("Q8_0", 8, 1536)])
-def test_compact_panels_give_the_dense_results_bit_for_bit(kind: str, bits: int, k: int) -> None:
+def test_compact_panels_give_the_dense_results_bit_for_bit(kind: str, bits: int, k: int, kernel_family) -> None:
     """Block-quantised fp32 weights are packed as codes + per-run scale and offset and rebuilt in
     the kernel (csrc/cpu/cpu_gemm_affine.h): same outputs as the dense fp32 panels, every bit, for
     one row group and many (AVX2: block by block vs the whole panel rebuilt), several row chunks
@@ -376,6 +377,7 @@ def test_compact_panels_give_the_dense_results_bit_for_bit(kind: str, bits: int,
     w = _gguf_roundtrip(torch.randn(k, 70, generator=gen) * 0.05, kind)
     compact, dense = cpu_ops.PackedLinear(w), cpu_ops.PackedLinear(w, compact=False)
     assert (compact.bits_per_weight, dense.bits_per_weight) == (bits, 32)
+    assert kernel_family == "best" or compact.isa == dense.isa == "avx2"
     assert compact.packed_bytes < dense.packed_bytes * (bits + 8) / 32
     bias = torch.randn(70, generator=gen)
     for m in (1, 3, 6, 7, 16, 17, 40, 300):

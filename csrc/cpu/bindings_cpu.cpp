@@ -115,10 +115,11 @@ void register_cpu_ops(py::module_& m) {
       .def_readonly_static("CLEAN_US", &SoloBackoff::kCleanUs)
       .def_readonly_static("STALL_SLACK_US", &SoloBackoff::kStallSlackUs);
   py::class_<PackedWeight>(cpu, "PackedWeight")
-      .def(py::init([](uintptr_t w, int64_t k, int64_t n, int32_t dtype, bool compact) {
-             return PackedWeight(ptr(w), k, n, static_cast<DType>(dtype), compact);
+      .def(py::init([](uintptr_t w, int64_t k, int64_t n, int32_t dtype, bool compact, int32_t isa_limit) {
+             return PackedWeight(ptr(w), k, n, static_cast<DType>(dtype), compact, static_cast<GemmIsa>(isa_limit));
            }),
-           py::arg("w"), py::arg("k"), py::arg("n"), py::arg("dtype"), py::arg("compact") = true)
+           py::arg("w"), py::arg("k"), py::arg("n"), py::arg("dtype"), py::arg("compact") = true,
+           py::arg("isa_limit") = 4)
       .def_property_readonly("k", &PackedWeight::k)
       .def_property_readonly("n", &PackedWeight::n)
       .def_property_readonly("format", [](const PackedWeight& self) { return static_cast<int32_t>(self.format()); },

@@ -12,7 +12,7 @@
 // 1 + k queries of a verify row, or inside a long prefill chunk, which greedy speculative decoding
 // relies on (spec output == plain output). Every step of any length runs here: there is no
 // switch to another implementation for large steps. CPUs with AVX2 + FMA but no AVX-512 run the
-// same units on the intrinsics kernel of cpu_attention_avx2.cpp (another fixed arithmetic per
+// same units on the intrinsics kernel of cpu_avx2_kernels.cpp (another fixed arithmetic per
 // query; PagedAttentionParams.avx2_kernel asks for it on any AVX2 CPU, e.g. tests).
 #include <algorithm>
 #include <cmath>

@@ -1,5 +1,5 @@
 // Pieces the CPU attention kernels share (cpu_attention.cpp: the units, the entry and the generic
-// kernel; cpu_attention_avx2.cpp: the AVX2 + FMA kernel): work units, per-thread scratch, the
+// kernel; cpu_avx2_kernels.cpp: the AVX2 + FMA kernel): work units, per-thread scratch, the
 // prefetch of a row's blocks, and the AVX2 kernel's entry points.
 #pragma once
 
@@ -49,7 +49,7 @@ PE_INLINE void prefetch_row(const PagedAttentionParams& p, int32_t r) {
   }
 }
 
-// The AVX2 + FMA kernel (cpu_attention_avx2.cpp). has_avx2_kernel: it is built (x86-64, GCC or
+// The AVX2 + FMA kernel (cpu_avx2_kernels.cpp). has_avx2_kernel: it is built (x86-64, GCC or
 // Clang) and the CPU has AVX2 and FMA; prefers_avx2_kernel: ... and no AVX-512, where the generic
 // kernel's AVX-512 clone is the faster one. Per query its arithmetic is fixed by the query alone,
 // like the generic kernel's, but it is another arithmetic: the two give different bits.

@@ -143,13 +143,21 @@ std::string PackedWeight::check(int64_t k, int64_t n, DType dtype) {
   return {};
 }
 
-PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, bool compact)
+namespace {
+// gemm_isa(dtype), or the AVX2 + FMA kernels where isa_limit asks for them and the CPU has them.
+GemmIsa limited_isa(DType dtype, GemmIsa isa_limit) {
+  const GemmIsa best = gemm_isa(dtype);
+  return isa_limit <= GemmIsa::kAvx2 && best > GemmIsa::kAvx2 && has_avx2_gemm() ? GemmIsa::kAvx2 : best;
+}
+}  // namespace
+
+PackedWeight::PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, bool compact, GemmIsa isa_limit)
     : k_(k),
       n_(n),
       k_steps_(dtype == DType::kBFloat16 ? k / 2 : k),
       panels_(ceil_div(n, kPanel)),
       dtype_(dtype),
-      isa_(gemm_isa(dtype)) {
+      isa_(limited_isa(dtype, isa_limit)) {
   if (!check(k, n, dtype).empty()) {  // the binding checks first; an empty weight computes nothing
     k_ = n_ = k_steps_ = panels_ = 0;
     return;
@@ -184,8 +192,9 @@ std::optional<PackedWeight> PackedWeight::from_gguf(const GgufRows& rows, int64_
     w.qdot_act_bits_ = act_bits;
     // AVX2 kernels on every CPU, the int16x2 ones on AVX-512 VNNI / AMX where it has them: the same bits
     w.isa_ = act_bits == 32 ? static_cast<GemmIsa>(qdot16_isa(static_cast<int>(isa_limit))) : GemmIsa::kAvx2;
-  } else if (!pack_gguf_rows(rows, k, n, w.packed_, w.isa_ == GemmIsa::kAvx2)) {
-    return std::nullopt;
+  } else {
+    w.isa_ = limited_isa(DType::kFloat32, isa_limit);
+    if (!pack_gguf_rows(rows, k, n, w.packed_, w.isa_ == GemmIsa::kAvx2)) return std::nullopt;
   }
   w.k_ = w.k_steps_ = k, w.n_ = n, w.panels_ = ceil_div(n, kPanel), w.format_ = gguf_panel_format(rows.ggml_type);
   return w;

@@ -47,7 +47,9 @@ class PackedWeight {
   static std::string check(int64_t k, int64_t n, DType dtype);
   // w: [K, N] row-major ("in, out") of `dtype`; check() must have passed. compact: fp32 weights
   // that fit cpu_gemm_affine.h's formats are stored that way (same results, fewer bytes).
-  PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, bool compact = true);
+  // isa_limit kAvx2: the AVX2 + FMA kernels even where AVX-512 is present (other bits; tests).
+  PackedWeight(const void* w, int64_t k, int64_t n, DType dtype, bool compact = true,
+               GemmIsa isa_limit = GemmIsa::kAmx);
   // An fp32 weight [K, N] packed straight from GGUF blocks. Where the CPU has AVX2 + F16C, as
   // the integer-dot panels of cpu_gemm_qdot.h (llama.cpp's arithmetic: int8 activations, not the
   // fp32 products of the dequantised weights); else, or where those refuse a block, as the
@@ -56,7 +58,8 @@ class PackedWeight {
   // act_bits 8: llama.cpp's arithmetic (cpu_gemm_qdot.h) where the CPU has it; 32: the same
   // panels with activations as two int16 limbs (cpu_gemm_qdot.h); else, and 0, the dequantised
   // weights' fp32 products, rebuilt exactly (cpu_gemm_affine.h). act_bits 32 runs the best kernels
-  // of cpu_gemm_qdot.h's qdot16_isa(isa_limit) (isa() says which; the same bits on each).
+  // of cpu_gemm_qdot.h's qdot16_isa(isa_limit) (isa() says which; the same bits on each); the exact
+  // path takes the limit as the constructor does.
   static std::optional<PackedWeight> from_gguf(const GgufRows& rows, int64_t k, int64_t n, int act_bits,
                                                GemmIsa isa_limit = GemmIsa::kAmx);
 

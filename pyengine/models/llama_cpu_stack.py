@@ -101,5 +101,5 @@ class CpuLlamaStack:
             num_blocks, pool_threads(), 0 if positions is None else positions.data_ptr(), num_positions,
             0 if final_norm is None else final_norm.contiguous().data_ptr(), list(aux_layers),
             0 if aux is None else aux.data_ptr(), 0 if aux is None else aux.stride(0),
-            get_kernel_config().cpu_attention_avx2))
+            get_kernel_config().cpu_avx2_kernels))
         return h, residual

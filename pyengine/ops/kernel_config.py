@@ -43,9 +43,11 @@ class KernelConfig:
     pdl: bool = True  # CUDA: programmatic dependent launch for the skinny GEMM and GQA attention
     gqa_fma: bool = False  # NVIDIA: the CUDA-core (FMA) GQA kernel instead of the tensor-core one
     gqa_pairs_per_block: int = 0  # GQA FMA kernel: query-head pairs per block, 0 = chosen per launch (else 1, 2, 4, 8)
-    # x86-64: CPU attention on the AVX2 + FMA intrinsics kernel even where AVX-512 is present (CPUs
-    # without AVX-512 always run it; tests run both; another arithmetic, so other bits, per query)
-    cpu_attention_avx2: bool = False
+    # x86-64: the CPU kernels an AVX2 + FMA CPU without AVX-512 runs, even where AVX-512 is present:
+    # attention and the packed GEMM's dense and affine panels on their AVX2 kernels (another
+    # arithmetic than the AVX-512 ones: other bits, as batch-invariant), the int16-limb panels capped
+    # at AVX2 (the same bits). Tests cover x86-64-v3 CPUs with it on CI's AVX-512 machine.
+    cpu_avx2_kernels: bool = False
     mla_small_tile: bool = False  # NVIDIA: the small MLA tile (the one AMD builds) instead of the fast one
     # CUDA graphs: verify steps whose rows carry different draft counts replay the graph of the
     # longest row (False: they run eagerly, as before; benchmarks compare the two)

@@ -55,5 +55,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                        0 if lse is None else lse.data_ptr(), bt.data_ptr(), bt.shape[1], qsl.data_ptr(),
                        ctx.data_ptr(), ctx.shape[0], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
                        k_cache.shape[0], scale, DTYPE_CODE[q.dtype], pool_threads(),
-                       get_kernel_config().cpu_attention_avx2))
+                       get_kernel_config().cpu_avx2_kernels))
     return (out, lse) if lse is not None else out

@@ -13,6 +13,13 @@ from pyengine.ops.kernel_config import get_kernel_config
 ISA_LEVELS = {"avx2": 2, "avx512": 3, "amx": 4}
 
 
+def _isa_limit(isa: str | None) -> int:
+    """The GemmIsa level a weight may run (`isa`: a name of ISA_LEVELS, None: any), at most AVX2
+    under KernelConfig.cpu_avx2_kernels."""
+    level = ISA_LEVELS[isa] if isa is not None else ISA_LEVELS["amx"]
+    return min(level, ISA_LEVELS["avx2"]) if get_kernel_config().cpu_avx2_kernels else level
+
+
 class PackedLinear:
     """An fp32 or bf16 [in, out] weight in the layout of the C++ decode GEMM (csrc/cpu/cpu_gemm.h):
     called as y = layer(x, bias), one row's result independent of the other rows: each output is
@@ -21,8 +28,9 @@ class PackedLinear:
     (pyengine.ops.cpu.threads); the pool runs them only inside ModelRunner.step_threads.
 
     Kernels (`isa`): AVX-512 where the CPU has avx512f/bw/vl (bf16: also avx512_bf16), else AVX2 +
-    FMA (csrc/cpu/cpu_gemm_avx2.h, every format below). The two families differ in the last bits;
-    each is batch-invariant. Without either, supported() is False and models keep oneDNN or torch.
+    FMA (csrc/cpu/cpu_gemm_avx2.h, every format below; KernelConfig.cpu_avx2_kernels at packing
+    time: those on any AVX2 + FMA CPU). The two families differ in the last bits; each is
+    batch-invariant. Without either, supported() is False and models keep oneDNN or torch.
 
     compact: an fp32 weight whose values are block-quantised ones (a GGUF Q4_0/Q4_1/Q8_0 tensor
     dequantised on load) is stored as its 4- or 8-bit codes plus per-block scale and offset and
@@ -35,7 +43,7 @@ class PackedLinear:
         self.dtype = w.dtype
         self.in_features, self.out_features = w.shape
         self.packed = kernels.PackedWeight(w.data_ptr(), self.in_features, self.out_features, DTYPE_CODE[w.dtype],
-                                           compact)
+                                           compact, _isa_limit(None))
         kernels.set_num_threads(pool_threads_for(torch.get_num_threads()))
 
     @classmethod
@@ -59,7 +67,8 @@ class PackedLinear:
         products up to fp32 rounding, other bits, the same for a row whatever the batch. Those run
         on the best kernels the CPU has up to `isa` ("amx", "avx512" or "avx2"; None:
         KernelConfig.cpu_qdot_isa), all with the same bits (csrc/cpu/cpu_gemm_qdot16_avx512.cpp,
-        cpu_gemm_qdot16_amx.cpp); the `isa` property says which."""
+        cpu_gemm_qdot16_amx.cpp); the `isa` property says which. KernelConfig.cpu_avx2_kernels caps
+        every path at AVX2, the exact one too."""
         if rows.dtype != np.uint64 or rows.ndim != 1 or not rows.flags.c_contiguous:
             raise ValueError(f"PackedLinear.from_gguf takes a contiguous uint64 array of row addresses, got {rows.dtype}")
         kernels.set_num_threads(pool_threads_for(torch.get_num_threads()))  # the pool packs too
@@ -67,7 +76,7 @@ class PackedLinear:
             int8_dot = get_kernel_config().cpu_int8_dot
         if int16_dot is None:
             int16_dot = get_kernel_config().cpu_int16_dot
-        limit = ISA_LEVELS[isa if isa is not None else get_kernel_config().cpu_qdot_isa]
+        limit = _isa_limit(isa if isa is not None else get_kernel_config().cpu_qdot_isa)
         act_bits = 8 if int8_dot else 32 if int16_dot else 0
         packed = kernels.pack_gguf(ggml_type, rows.ctypes.data, in_features, rows.shape[0], False, act_bits, limit)
         if packed is None:
