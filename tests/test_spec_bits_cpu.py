@@ -1,14 +1,15 @@
 """Losslessness in the logits on the CPU (issue 18), through the checker (pyengine.check): greedy
 speculative decoding gives every output token the bits plain decoding gives it - the logits, not
 only the tokens - in fp32 and bf16, for ngram (k 1, 4, 8) and a draft model, at block sizes 1, 16
-and 64, with prefix caching, and under preemption (a KV pool too small for the batch). Alone vs
+and 64, with prefix caching, under preemption (a KV pool too small for the batch), and on the
+kernels of AVX2-only CPUs. Alone vs
 batched is checked too: on the CPU every op is batch-invariant by construction (docs/architecture.md)."""
 from __future__ import annotations
 
 import pytest
 
 from pyengine.check import check_losslessness
-from tests.test_cpu_ops import GEMM_CPU
+from tests.test_cpu_ops import AVX2_FMA_CPU, GEMM_CPU
 
 pytestmark = pytest.mark.skipif(not GEMM_CPU, reason="CPU has neither AVX-512 nor AVX2 + FMA for the packed GEMM")
 
@@ -33,6 +34,19 @@ def test_ngram_spec_logits_equal_plain(smollm2_path: str, dtype: str, k: int) ->
     report = check_losslessness(PROMPTS, model=smollm2_path, device="cpu", dtype=dtype, speculative_config=spec,
                                 max_tokens=20, alone=k == 4, chat=False, batch_invariant=True)
     assert_bit_identical(report, *(["spec", "alone"] if k == 4 else ["spec"]))
+    assert report.passed
+
+
+def test_ngram_spec_logits_equal_plain_on_the_avx2_kernels(smollm2_path: str) -> None:
+    """The kernels an AVX2 + FMA CPU without AVX-512 runs (KernelConfig.cpu_avx2_kernels: attention,
+    the packed GEMMs), on this CPU: speculation and batching keep every logit's bits there too."""
+    if not AVX2_FMA_CPU:
+        pytest.skip("the AVX2 kernels need AVX2 and FMA")
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}
+    report = check_losslessness(PROMPTS, model=smollm2_path, device="cpu", dtype="bfloat16", speculative_config=spec,
+                                max_tokens=20, alone=True, chat=False, batch_invariant=True,
+                                kernel_config={"cpu_avx2_kernels": True})
+    assert_bit_identical(report, "spec", "alone")
     assert report.passed
 
 
