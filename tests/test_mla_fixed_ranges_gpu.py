@@ -232,23 +232,31 @@ def test_the_walk_is_chosen_where_it_fills_the_device():
 
 
 @gpu
-def test_the_default_mode_walks_where_the_walk_is_faster():
-    """A full batch at 8 ranges walks the fixed ranges in the default mode too (the invariant mode's
-    bits, not the per-row rule's); at 64 ranges (context 32k) the per-row rule stays."""
+def test_the_default_mode_walks_one_range_where_walking_fills_the_device(monkeypatch):
+    """A full batch in the default mode walks each row as one range (default_walk_unit): the bits
+    of the invariant mode's walk with a single range a row, not of the per-row split rule; half
+    the batch keeps the rule."""
     dev = torch.device("cuda")
     rows = cuda_mla.num_sms(dev) // 2
-    ctx, bs = 8 * U, 64
+    ctx, bs = 8 * U - 40, 64
     gen = torch.Generator(device=dev).manual_seed(5)
-    kv = torch.randn(ctx // bs + 3, bs, 576, device=dev, dtype=torch.bfloat16, generator=gen)
-    table = torch.randperm(ctx // bs + 3, device=dev, generator=gen)[: ctx // bs].tolist()
+    kv = torch.randn(ctx // bs + 4, bs, 576, device=dev, dtype=torch.bfloat16, generator=gen)
+    table = torch.randperm(ctx // bs + 4, device=dev, generator=gen)[: -(-ctx // bs)].tolist()
     meta = step_meta([(ctx, 1)] * rows, table, bs, dev)
     q = torch.randn(rows, 128, 576, device=dev, dtype=torch.bfloat16, generator=gen)
-    assert cuda_mla.default_walk_pays(meta, 128, 8, dev)
-    assert not cuda_mla.default_walk_pays(meta, 128, 64, dev)
+    assert cuda_mla.default_walk_unit(meta, 128, 8, dev) == 8 * U
+    half = step_meta([(ctx, 1)] * (rows // 2), table, bs, dev)
+    assert cuda_mla.default_walk_unit(half, 128, 8, dev) is None
     default = ops.paged_attention_mla(q, kv, meta, 192 ** -0.5, return_lse=True)
+    monkeypatch.setattr(cuda_mla, "SPLIT_BLOCK", 8 * U)
+    monkeypatch.setattr(cuda_mla, "force_walk", True)
     with use_kernel_config(batch_invariant=True):
-        invariant = ops.paged_attention_mla(q, kv, meta, 192 ** -0.5, return_lse=True)
-    assert torch.equal(default[0], invariant[0]) and torch.equal(default[1], invariant[1])
+        one_range = ops.paged_attention_mla(q, kv, meta, 192 ** -0.5, return_lse=True)
+    monkeypatch.setattr(cuda_mla, "SPLIT_BLOCK", U)
+    with use_kernel_config(batch_invariant=True):
+        ranges = ops.paged_attention_mla(q, kv, meta, 192 ** -0.5, return_lse=True)
+    assert torch.equal(default[0], one_range[0]) and torch.equal(default[1], one_range[1])
+    assert not torch.equal(default[0], ranges[0])  # 8 ranges merged: other bits
     ref = reference.paged_attention_mla(q.float(), kv.float(), meta, 192 ** -0.5)
     torch.testing.assert_close(default[0].float(), ref, atol=2e-2, rtol=2e-2)
 

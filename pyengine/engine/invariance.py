@@ -11,9 +11,9 @@ on wherever its paths are fast ones:
   1.00 / 1.09 at batch 1 / 16 / 64, a 4k prefill x1.15 (benchmarks/results/
   batch_invariant_decode64_h100.json); SmolLM2 x0.94 / 1.06 / 1.09 and x1.15
   (batch_invariant_smollm2_gguf_after_h100.json). Off for fp32 (attention then runs a per-query reference,
-  eagerly), for DeepSeek-V3 (MLA on fixed key ranges: as fast as the default up to 4k keys and at batch 64 up
-  to 16k, where the default walks the same ranges, x1.03 at batch 64 on 32k but x1.26-1.61 at batch
-  8-32 on 16k-32k, benchmarks/results/mla_instr_diet_h100.json; the model not measured) and
+  eagerly), for DeepSeek-V3 (MLA on fixed key ranges: as fast as the default up to 4k keys at batch 1-32,
+  x1.22-1.30 at batch 64, where the default walks each row as one range, and x1.26-1.56 at batch
+  8-32 on 16k-32k, benchmarks/results/mla_one_range_default_h100.json; the model not measured) and
   for the recurrent-state hybrids (prefill as the decode recurrence; not measured against the
   targets): opt-in there.
 """

@@ -10,9 +10,10 @@ kernel), longer rows and rows of one range are walked by one block (ranges in tu
 a slab of the accumulator pool); every row walks when that fills the device about as well
 (walk_pays: batch 64 at context 4096), or when force_walk asks. The default mode keeps the per-row
 split rule (at most MAX_SPLITS splits per row, larger as the context grows: fewer partials at long
-contexts; a token's bits depend on its row's context and query length there), except where the
-fixed ranges' walk is faster (default_walk_pays: large batches up to 16k keys; the walk's bits then).
-benchmarks/results/mla_instr_diet_h100.json compares them."""
+contexts; a token's bits depend on its row's context and query length there), except where
+walking fills the device: then every row is walked as one range (default_walk_unit: no range ends
+to fold; batch 64 on an H100). benchmarks/results/mla_instr_diet_h100.json and
+mla_one_range_default_h100.json compare them."""
 from __future__ import annotations
 
 import torch
@@ -61,17 +62,16 @@ def walk_pays(meta: AttentionMetadata, num_heads: int, max_ranges: int, device: 
     return 4 * -(-walkers // sms) * max_ranges <= 5 * -(-walkers * max_ranges // sms)
 
 
-# The default mode walks rows of at most this many fixed ranges where walk_pays: batch 64 context
-# 4096 / 16k walked 0.199 / 0.776 ms against the per-row rule's 0.280 / 0.858, verify q = 2 / 5
-# 0.388 / 0.905 against 0.509 / 1.197, but context 32k (64 ranges, 63 folds a row) 1.497 against
-# 1.469 (H100, benchmarks/results/mla_instr_diet_h100.json).
-DEFAULT_WALK_MAX_RANGES = 32
-
-
-def default_walk_pays(meta: AttentionMetadata, num_heads: int, max_ranges: int, device: torch.device) -> bool:
-    """Whether the default mode should walk every row over the fixed ranges (mla_ranges.h) instead
-    of splitting it by the per-row rule."""
-    return max_ranges <= DEFAULT_WALK_MAX_RANGES and walk_pays(meta, num_heads, max_ranges, device)
+def default_walk_unit(meta: AttentionMetadata, num_heads: int, max_ranges: int, device: torch.device) -> int | None:
+    """The default mode (no batch invariance, any split valid): where walking fills the device as
+    walk_pays counts it for the fixed ranges, every row is walked as one range (the unit returned:
+    the step's longest context, rounded up to whole 64-key tiles), which has no range ends to fold;
+    None keeps the per-row split rule. H100, batch 64 (benchmarks/results/mla_one_range_default_h100.json):
+    ctx 4096 / 16k / 32k and verify q = 2 / 5 at about 0.15 / 0.63 / 1.25 and 0.30 / 0.76 ms against
+    the rule's 0.28 / 0.86 / 1.47 and 0.51 / 1.20."""
+    if not walk_pays(meta, num_heads, max_ranges, device):
+        return None
+    return -(-int(meta.max_context_len) // 64) * 64  # a whole number of 64-key tiles (the launch's rule)
 
 
 def reshape_and_cache_mla(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -113,8 +113,11 @@ def paged_attention_mla(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     fixed = bool(get_kernel_config().batch_invariant)
     if fixed:  # the bits are the same either way: only the speed follows the batch
         walk = walk_pays(meta, num_heads, step["max_splits_fixed"], q.device) if force_walk is None else force_walk
-    else:  # any split is valid here: the fixed ranges' walk where it is the faster one
-        walk = fixed = default_walk_pays(meta, num_heads, step["max_splits_fixed"], q.device)
+    unit = SPLIT_BLOCK
+    if not fixed:  # any split is valid here: one range a row, walked, where that is the faster
+        walk_unit = default_walk_unit(meta, num_heads, step["max_splits_fixed"], q.device)
+        walk = fixed = walk_unit is not None
+        unit = walk_unit or unit
     max_splits = 1 if walk else step["max_splits_fixed" if fixed else "max_splits"]
     ws = split_workspace(step, ("mla", num_heads, max_splits), num_heads, KV_LORA_RANK, max_splits, q.device)
     acc, locks = accumulator_pool(q.device)
@@ -128,7 +131,7 @@ def paged_attention_mla(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         query_start_loc=step["qsl"].data_ptr(), context_lens=step["ctx"].data_ptr(), num_rows=meta.num_rows,
         num_q_heads=num_heads, num_kv_heads=1, head_dim_qk=head_dim, head_dim_v=KV_LORA_RANK,
         block_size=meta.block_size, max_blocks_per_row=tables.shape[1], max_query_len=int(meta.max_query_len),
-        max_splits=max_splits, split_block=SPLIT_BLOCK, fixed_splits=fixed, scale=float(scale),
+        max_splits=max_splits, split_block=unit, fixed_splits=fixed, scale=float(scale),
         dtype=DTYPE_CODE[q.dtype], num_sms=num_sms(q.device), mla_small_tile=get_kernel_config().mla_small_tile,
         mla_walk=walk, mla_acc=acc.data_ptr(), mla_acc_floats=acc.numel(), mla_locks=locks.data_ptr(),
         mla_lock_count=locks.numel(),
