@@ -110,11 +110,10 @@ def paged_attention_mla(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     if not work:
         return (out, lse) if return_lse else out
     step = plan(meta, q.device)
-    fixed = bool(get_kernel_config().batch_invariant)
+    fixed, unit = bool(get_kernel_config().batch_invariant), SPLIT_BLOCK
     if fixed:  # the bits are the same either way: only the speed follows the batch
         walk = walk_pays(meta, num_heads, step["max_splits_fixed"], q.device) if force_walk is None else force_walk
-    unit = SPLIT_BLOCK
-    if not fixed:  # any split is valid here: one range a row, walked, where that is the faster
+    else:  # any split is valid here: one range a row, walked, where that is the faster
         walk_unit = default_walk_unit(meta, num_heads, step["max_splits_fixed"], q.device)
         walk = fixed = walk_unit is not None
         unit = walk_unit or unit
