@@ -177,9 +177,6 @@ PE_DEVICE void fma_product(float (&d)[N / 2], const T* a, int a_rows, int ar0, i
     }
 }
 
-// d (16 kWarps x N) += A * B with A = a[ar0 .. +16 kWarps][ac0 .. +16] and B[k][n] = b[bn0 + n][bk0 + k]:
-// B stored with k contiguous ("K-major", e.g. the keys of S = Q K^T). ar0, bn0 multiples of 8, ac0, bk0
-// of 16. Tensor cores only for N 64, a warpgroup, and kTensor.
 // The products on descriptors the caller keeps: a tile's descriptor is computed once and a k-step's
 // operand is reached by adding step_desc of its element offset (the address field is the byte
 // address / 16, and a tile lies below 256 KB, so the sum never carries out of it). The S chain of
@@ -247,6 +244,9 @@ PE_DEVICE void mma_kn256(float (&d)[128], uint64_t da, uint64_t db) {
 #endif
 }
 
+// d (16 kWarps x N) += A * B with A = a[ar0 .. +16 kWarps][ac0 .. +16] and B[k][n] = b[bn0 + n][bk0 + k]:
+// B stored with k contiguous ("K-major", e.g. the keys of S = Q K^T). ar0, bn0 multiples of 8, ac0, bk0
+// of 16. Tensor cores only for N 64, a warpgroup, and kTensor.
 template <typename T, int N, int kWarps = 4, bool kTensor = true>
 PE_DEVICE void product_nk(float (&d)[N / 2], const T* a, int a_rows, int ar0, int ac0, const T* b, int b_rows,
                           int bn0, int bk0) {
