@@ -147,6 +147,36 @@ def test_mla_matches_the_references(heads, mode, assignment):
 
 
 @gpu
+@pytest.mark.usefixtures("mla_tile", "invariant")
+@pytest.mark.parametrize("factors", [(1, 1, 4, 1, 1), (24, 1, 1, 4, 1)], ids=["jump", "fall-and-jump"])
+def test_ranges_far_above_or_below_the_merged_reference_keep_the_bits(factors, monkeypatch):
+    """The merge's two branches (merge_range): a later range whose lse passes the merged reference by
+    more than 2^8 rescales the state (the walk reads its slab), one far below it adds values that
+    underflow (flushed to zero alike by the combine's add and the walk's red.add in the L2). Keys of
+    range r are scaled by factors[r]; walking and split blocks give the same bits, decoded alone and
+    in a batch, and match the references."""
+    seq = Sequence(64, 128)
+    pos = torch.arange(SEQ)
+    slots = (torch.tensor(seq.table)[pos // 64] * 64 + pos % 64).to(seq.device)
+    for r, f in enumerate(factors):
+        rs = slots[r * U:(r + 1) * U]
+        seq.kv.view(-1, 576)[rs] = (seq.kv.view(-1, 576)[rs].float() * f).to(seq.kv.dtype)
+    for ctx in (3 * U + 7, SEQ):
+        results = []
+        for walk in (True, False):
+            monkeypatch.setattr(cuda_mla, "force_walk", walk)
+            results += [seq.run([(ctx, 1)])[ctx - 1], seq.run([(SEQ, 5), (ctx, 1), (U + 3, 2)])[ctx - 1]]
+        for out, lse in results[1:]:
+            assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1]), ctx
+    meta, q, _ = seq.inputs([(3 * U + 7, 1), (SEQ, 1)])
+    out, lse = ops.paged_attention_mla(q, seq.kv, meta, 192 ** -0.5, return_lse=True)
+    ref, ref_lse = reference.paged_attention_mla(q, torch.nan_to_num(seq.kv), meta, 192 ** -0.5, return_lse=True)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-3, rtol=1e-3)
+
+
+@gpu
 @pytest.mark.usefixtures("mla_tile")
 def test_queries_without_keys_and_empty_rows(monkeypatch):
     """ctx 0 rows and the early queries of a row with ctx < q_len: out 0, lse +inf, in both assignments."""

@@ -177,15 +177,39 @@ PE_DEVICE float partial_lse(float M, float L) { return L > 0.f ? M + log2f(L) : 
 // (m = -inf, l = 0, o = 0) by the combine kernel (workspace partials) and by a block that walks its
 // ranges (prefill rows): one sequence of fp32 operations, so a query's bits do not depend on where
 // its ranges were computed. A range without keys for the query (lse -inf) is an exact no-op.
+// The merged reference m moves only when a range's lse passes it by more than kMergeSlack (base-2
+// units; always from the empty state), as the softmax's reference does (mla_softmax.h): otherwise
+// o += b po (b = 2^(lse - m) <= 2^8) is one add, rounded once with subnormal inputs and result
+// flushed to zero (merge_add) - the arithmetic of the L2's red.add.f32, so that a walking MLA block
+// adds a range into its merged state in memory without reading it back (mla_slab.h).
+constexpr float kMergeSlack = 8.f;
+
+// x + y rounded to nearest even, subnormal inputs and result flushed to signed zero.
+PE_DEVICE float merge_add(float x, float y) {
+#if defined(PE_CUDA) && defined(__CUDA_ARCH__)
+  float r;
+  asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+  return r;
+#else
+  auto flush = [](float v) { return fabsf(v) < 1.17549435e-38f ? copysignf(0.f, v) : v; };
+  return flush(flush(x) + flush(y));
+#endif
+}
+
 PE_DEVICE void merge_range(float& m, float& l, float* o, float lse, const float* po) {
   if (lse == neg_inf()) return;
-  const float mn = fmaxf(m, lse);
-  const float a = exp2f(m - mn);  // 0 from the empty state
-  const float b = exp2f(lse - mn);
-  l = fmaf(l, a, b);
+  if (lse > m + kMergeSlack) {  // the reference moves to lse (b = 1)
+    const float a = exp2f(m - lse);  // 0 from the empty state
+    l = fmaf(l, a, 1.f);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) o[j] = fmaf(o[j], a, b * po[j]);
-  m = mn;
+    for (int j = 0; j < 8; ++j) o[j] = fmaf(o[j], a, po[j]);
+    m = lse;
+  } else {
+    const float b = exp2f(lse - m);
+    l += b;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[j] = merge_add(o[j], b * po[j]);
+  }
 }
 
 // out (8 values of pair (t, h)) and lse (natural log; +inf without keys) of a merged state.

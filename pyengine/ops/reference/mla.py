@@ -69,15 +69,21 @@ def paged_attention_mla(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     return (out, lse) if return_lse else out
 
 
+MERGE_SLACK = 8.0  # base-2 units: hipkernels/attention/attention_common.h kMergeSlack
+
+
 def paged_attention_mla_ranges(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                                return_lse: bool = False, kv_lora_rank: int = KV_LORA_RANK, range_size: int = 512
                                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The kernels' formulation of paged_attention_mla (hipkernels/attention/mla_ranges.h): a query's
     keys are summed in ranges [r U, (r + 1) U), U = range_size, each a normalised partial (values
     o_r / L_r, base-2 lse_r = M_r + log2 L_r; -inf without keys), merged in range order from the
-    empty state (m = -inf, l = 0, o = 0) as merge_range does:
-        mn = max(m, lse_r);  a = 2^(m - mn);  b = 2^(lse_r - mn);  l = l a + b;  o = o a + b po_r
-    (a range without keys skipped), out = o / l, lse = (m + log2 l) ln 2 (+inf, out 0 without keys).
+    empty state (m = -inf, l = 0, o = 0) as merge_range does, the reference m moving only when a
+    range's lse passes it by more than MERGE_SLACK (always from the empty state):
+        lse_r > m + 8:  a = 2^(m - lse_r);  l = l a + 1;  o = o a + po_r;  m = lse_r
+        otherwise:      b = 2^(lse_r - m);  l = l + b;    o = o + b po_r
+    (a range without keys skipped; the kernels' add flushes subnormals, as the L2's red.add does),
+    out = o / l, lse = (m + log2 l) ln 2 (+inf, out 0 without keys).
     Equal to paged_attention_mla up to rounding; a query's arithmetic depends only on its own keys."""
     num_tokens, num_heads, _ = q.shape
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -100,8 +106,9 @@ def paged_attention_mla_ranges(q: torch.Tensor, kv_cache: torch.Tensor, meta: At
             po = torch.einsum("qhk,kd->qhd", p, k[k0:k0 + range_size, :kv_lora_rank]) / torch.where(
                 has, lr, torch.ones_like(lr))[..., None]
             lse_r = torch.where(has, mr + torch.log2(lr), torch.full_like(mr, float("-inf")))
-            mn = torch.where(has, torch.maximum(m, lse_r), m)
-            a = torch.where(has, torch.exp2(m - mn), torch.ones_like(m))
+            moves = has & (lse_r > m + MERGE_SLACK)
+            mn = torch.where(moves, lse_r, m)
+            a = torch.where(moves, torch.exp2(m - mn), torch.ones_like(m))
             b = torch.where(has, torch.exp2(lse_r - mn), torch.zeros_like(m))
             l_sum = l_sum * a + b
             o = o * a[..., None] + b[..., None] * po
