@@ -122,7 +122,7 @@ PE_INLINE void attend(const PagedAttentionParams& p, const Unit& u, Scratch& s) 
   const int32_t q_len = p.query_start_loc[r + 1] - q0;
   if (q_len <= 0 || u.i0 >= u.i1) return;
   const int32_t ctx = std::max(p.context_lens[r], 0);
-  const int32_t G = p.num_heads / p.num_kv_heads, D = p.head_dim, Hkv = p.num_kv_heads;
+  const int32_t G = p.num_heads / p.num_kv_heads, D = p.head_dim;
   const int32_t nv = NV > 0 ? NV : D / 16;
   constexpr int32_t kMaxNV = NV > 0 ? NV : kMaxHeadDim / 16;  // the register arrays below
   const int32_t qi_begin = u.i0 * G, qi_end = u.i1 * G;
@@ -132,13 +132,7 @@ PE_INLINE void attend(const PagedAttentionParams& p, const Unit& u, Scratch& s) 
   s.kv.resize(std::max(keys, 1));
   s.sums.resize(qi_end - qi_begin);
 
-  const int32_t* table = p.block_tables + r * p.block_table_stride;  // checked by paged_attention()
-  auto row_pointers = [&](const void* cache) {
-    const T* base = static_cast<const T*>(cache) + static_cast<int64_t>(h) * D;
-    for (int32_t b = 0, j = 0; j < keys; ++b)
-      for (int32_t off = 0; off < p.block_size && j < keys; ++off, ++j)
-        s.kv[j] = base + (static_cast<int64_t>(table[b]) * p.block_size + off) * Hkv * D;
-  };
+  auto row_pointers = [&](const void* cache) { key_rows<T>(p, r, h, cache, keys, s.kv.data()); };
 
   const T* q = static_cast<const T*>(p.q);
   T* out = static_cast<T*>(p.out);

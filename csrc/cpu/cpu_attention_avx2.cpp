@@ -205,7 +205,7 @@ PE_AVX2_INLINE void attend_avx2(const PagedAttentionParams& p, const Unit& u, Sc
   const int32_t q_len = p.query_start_loc[r + 1] - q0;
   if (q_len <= 0 || u.i0 >= u.i1) return;
   const int32_t ctx = std::max(p.context_lens[r], 0);
-  const int32_t G = p.num_heads / p.num_kv_heads, D = p.head_dim, Hkv = p.num_kv_heads;
+  const int32_t G = p.num_heads / p.num_kv_heads, D = p.head_dim;
   const int32_t nq = (u.i1 - u.i0) * G;  // local query n: position i0 + n / G, head h * G + n % G
   const int32_t keys = std::max(ctx - (q_len - u.i1), 0);
   const int32_t stride = std::max((keys + 7) / 8 * 8, 8);  // scores row: whole groups of 8
@@ -215,14 +215,9 @@ PE_AVX2_INLINE void attend_avx2(const PagedAttentionParams& p, const Unit& u, Sc
   float* qf = scores + static_cast<size_t>(nq) * stride;  // [nq][D] widened queries
   float* acc = qf + static_cast<size_t>(nq) * D;                   // [nq][2D] even | odd value sums
 
-  const int32_t* table = p.block_tables + r * p.block_table_stride;  // checked by paged_attention()
   auto row_pointers = [&](const void* cache) {
-    const T* base = static_cast<const T*>(cache) + static_cast<int64_t>(h) * D;
-    int32_t j = 0;
-    for (int32_t b = 0; j < keys; ++b)
-      for (int32_t off = 0; off < p.block_size && j < keys; ++off, ++j)
-        s.kv[j] = base + (static_cast<int64_t>(table[b]) * p.block_size + off) * Hkv * D;
-    for (; j < stride; ++j) s.kv[j] = s.kv[0];  // the last group's padding: scored, never used
+    key_rows<T>(p, r, h, cache, keys, s.kv.data());
+    for (int32_t j = keys; j < stride; ++j) s.kv[j] = s.kv[0];  // the last group's padding: scored, never used
   };
   auto limit_of = [&](int32_t n) { return ctx - (q_len - 1 - (u.i0 + n / G)); };  // keys [0, limit)
   auto head_row = [&](int32_t n) {

@@ -1,6 +1,6 @@
 // Pieces the CPU attention kernels share (cpu_attention.cpp: the units, the entry and the generic
-// kernel; cpu_avx2_kernels.cpp: the AVX2 + FMA kernel): work units, per-thread scratch, the
-// prefetch of a row's blocks, and the AVX2 kernel's entry points.
+// kernel; cpu_attention_avx2.cpp: the AVX2 + FMA kernel): work units, per-thread scratch, the
+// prefetch of a row's blocks, its key rows, and the AVX2 kernel's entry points.
 #pragma once
 
 #include <algorithm>
@@ -49,7 +49,20 @@ PE_INLINE void prefetch_row(const PagedAttentionParams& p, int32_t r) {
   }
 }
 
-// The AVX2 + FMA kernel (cpu_avx2_kernels.cpp). has_avx2_kernel: it is built (x86-64, GCC or
+// rows[j] = key j's row of kv head h in `cache` (K or V), j < keys, from row r's block table
+// (its entries checked by paged_attention()).
+template <typename T>
+PE_INLINE void key_rows(const PagedAttentionParams& p, int32_t r, int32_t h, const void* cache, int32_t keys,
+                        const void** rows) {
+  const int32_t* table = p.block_tables + r * p.block_table_stride;
+  const T* base = static_cast<const T*>(cache) + static_cast<int64_t>(h) * p.head_dim;
+  const int64_t token = static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
+  for (int32_t b = 0, j = 0; j < keys; ++b)
+    for (int32_t off = 0; off < p.block_size && j < keys; ++off, ++j)
+      rows[j] = base + (static_cast<int64_t>(table[b]) * p.block_size + off) * token;
+}
+
+// The AVX2 + FMA kernel (cpu_attention_avx2.cpp). has_avx2_kernel: it is built (x86-64, GCC or
 // Clang) and the CPU has AVX2 and FMA; prefers_avx2_kernel: ... and no AVX-512, where the generic
 // kernel's AVX-512 clone is the faster one. Per query its arithmetic is fixed by the query alone,
 // like the generic kernel's, but it is another arithmetic: the two give different bits.
