@@ -196,30 +196,17 @@ PE_DEVICE float merge_add(float x, float y) {
 #endif
 }
 
-// merge_range's scalars for a range with keys (lse > -inf): true where the reference moves to lse
-// (the values then become fmaf(o, a, po)), false where it stays (o = merge_add(o, b po)); m and l
-// updated. The MLA fast tile's fold applies them to its own layout (mla_slab.h).
-PE_DEVICE bool merge_scalars(float& m, float& l, float lse, float& a, float& b) {
-  if (lse > m + kMergeSlack) {
-    a = exp2f(m - lse);  // 0 from the empty state
-    b = 1.f;
-    l = fmaf(l, a, 1.f);
-    m = lse;
-    return true;
-  }
-  a = 1.f;
-  b = exp2f(lse - m);
-  l += b;
-  return false;
-}
-
 PE_DEVICE void merge_range(float& m, float& l, float* o, float lse, const float* po) {
   if (lse == neg_inf()) return;
-  float a, b;
-  if (merge_scalars(m, l, lse, a, b)) {
+  if (lse > m + kMergeSlack) {  // the reference moves to lse (b = 1)
+    const float a = exp2f(m - lse);  // 0 from the empty state
+    l = fmaf(l, a, 1.f);
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[j] = fmaf(o[j], a, po[j]);
+    m = lse;
   } else {
+    const float b = exp2f(lse - m);
+    l += b;
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[j] = merge_add(o[j], b * po[j]);
   }
