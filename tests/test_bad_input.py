@@ -62,6 +62,8 @@ LLM_CASES = {
                                r"speculative_config.prompt_lookup_max must be an int in 1\.\.2147483647"),
     "prompt_lookup_min_str": (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": "2"}),
                               r"speculative_config.prompt_lookup_min must be an int"),
+    "prompt_lookup_for_mtp": (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_min": 1}),
+                              r"\['prompt_lookup_min'\] apply to methods 'ngram' and 'suffix' only"),
     "num_speculative_tokens_zero": (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 0}),
                                     r"num_speculative_tokens must be an int in 1\.\.32"),
     "speculative_unknown_key": (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "k": 3}),

@@ -65,6 +65,20 @@ def test_bad_suffix_settings(bad: dict, match: str) -> None:
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8})
 
 
+def test_the_device_steps_lookup_matches_from_one_token_for_suffix() -> None:
+    """Suffix's stand-in lookup (steps built on the device) starts at one matched token, ngram's at
+    two; both take the user's bounds."""
+    suffix = SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 4})
+    ngram = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    assert (suffix.prompt_lookup_min, suffix.prompt_lookup_max) == (1, 4)
+    assert (ngram.prompt_lookup_min, ngram.prompt_lookup_max) == (2, 4)
+    set_ = SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                                        "prompt_lookup_max": 6})
+    assert (set_.prompt_lookup_min, set_.prompt_lookup_max) == (2, 6)
+    with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
+        SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 4, "prompt_lookup_min": 5})
+
+
 def test_suffix_decoding_is_lossless_and_learns_from_finished_requests(smollm2_path: str) -> None:
     """The same question asked again (a retry, an agent loop): suffix decoding drafts the earlier
     answer; greedy tokens equal plain decoding (the logits: the checker test below)."""

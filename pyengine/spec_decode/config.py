@@ -54,12 +54,18 @@ class SpeculativeConfig:
             step_cost = check_step_cost(step_cost, "speculative_config.step_cost")
         cfg = cls(method=method, num_speculative_tokens=k, model=d.get("model"), adaptive_draft_length=adaptive,
                   step_cost=step_cost)
-        if method == "ngram":
+        if method in ("ngram", "suffix"):
+            # suffix: the lookup that stands in for the suffix tree in steps built on the device
+            # (engine/device_verify.py); from one token, as the tree matches (docs/speculation.md)
             cfg.prompt_lookup_max = _lookup_len(d, "prompt_lookup_max", 4)
-            cfg.prompt_lookup_min = _lookup_len(d, "prompt_lookup_min", min(2, cfg.prompt_lookup_max))
+            low = 2 if method == "ngram" else 1
+            cfg.prompt_lookup_min = _lookup_len(d, "prompt_lookup_min", min(low, cfg.prompt_lookup_max))
             if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
                 raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                                  f"{cfg.prompt_lookup_min}..{cfg.prompt_lookup_max}")
+        elif set(d) & {"prompt_lookup_min", "prompt_lookup_max"}:
+            raise ValueError(f"speculative_config: {sorted(set(d) & {'prompt_lookup_min', 'prompt_lookup_max'})} "
+                             f"apply to methods 'ngram' and 'suffix' only")
         if method == "suffix":
             _suffix_settings(cfg, d)
         elif set(d) & SUFFIX_KEYS.keys():
