@@ -52,10 +52,10 @@ METHODS = {
     "ngram_fixed_ragged_eager": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}, False),
     "suffix_adaptive": ({"method": "suffix", "num_speculative_tokens": 4}, True),
     "suffix_fixed": ({"method": "suffix", "num_speculative_tokens": 4, "adaptive_draft_length": False}, True),
-    # suffix's device-step lookup from two matched tokens (before 2026-11-28: the default was ngram's 2)
+    # the lookups from two matched tokens (the default before 2026-11-28)
     "suffix_adaptive_lookup2": ({"method": "suffix", "num_speculative_tokens": 4, "prompt_lookup_min": 2}, True),
     "suffix_adaptive_k16_lookup2": ({"method": "suffix", "num_speculative_tokens": 16, "prompt_lookup_min": 2}, True),
-    "ngram_adaptive_min1": ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}, True),
+    "ngram_adaptive_lookup2": ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}, True),
     # longer drafts where the suffix tree matches far (copy-heavy text); the policy prices each length
     "suffix_adaptive_k8": ({"method": "suffix", "num_speculative_tokens": 8}, True),
     "suffix_adaptive_k16": ({"method": "suffix", "num_speculative_tokens": 16}, True),

@@ -7,6 +7,11 @@ method: no drafting step costs less than a plain one (a verify replay of q token
 a decode replay's time, benchmarks/results/spec_bench_h100.json replay_ms_by_q), hence speedup =
 plain steps x plain step / sum of spec steps <= plain steps / spec steps.
 
+Beside the oracles, the proposers themselves on the same outputs, every step drafting up to k (no
+draft-length policy, no costs): the ngram lookup from min_n matched tokens, the suffix tree, and
+the device loop's mix (engine/device_verify.py: the suffix tree's prediction after a step that
+accepted every draft, the lookup otherwise).
+
 Greedy outputs come from plain decoding on --device (the CPU's int16-limb numerics by default; the
 H100's bf16 outputs differ in places, the statistics hardly). Per category: tokens per step of the
 oracle with drafts capped at k (4, 8, 16) and uncapped, and the fraction of output tokens that sit
@@ -28,7 +33,9 @@ from collections import defaultdict
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_spec_gpu import spec_bench_rows  # noqa: E402
 
-from pyengine import LLM, SamplingParams  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pyengine import LLM, SamplingParams, _C  # noqa: E402
 
 CAPS = (4, 8, 16, None)
 
@@ -69,6 +76,37 @@ def oracle_steps(prompt: list[int], out: list[int], others: list[list[int]], cap
         copied += n
         p += n + 1
     return steps, copied
+
+
+def proposer_steps(prompts: list[list[int]], outputs: list[list[int]], kind: str, k: int, min_n: int = 1) -> list[int]:
+    """Steps per request when every step drafts up to k tokens with proposer `kind` ("ngram",
+    "suffix" or "loop"), requests one after another (the suffix cache holds the earlier ones)."""
+    suffix = _C.SuffixProposer()
+    steps_of = []
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        p = steps = 0
+        predicted: list[int] | None = None
+        while p < len(out):
+            ctx = prompt + out[:p]
+            if kind == "suffix":
+                drafts = suffix.propose_tokens(i, ctx, k, len(prompt))
+            elif kind == "loop" and predicted is not None:
+                drafts = predicted
+            else:
+                drafts = _C.propose_ngram(np.asarray(ctx, dtype=np.int32), min_n, 4, k)
+            a = 0
+            while a < len(drafts) and p + a < len(out) - 1 and drafts[a] == out[p + a]:
+                a += 1
+            predicted = None
+            if kind == "loop" and drafts and a == len(drafts):  # the tree's prediction for the next step
+                nxt = suffix.propose_tokens(i, ctx + list(drafts), k + 1, len(prompt))
+                if nxt and nxt[0] == out[p + a]:
+                    predicted = nxt[1:]
+            p += a + 1
+            steps += 1
+        suffix.forget(i, True)
+        steps_of.append(steps)
+    return steps_of
 
 
 def gguf_default() -> str:
@@ -131,10 +169,22 @@ def main() -> None:
             c: {**{f"tokens_per_step_k{k or 'unbounded'}": round(a["tokens"] / max(a[f"steps_k{k}"], 1), 3) for k in CAPS},
                 "copied_fraction": round(a["copied"] / max(a["tokens"], 1), 3), "tokens": a["tokens"]}
             for c, a in agg.items()}
+    result["proposers"] = {}
+    for kind, min_n in (("ngram", 2), ("ngram", 1), ("suffix", 1), ("loop", 2), ("loop", 1)):
+        for k in (4, 16):
+            name = f"{kind}_k{k}" + (f"_min{min_n}" if kind != "suffix" else "")
+            steps = proposer_steps(prompts, tokens, kind, k, min_n)
+            table = {}
+            for c in categories + ["overall"]:
+                idx = [i for i, r in enumerate(rows) if c in (r["category"], "overall")]
+                table[c] = round(sum(len(tokens[i]) for i in idx) / max(sum(steps[i] for i in idx), 1), 3)
+            result["proposers"][name] = table
     text = json.dumps(result, indent=1)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    for name, table in result["proposers"].items():
+        print(f"{name:16s} " + " ".join(f"{c} {x}" for c, x in table.items()))
     for mm, table in result["by_min_match"].items():
         print(f"min_match {mm}:")
         for c, v in table.items():

@@ -192,7 +192,8 @@ def test_steps_without_drafts_stay_launched_ahead(tiny: str, seed: int) -> None:
     prompts = make_prompts(2, seed=seed)
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     plain = outputs(LLM(model=tiny, device="cpu"), prompts, params)
-    spec = {"method": "ngram", "num_speculative_tokens": K, "step_cost": (1.0, 0.01)}
+    # from two matched tokens: on these prompts the lookup then finds few drafts (the premise)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "step_cost": (1.0, 0.01), "prompt_lookup_min": 2}
     llm = graph_llm(tiny, spec, device_verify=True, max_num_seqs=2)
     assert outputs(llm, prompts, params) == plain
     eng, steps = llm.engine, llm.stats()["num_steps"]

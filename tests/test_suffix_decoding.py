@@ -65,13 +65,13 @@ def test_bad_suffix_settings(bad: dict, match: str) -> None:
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8})
 
 
-def test_the_device_steps_lookup_matches_from_one_token_for_suffix() -> None:
-    """Suffix's stand-in lookup (steps built on the device) starts at one matched token, ngram's at
-    two; both take the user's bounds."""
+def test_the_lookup_matches_from_one_token_by_default() -> None:
+    """ngram's lookup and suffix's stand-in one (steps built on the device) start at one matched
+    token unless the user bounds them."""
     suffix = SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 4})
     ngram = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
     assert (suffix.prompt_lookup_min, suffix.prompt_lookup_max) == (1, 4)
-    assert (ngram.prompt_lookup_min, ngram.prompt_lookup_max) == (2, 4)
+    assert (ngram.prompt_lookup_min, ngram.prompt_lookup_max) == (1, 4)
     set_ = SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                                         "prompt_lookup_max": 6})
     assert (set_.prompt_lookup_min, set_.prompt_lookup_max) == (2, 6)
