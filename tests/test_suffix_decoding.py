@@ -65,18 +65,19 @@ def test_bad_suffix_settings(bad: dict, match: str) -> None:
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8})
 
 
-def test_the_lookup_matches_from_one_token_by_default() -> None:
+def test_the_lookups_shortest_match_follows_the_device_unless_set() -> None:
     """ngram's lookup and suffix's stand-in one (steps built on the device) start at one matched
-    token unless the user bounds them."""
-    suffix = SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 4})
-    ngram = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
-    assert (suffix.prompt_lookup_min, suffix.prompt_lookup_max) == (1, 4)
-    assert (ngram.prompt_lookup_min, ngram.prompt_lookup_max) == (1, 4)
-    set_ = SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-                                        "prompt_lookup_max": 6})
-    assert (set_.prompt_lookup_min, set_.prompt_lookup_max) == (2, 6)
-    with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
-        SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 4, "prompt_lookup_min": 5})
+    token on CUDA and at two elsewhere, unless the user bounds them."""
+    for method in ("ngram", "suffix"):
+        cfg = SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 4})
+        assert (cfg.lookup_min("cuda"), cfg.lookup_min("cpu"), cfg.prompt_lookup_max) == (1, 2, 4)
+        one = SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 4, "prompt_lookup_max": 1})
+        assert (one.lookup_min("cuda"), one.lookup_min("cpu")) == (1, 1)
+        set_ = SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 4, "prompt_lookup_min": 3,
+                                            "prompt_lookup_max": 6})
+        assert (set_.lookup_min("cuda"), set_.lookup_min("cpu"), set_.prompt_lookup_max) == (3, 3, 6)
+        with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
+            SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 4, "prompt_lookup_min": 5})
 
 
 def test_suffix_decoding_is_lossless_and_learns_from_finished_requests(smollm2_path: str) -> None:

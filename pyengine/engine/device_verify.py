@@ -89,7 +89,7 @@ class DeviceVerifyLoop:
                 return None
         if layer:
             return cls(graph_runner, num_slots, 0, 0, drafter=proposer)
-        return cls(graph_runner, num_slots, spec.prompt_lookup_min, spec.prompt_lookup_max,
+        return cls(graph_runner, num_slots, spec.lookup_min(graph_runner.device.type), spec.prompt_lookup_max,
                    predictor=proposer if spec.method == "suffix" else None)
 
     def __init__(self, graph_runner, num_slots: int, min_n: int, max_n: int, predictor=None, drafter=None) -> None:

@@ -12,7 +12,7 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int | None = None  # None: by device (lookup_min)
     model: str | None = None
     adaptive_draft_length: bool = True  # False: always propose up to k (tests pin every path)
     # The adaptive policy's decode-step cost a + b * tokens fed (only b / a matters); None: modelled
@@ -25,6 +25,16 @@ class SpeculativeConfig:
     suffix_max_spec_factor: float = 1.0
     suffix_min_token_prob: float = 0.1
     suffix_max_cached_tokens: int = 1 << 20
+
+    def lookup_min(self, device_type: str) -> int:
+        """The lookup's shortest match: prompt_lookup_min if set, else one token on CUDA (vLLM's
+        documented default; a verify token is nearly free on a graph step: Spec-Bench 1.49x against
+        1.41x from two tokens at batch 1 on the H100) and two elsewhere (a verify token costs the
+        CPU compute, and one-token matches are accepted less often: 0.99-1.00x against 1.04-1.08x on
+        a 2-vCPU Xeon; docs/speculation.md)."""
+        if self.prompt_lookup_min is not None:
+            return self.prompt_lookup_min
+        return min(1 if device_type == "cuda" else 2, self.prompt_lookup_max)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
@@ -56,11 +66,11 @@ class SpeculativeConfig:
                   step_cost=step_cost)
         if method in ("ngram", "suffix"):
             # suffix: the lookup that stands in for the suffix tree in steps built on the device
-            # (engine/device_verify.py). From one matched token by default, as vLLM's documented
-            # default: on Spec-Bench it beat two tokens at batch 1, 16 and 64 (docs/speculation.md)
+            # (engine/device_verify.py); unset, the minimum follows the device (lookup_min)
             cfg.prompt_lookup_max = _lookup_len(d, "prompt_lookup_max", 4)
-            cfg.prompt_lookup_min = _lookup_len(d, "prompt_lookup_min", 1)
-            if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+            if "prompt_lookup_min" in d:
+                cfg.prompt_lookup_min = _lookup_len(d, "prompt_lookup_min", 1)
+            if cfg.prompt_lookup_min is not None and not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
                 raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                                  f"{cfg.prompt_lookup_min}..{cfg.prompt_lookup_max}")
         elif set(d) & {"prompt_lookup_min", "prompt_lookup_max"}:

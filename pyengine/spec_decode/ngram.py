@@ -12,8 +12,8 @@ from pyengine.spec_decode.config import SpeculativeConfig
 class NgramProposer:
     """Prompt lookup over prompt + generated tokens: one call into the scheduler for every row."""
 
-    def __init__(self, cfg: SpeculativeConfig) -> None:
-        self.min_n, self.max_n = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+    def __init__(self, cfg: SpeculativeConfig, device_type: str) -> None:
+        self.min_n, self.max_n = cfg.lookup_min(device_type), cfg.prompt_lookup_max
 
     def propose(self, scheduler: _C.Scheduler, view: _C.DecodeView, max_drafts: np.ndarray) -> None:
         scheduler.propose_ngram(self.min_n, self.max_n, view.seq_ids, max_drafts)

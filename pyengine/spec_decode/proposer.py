@@ -45,7 +45,7 @@ def build_proposer(spec: SpeculativeConfig, runner: Any, get_request: Callable[[
     if spec.method == "ngram":
         from pyengine.spec_decode.ngram import NgramProposer
 
-        return NgramProposer(spec)
+        return NgramProposer(spec, runner.device.type)
     if spec.method == "suffix":
         from pyengine.spec_decode.suffix import SuffixProposer
 
