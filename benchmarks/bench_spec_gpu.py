@@ -66,6 +66,8 @@ METHODS = {
                                 "suffix_decoding_max_spec_factor": 2.0}, True),
     "suffix_adaptive_k16_f4": ({"method": "suffix", "num_speculative_tokens": 16,
                                 "suffix_decoding_max_spec_factor": 4.0}, True),
+    "suffix_adaptive_f4": ({"method": "suffix", "num_speculative_tokens": 4,
+                            "suffix_decoding_max_spec_factor": 4.0}, True),
 }
 
 
