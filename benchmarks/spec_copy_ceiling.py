@@ -41,15 +41,13 @@ from pyengine.loader import default_model_path  # noqa: E402
 CAPS = (4, 8, 16, None)
 
 
-def longest_copy(out: list[int], p: int, context: list[int], corpus: list[list[int]],
-                 starts: dict[tuple[int, ...], list[tuple[int, int]]], min_match: int) -> int:
-    """Length of the longest prefix of out[p:] that follows an occurrence of the context's last
-    min_match tokens in a corpus sequence (starts: min_match tokens -> (sequence, position after
-    them) of every occurrence). The request's own output counts up to p only."""
-    if p >= len(out) or len(context) < min_match:
-        return 0
+def longest_copy(out: list[int], p: int, key: tuple[int, ...], corpus: list[list[int]],
+                 starts: dict[tuple[int, ...], list[tuple[int, int]]]) -> int:
+    """Length of the longest prefix of out[p:] that follows an occurrence of `key` (the context's
+    last min_match tokens) in a corpus sequence (starts: min_match tokens -> (sequence, position
+    after them) of every occurrence). The request's own output counts up to p only."""
     best = 0
-    for s, j in starts.get(tuple(context[len(context) - min_match:]), ()):
+    for s, j in starts.get(key, ()):
         seq = corpus[s]
         limit = len(seq) if s != 1 else p  # corpus[1] is the request's own output: what is generated
         n = 0
@@ -69,7 +67,8 @@ def oracle_steps(prompt: list[int], out: list[int], others: list[list[int]], cap
             starts[tuple(seq[j - min_match:j])].append((s, j))
     p = steps = copied = 0
     while p < len(out):
-        n = longest_copy(out, p, prompt + out[:p], corpus, starts, min_match)
+        key = tuple((prompt[-min_match:] + out[max(p - min_match, 0):p])[-min_match:])  # the context's last tokens
+        n = longest_copy(out, p, key, corpus, starts) if len(key) == min_match else 0
         n = min(n, len(out) - p - 1)  # the last token comes from a verify step's own sample
         if cap is not None:
             n = min(n, cap)
